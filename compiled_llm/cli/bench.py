@@ -1,0 +1,12 @@
+"""`compiled-llm bench` (placeholder until its issue lands)."""
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("bench", help="(not yet implemented)")
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from compiled_llm.errors import CompiledLLMError
+
+    raise CompiledLLMError("'bench' is not implemented yet")

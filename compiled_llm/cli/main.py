@@ -1,0 +1,48 @@
+"""`compiled-llm` entry point: one subcommand per module in this package.
+
+Each subcommand module defines ``add_parser(subparsers)`` and ``run(args) -> int`` and keeps heavy
+imports (torch, transformers) inside ``run`` so ``--help`` stays instant. A CompiledLLMError is
+the user's problem, not ours: it is printed as one line, without a traceback, and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = ("build", "run", "inspect", "compare", "bench")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="compiled-llm",
+        description=(
+            "Build Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3) into compiled inference "
+            "engines, run them, inspect what each fusion pass did, and compare compiled against eager."
+        ),
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"compiled_llm.cli.{name}")
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from compiled_llm.errors import CompiledLLMError
+
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except CompiledLLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The model, written once: a pure function of (params, packed batch, paged KV cache).
+
+One function serves GPT-2, Llama, Qwen2 and Qwen3; the families differ only by ModelConfig
+fields. Batches are flat as in vLLM v1, so prefill, decode and mixed steps are the same code
+with different shapes:
+
+    token_ids[T], positions[T]       every scheduled token of every sequence, packed
+    query_start_loc[S+1]             sequence s owns rows query_start_loc[s]:query_start_loc[s+1]
+    seq_lens[S]                      context length of s after this step (cached + new tokens)
+    block_tables[S, max_blocks]      the cache blocks of s, in order
+    slot_mapping[T]                  flat cache slot (block * block_size + offset) of each row;
+                                     -1 for padding rows, which write nowhere
+    kv_cache[L, 2, num_blocks, block_size, kv_heads, head_dim]
+
+It returns logits[S, vocab] for the last row of each sequence only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from compiled_llm.config import ModelConfig
+from compiled_llm.graph import ops
+
+ROPE_PARAM = "rope.cos_sin"
+
+
+class PackedBatch(NamedTuple):
+    token_ids: Tensor
+    positions: Tensor
+    query_start_loc: Tensor
+    seq_lens: Tensor
+    block_tables: Tensor
+    slot_mapping: Tensor
+
+
+BATCH_FIELDS = PackedBatch._fields
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the spec reads from ``params``, with its shape (derived ones included)."""
+    c = config
+    h, i = c.hidden_size, c.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, h)}
+    if c.position_type == "learned":
+        shapes["pos_embed.weight"] = (c.max_position_embeddings, h)
+    else:
+        shapes[ROPE_PARAM] = (c.max_position_embeddings, c.head_dim)
+    layer_norm = c.norm_type == "layer"
+    for n in range(c.num_layers):
+        p = f"layers.{n}."
+        for norm in ("attn_norm", "mlp_norm"):
+            shapes[p + norm + ".weight"] = (h,)
+            if layer_norm:
+                shapes[p + norm + ".bias"] = (h,)
+        shapes[p + "q.weight"] = (c.q_size, h)
+        shapes[p + "k.weight"] = (c.kv_size, h)
+        shapes[p + "v.weight"] = (c.kv_size, h)
+        if c.qkv_bias:
+            shapes[p + "q.bias"] = (c.q_size,)
+            shapes[p + "k.bias"] = (c.kv_size,)
+            shapes[p + "v.bias"] = (c.kv_size,)
+        if c.qk_norm:
+            shapes[p + "q_norm.weight"] = (c.head_dim,)
+            shapes[p + "k_norm.weight"] = (c.head_dim,)
+        shapes[p + "o.weight"] = (h, c.q_size)
+        if c.o_bias:
+            shapes[p + "o.bias"] = (h,)
+        if c.mlp_type == "silu_glu":
+            shapes[p + "gate.weight"] = (i, h)
+            shapes[p + "up.weight"] = (i, h)
+            shapes[p + "down.weight"] = (h, i)
+        else:
+            shapes[p + "fc.weight"] = (i, h)
+            shapes[p + "fc.bias"] = (i,)
+            shapes[p + "proj.weight"] = (h, i)
+            shapes[p + "proj.bias"] = (h,)
+    shapes["final_norm.weight"] = (h,)
+    if layer_norm:
+        shapes["final_norm.bias"] = (h,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    return shapes
+
+
+def derived_params(config: ModelConfig, device: torch.device | str) -> dict[str, Tensor]:
+    """Params computed from the config rather than read from a checkpoint (kept in float32)."""
+    if config.position_type != "rope":
+        return {}
+    table = ops.rope_cos_sin(
+        config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+    )
+    return {ROPE_PARAM: table.to(device)}
+
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+
+
+def _norm(config: ModelConfig, params: dict[str, Tensor], name: str, x: Tensor) -> Tensor:
+    if config.norm_type == "rms":
+        return ops.rms_norm(x, params[name + ".weight"], config.norm_eps)
+    return ops.layer_norm(x, params[name + ".weight"], params[name + ".bias"], config.norm_eps)
+
+
+def _linear(params: dict[str, Tensor], name: str, x: Tensor) -> Tensor:
+    return F.linear(x, params[name + ".weight"], params.get(name + ".bias"))
+
+
+def _attention(
+    config: ModelConfig,
+    params: dict[str, Tensor],
+    layer: int,
+    x: Tensor,
+    batch: PackedBatch,
+    kv_cache: Tensor,
+) -> Tensor:
+    c = config
+    p = f"layers.{layer}."
+    T = x.shape[0]
+    q = _linear(params, p + "q", x).view(T, c.num_heads, c.head_dim)
+    k = _linear(params, p + "k", x).view(T, c.num_kv_heads, c.head_dim)
+    v = _linear(params, p + "v", x).view(T, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q = ops.rms_norm(q, params[p + "q_norm.weight"], c.norm_eps)
+        k = ops.rms_norm(k, params[p + "k_norm.weight"], c.norm_eps)
+    if c.position_type == "rope":
+        q, k = ops.rotary_embedding(q, k, batch.positions, params[ROPE_PARAM])
+    out = ops.paged_attention(
+        q,
+        k,
+        v,
+        kv_cache[layer],
+        batch.slot_mapping,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        c.attn_scale,
+    )
+    return _linear(params, p + "o", out.view(T, c.q_size))
+
+
+def _mlp(config: ModelConfig, params: dict[str, Tensor], layer: int, x: Tensor) -> Tensor:
+    p = f"layers.{layer}."
+    if config.mlp_type == "silu_glu":
+        gate = _linear(params, p + "gate", x)
+        up = _linear(params, p + "up", x)
+        return _linear(params, p + "down", F.silu(gate) * up)
+    return _linear(params, p + "proj", F.gelu(_linear(params, p + "fc", x), approximate="tanh"))
+
+
+def forward(
+    config: ModelConfig,
+    params: dict[str, Tensor],
+    batch: PackedBatch,
+    kv_cache: Tensor,
+) -> Tensor:
+    """Logits [S, vocab] of the last scheduled token of each sequence; writes the batch's
+    keys/values into kv_cache."""
+    h = F.embedding(batch.token_ids, params["embed.weight"])
+    if config.position_type == "learned":
+        h = h + F.embedding(batch.positions, params["pos_embed.weight"])
+    for layer in range(config.num_layers):
+        p = f"layers.{layer}."
+        h = h + _attention(config, params, layer, _norm(config, params, p + "attn_norm", h), batch, kv_cache)
+        h = h + _mlp(config, params, layer, _norm(config, params, p + "mlp_norm", h))
+    last_rows = batch.query_start_loc[1:] - 1
+    h = _norm(config, params, "final_norm", h.index_select(0, last_rows))
+    lm_head = params["embed.weight"] if config.tie_word_embeddings else params["lm_head.weight"]
+    return F.linear(h, lm_head)
+
+
+class SpecModule(torch.nn.Module):
+    """``forward`` as an nn.Module for torch.export: params and batch tensors are all inputs,
+    so the exported program holds no weights."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+
+    def forward(self, params, token_ids, positions, query_start_loc, seq_lens, block_tables, slot_mapping, kv_cache):
+        batch = PackedBatch(token_ids, positions, query_start_loc, seq_lens, block_tables, slot_mapping)
+        return forward(self.config, params, batch, kv_cache)

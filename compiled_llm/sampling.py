@@ -1,0 +1,130 @@
+"""SamplingParams (vLLM conventions) and the batched sampler that runs on the logits' device.
+
+The sampler takes per-row parameters as tensors, so one call serves a batch of requests with
+different temperatures, top-k, top-p and seeds. It never syncs with the host; the caller fetches
+the sampled ids. Greedy rows (temperature 0) take the argmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from compiled_llm.errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. temperature 0 means greedy; top_k -1 (or 0) and top_p 1.0
+    mean no truncation; seed makes a sampled request reproducible on its own."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+            raise InvalidRequestError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(s == "" for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row parameters of one batch, on the logits' device."""
+
+    temperature: Tensor  # [S] float32; 0 = greedy
+    top_k: Tensor  # [S] int64; vocab size = disabled
+    top_p: Tensor  # [S] float32; 1 = disabled
+    needs_truncation: bool  # host-known: any row with top-k or top-p
+    all_greedy: bool
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], vocab_size: int, device) -> "SamplingTensors":
+        temps = [p.temperature for p in params]
+        ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        ps = [p.top_p for p in params]
+        sampled = [p for p in params if not p.greedy]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(ks, dtype=torch.int64, device=device),
+            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
+            needs_truncation=any((0 < p.top_k < vocab_size) or p.top_p < 1.0 for p in sampled),
+            all_greedy=not sampled,
+        )
+
+
+def truncate_logits(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Set to -inf every logit outside each row's top-k and outside the smallest set of
+    highest-probability tokens whose mass reaches top_p. logits are already temperature-scaled."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    drop = ranks[None, :] >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False  # the best token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(
+    logits: Tensor,
+    st: SamplingTensors,
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> Tensor:
+    """Sampled token ids [S] (int64, on the logits' device)."""
+    logits = logits.float()
+    greedy_ids = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy_ids
+    temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+    scaled = logits / temp[:, None]
+    if st.needs_truncation:
+        scaled = truncate_logits(scaled, st.top_k, st.top_p)
+    probs = scaled.softmax(dim=-1)
+    # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p. Seeded rows
+    # draw their noise from their own generator so their stream does not depend on neighbours.
+    noise = torch.empty_like(probs)
+    if generators is None or all(g is None for g in generators):
+        noise.exponential_()
+    else:
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            noise.exponential_()
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+    sampled_ids = (probs / noise).argmax(dim=-1)
+    return torch.where(st.temperature > 0, sampled_ids, greedy_ids)
+
+
+def make_generator(seed: int | None, device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g

@@ -1,0 +1,48 @@
+"""Real Hugging Face checkpoints written by transformers itself (random init, small configs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def _small(**kw):
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    base.update(kw)
+    return base
+
+
+FAMILY_CONFIGS = {
+    "qwen2": lambda: transformers.Qwen2Config(**_small(tie_word_embeddings=True, rope_theta=10000.0)),
+    "qwen3": lambda: transformers.Qwen3Config(**_small(head_dim=32, tie_word_embeddings=False)),
+    "llama": lambda: transformers.LlamaConfig(**_small(
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        rope_theta=500000.0)),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+}
+MODEL_CLASSES = {
+    "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+    "llama": transformers.LlamaForCausalLM,
+    "gpt2": transformers.GPT2LMHeadModel,
+}
+
+
+def make_checkpoint(family: str, out_dir: Path, seed: int = 0, max_shard_size: str | None = None):
+    """Write a random-init checkpoint of ``family``; returns the transformers model (eval, fp32)."""
+    torch.manual_seed(seed)
+    config = FAMILY_CONFIGS[family]()
+    model = MODEL_CLASSES[family](config).eval()
+    # transformers initialises small; widen the norms/biases so tests see real differences
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kw)
+    return model
