@@ -203,14 +203,25 @@ def load_config(model_dir: Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CompiledLLMError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CompiledLLMError(f"{path} does not hold a JSON object")
     # Check the architecture on the raw file first so an unknown model gets our message, then
     # let transformers fill in the class defaults that save_pretrained leaves out of the file.
-    check_architecture(raw)
+    arch = check_architecture(raw)
     from transformers import AutoConfig
 
-    full = AutoConfig.from_pretrained(str(model_dir)).to_dict()
+    try:
+        full = AutoConfig.from_pretrained(str(model_dir)).to_dict()
+    except Exception as e:  # transformers raises ValueError/KeyError/OSError for bad configs
+        text = str(e).strip()
+        raise CompiledLLMError(f"cannot read {path}: {text.splitlines()[0] if text else type(e).__name__}") from None
     full.setdefault("architectures", raw.get("architectures"))
-    return config_from_hf(full)
+    try:
+        return config_from_hf(full)
+    except KeyError as e:
+        raise CompiledLLMError(f"{path} lacks the field {e.args[0]!r} that {arch} needs") from None
+    except (TypeError, ValueError) as e:
+        raise CompiledLLMError(f"{path} has an invalid value: {e}") from None
 
 
 def check_architecture(hf: dict[str, Any]) -> str:

@@ -29,6 +29,8 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
+    # False skips incremental detokenization (token ids only; stop strings need it on).
+    detokenize: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -43,8 +45,12 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if any(s == "" for s in self.stop):
-            raise InvalidRequestError("stop strings must not be empty")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+        if self.stop and not self.detokenize:
+            raise InvalidRequestError("stop strings need detokenize=True")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -63,15 +69,26 @@ class SamplingTensors:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], vocab_size: int, device) -> "SamplingTensors":
-        temps = [p.temperature for p in params]
-        ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        ps = [p.top_p for p in params]
         sampled = [p for p in params if not p.greedy]
+        needs_truncation = any((0 < p.top_k < vocab_size) or p.top_p < 1.0 for p in sampled)
+        # One host tensor and one copy for all three rows of numbers (top_k rides as float32:
+        # exact for any vocabulary below 2**24).
+        host = torch.tensor(
+            [
+                [p.temperature for p in params],
+                [float(p.top_k if p.top_k > 0 else vocab_size) for p in params],
+                [p.top_p for p in params],
+            ],
+            dtype=torch.float32,
+        )
+        if torch.device(device).type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(ks, dtype=torch.int64, device=device),
-            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
-            needs_truncation=any((0 < p.top_k < vocab_size) or p.top_p < 1.0 for p in sampled),
+            temperature=dev[0],
+            top_k=dev[1].long(),
+            top_p=dev[2],
+            needs_truncation=needs_truncation,
             all_greedy=not sampled,
         )
 

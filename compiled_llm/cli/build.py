@@ -1,12 +1,67 @@
-"""`compiled-llm build` (placeholder until its issue lands)."""
+"""`compiled-llm build SOURCE -o ENGINE_DIR`: capture, fuse, lower and save an engine."""
+
+from __future__ import annotations
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("build", help="(not yet implemented)")
+    p = subparsers.add_parser(
+        "build",
+        help="build a checkpoint, preset or hub id into an engine directory",
+        description="Capture the model with torch.export, run the fusion passes, choose kernels for the "
+        "target device and save the engine (manifest, weights, program, IR dumps, tokenizer).",
+    )
+    p.add_argument("source", metavar="SOURCE", help="checkpoint directory, preset name (e.g. tiny-qwen2) or hub id")
+    p.add_argument("-o", "--output", required=True, metavar="ENGINE_DIR", help="engine directory to write (replaced if it holds an engine)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                   help="weight and activation dtype (default: float32)")
+    p.add_argument("--device", default="cpu", help="target device: cpu or cuda (default: cpu)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="longest context the engine serves (default: the model's maximum)")
+    p.add_argument("--disable-pass", action="append", default=[], metavar="NAME",
+                   help="skip a pass (repeatable); see `compiled-llm inspect` for the pass names")
+    p.add_argument("--kernel", action="append", default=[], metavar="OP=PROVIDER",
+                   help="force a kernel provider for a cllm op, e.g. paged_attention=triton (repeatable)")
+    p.add_argument("--backend", default="auto", choices=["auto", "portable", "inductor"],
+                   help="auto: Inductor on CUDA, portable on CPU (default: auto)")
+    p.add_argument("--dump-ir", action="store_true",
+                   help="keep the graph code after every pass in ENGINE_DIR/ir (default: captured and final only)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=run)
 
 
-def run(args) -> int:
+def parse_kernel_prefs(items: list[str]) -> dict[str, str]:
     from compiled_llm.errors import CompiledLLMError
 
-    raise CompiledLLMError("'build' is not implemented yet")
+    prefs = {}
+    for item in items:
+        op, sep, provider = item.partition("=")
+        if not sep or not op or not provider:
+            raise CompiledLLMError(f"--kernel {item!r} is not OP=PROVIDER")
+        prefs[op] = provider
+    return prefs
+
+
+def format_summary(manifest: dict) -> str:
+    lines = [f"{'pass':<18} {'matches':>7} {'ops before':>10} {'ops after':>9} {'time (s)':>9}"]
+    for p in manifest["passes"]:
+        note = "" if p["matches"] else "  (matched nothing)"
+        lines.append(f"{p['name']:<18} {p['matches']:>7} {p['ops_before']:>10} {p['ops_after']:>9} {p['seconds']:>9.3f}{note}")
+    before, after = sum(manifest["ops_before"].values()), sum(manifest["ops_after"].values())
+    lines.append(f"ops: {before} -> {after}")
+    lines.append("stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in manifest["stage_seconds"].items()))
+    lines.append("kernels: " + ", ".join(f"{op}={prov}" for op, prov in manifest["kernels"].items()))
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from compiled_llm.build import build_engine
+
+    manifest = build_engine(
+        args.source, args.output,
+        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        disabled_passes=args.disable_pass, dump_ir=args.dump_ir,
+        kernel_prefs=parse_kernel_prefs(args.kernel), backend=args.backend, progress=not args.quiet,
+    )
+    print(format_summary(manifest))
+    print(f"engine written to {args.output} (backend {manifest['backend']['kind']})")
+    return 0

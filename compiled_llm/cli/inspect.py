@@ -1,12 +1,75 @@
-"""`compiled-llm inspect` (placeholder until its issue lands)."""
+"""`compiled-llm inspect ENGINE_DIR`: what the build did: passes, op histograms, kernels, IR."""
+
+from __future__ import annotations
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("inspect", help="(not yet implemented)")
+    p = subparsers.add_parser(
+        "inspect",
+        help="show an engine's passes, op histograms, kernel choices and IR",
+        description="Show the pass table and op histograms of an engine; --pass prints the IR after one "
+        "pass, --diff A B a unified diff of the IR between two stages (pass names or 'captured').",
+    )
+    p.add_argument("engine", metavar="ENGINE_DIR", help="engine directory made by `compiled-llm build`")
+    p.add_argument("--pass", dest="pass_name", metavar="NAME", help="print the IR (graph code) after pass NAME")
+    p.add_argument("--diff", nargs=2, metavar=("A", "B"), help="unified diff of the IR after stage A and after stage B")
+    p.add_argument("--json", action="store_true", help="print passes, ops_before, ops_after and kernels as JSON")
     p.set_defaults(handler=run)
 
 
-def run(args) -> int:
+def stage_file(engine_dir, manifest: dict, name: str, suffix: str = ".py"):
+    """The IR file of a stage named by pass name, 'captured' or its full stage name."""
+    from pathlib import Path
+
+    from compiled_llm.artifact import IR_DIR
     from compiled_llm.errors import CompiledLLMError
 
-    raise CompiledLLMError("'inspect' is not implemented yet")
+    stages = manifest.get("ir_stages", [])
+    matches = [s for s in stages if s == name or s.split("_", 1)[1] == name]
+    if not matches:
+        names = ", ".join(s.split("_", 1)[1] for s in stages)
+        raise CompiledLLMError(f"no stage {name!r} in this engine; stages: {names}")
+    path = Path(engine_dir) / IR_DIR / (matches[-1] + suffix)
+    if not path.is_file():
+        raise CompiledLLMError(f"{path.name} was not kept; rebuild with --dump-ir to see the IR of every pass")
+    return path
+
+
+def _table(manifest: dict) -> str:
+    from compiled_llm.cli.build import format_summary
+
+    lines = [format_summary(manifest), "", f"{'op':<36} {'before':>7} {'after':>7}"]
+    before, after = manifest["ops_before"], manifest["ops_after"]
+    for op in sorted(set(before) | set(after), key=lambda o: (-(after.get(o, 0) + before.get(o, 0)), o)):
+        lines.append(f"{op:<36} {before.get(op, 0):>7} {after.get(op, 0):>7}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import difflib
+    import json
+
+    from compiled_llm.artifact import read_manifest
+
+    manifest = read_manifest(args.engine)
+    if args.json:
+        print(json.dumps({
+            "passes": [{"name": p["name"], "matches": p["matches"]} for p in manifest["passes"]],
+            "ops_before": manifest["ops_before"],
+            "ops_after": manifest["ops_after"],
+            "kernels": manifest["kernels"],
+        }, indent=1))
+        return 0
+    if args.pass_name:
+        print(stage_file(args.engine, manifest, args.pass_name).read_text(), end="")
+        return 0
+    if args.diff:
+        a, b = (stage_file(args.engine, manifest, n) for n in args.diff)
+        diff = difflib.unified_diff(
+            a.read_text().splitlines(keepends=True), b.read_text().splitlines(keepends=True),
+            fromfile=f"ir/{a.name}", tofile=f"ir/{b.name}",
+        )
+        print("".join(diff), end="")
+        return 0
+    print(_table(manifest))
+    return 0

@@ -66,6 +66,40 @@ def _spec_name(config: ModelConfig, hf_name: str) -> str | None:
     return ""
 
 
+# Spec name -> checkpoint name, for error messages about tensors the checkpoint lacks.
+_LLAMA_HF_NAMES: list[tuple[str, str]] = [
+    (r"embed\.weight", "model.embed_tokens.weight"),
+    (r"final_norm\.weight", "model.norm.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+    (r"layers\.(\d+)\.attn_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
+    (r"layers\.(\d+)\.mlp_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
+    (r"layers\.(\d+)\.(q|k|v|o)\.(weight|bias)", "model.layers.{0}.self_attn.{1}_proj.{2}"),
+    (r"layers\.(\d+)\.(q|k)_norm\.weight", "model.layers.{0}.self_attn.{1}_norm.weight"),
+    (r"layers\.(\d+)\.(gate|up|down)\.weight", "model.layers.{0}.mlp.{1}_proj.weight"),
+]
+_GPT2_HF_NAMES: list[tuple[str, str]] = [
+    (r"embed\.weight", "transformer.wte.weight"),
+    (r"pos_embed\.weight", "transformer.wpe.weight"),
+    (r"final_norm\.(weight|bias)", "transformer.ln_f.{0}"),
+    (r"layers\.(\d+)\.attn_norm\.(weight|bias)", "transformer.h.{0}.ln_1.{1}"),
+    (r"layers\.(\d+)\.mlp_norm\.(weight|bias)", "transformer.h.{0}.ln_2.{1}"),
+    (r"layers\.(\d+)\.(?:q|k|v)\.(weight|bias)", "transformer.h.{0}.attn.c_attn.{1}"),
+    (r"layers\.(\d+)\.o\.(weight|bias)", "transformer.h.{0}.attn.c_proj.{1}"),
+    (r"layers\.(\d+)\.fc\.(weight|bias)", "transformer.h.{0}.mlp.c_fc.{1}"),
+    (r"layers\.(\d+)\.proj\.(weight|bias)", "transformer.h.{0}.mlp.c_proj.{1}"),
+]
+
+
+def checkpoint_name(config: ModelConfig, spec_name: str) -> str:
+    """The checkpoint tensor that holds spec param ``spec_name`` (the spec name if none does)."""
+    rules = _GPT2_HF_NAMES if config.architecture == "GPT2LMHeadModel" else _LLAMA_HF_NAMES
+    for pattern, template in rules:
+        m = re.fullmatch(pattern, spec_name)
+        if m:
+            return template.format(*m.groups())
+    return spec_name
+
+
 def _convert(config: ModelConfig, spec_name: str, t: Tensor) -> list[tuple[str, Tensor]]:
     """HF layout -> spec layout for one tensor."""
     if config.architecture != "GPT2LMHeadModel":
@@ -147,7 +181,7 @@ def load_params(
     missing = [n for n in expected if n not in params]
     if missing:
         raise WeightLoadError(
-            f"checkpoint is missing tensor {missing[0]!r}"
+            f"checkpoint in {model_dir} is missing tensor {checkpoint_name(config, missing[0])!r}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     return params

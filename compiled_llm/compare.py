@@ -1,0 +1,277 @@
+"""Compiled against eager: does the engine compute what the model computes?
+
+The engine generates greedily from random prompts (fixed seed); the reference is fed the same
+tokens (teacher forcing), so every step compares logits for the same context:
+
+  spec       the spec with no passes, on the source's original weights
+  hf         transformers' model from the source checkpoint directory
+  portable   the engine's own program run op by op (to check the Inductor backend)
+
+Tolerance: float32 needs 100% greedy agreement and max|Δlogit| <= 1e-4 * max|reference logit|;
+bf16/fp16 need >= 99% agreement, and at every flip each side's pick must be in the other's top 5.
+When the engine fails, ``bisect_passes`` rebuilds it in memory with growing prefixes of its pass
+list and names the first pass whose output fails the same check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from compiled_llm.errors import CompiledLLMError
+
+BLOCK_SIZE = 16
+FP32_REL_TOL = 1e-4
+LOW_PRECISION_AGREEMENT = 0.99
+TOP_K = 5
+
+StepFn = Callable[[object, Tensor], Tensor]  # (PackedBatch, kv_cache) -> logits[S, V]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStat:
+    prompt_len: int
+    agree: int
+    steps: int
+    max_abs_delta: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    agreement: float
+    agree: int
+    steps: int
+    max_abs_delta: float
+    max_abs_logit: float
+    flips_outside_top_k: int
+    per_prompt: tuple[PromptStat, ...]
+    rule: str  # the tolerance applied, in words
+
+    @property
+    def rel_delta(self) -> float:
+        return self.max_abs_delta / max(self.max_abs_logit, 1e-30)
+
+
+def random_prompts(vocab_size: int, num_prompts: int, seed: int = 0, min_len: int = 4, max_len: int = 24) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (num_prompts,), generator=gen).tolist()
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lens]
+
+
+def _tables(prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[list[list[int]], int]:
+    tables, next_block = [], 0
+    for p in prompts:
+        n = math.ceil((len(p) + max_tokens) / BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    return tables, next_block
+
+
+def run_steps(
+    step: StepFn,
+    config,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    device,
+    dtype: torch.dtype,
+    forced: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Prefill all prompts in one packed batch, then decode ``max_tokens - 1`` steps.
+
+    Returns (logits [K, N, V] float32, tokens [N, K]): greedy picks of this side, or ``forced``
+    (the other side's tokens) fed instead when given."""
+    from compiled_llm.graph.batch import ScheduledSeq, pack_batch
+    from compiled_llm.graph.spec import kv_cache_shape
+
+    tables, num_blocks = _tables(prompts, max_tokens)
+    kv = torch.zeros(kv_cache_shape(config, num_blocks, BLOCK_SIZE), dtype=dtype, device=device)
+    seqs = [ScheduledSeq(list(p), 0, t) for p, t in zip(prompts, tables)]
+    lens = [len(p) for p in prompts]
+    all_logits, all_tokens = [], []
+    for k in range(max_tokens):
+        with torch.no_grad():
+            logits = step(pack_batch(seqs, BLOCK_SIZE, device), kv).float()
+        tokens = forced[:, k].to(logits.device) if forced is not None else logits.argmax(-1)
+        all_logits.append(logits.cpu())
+        all_tokens.append(tokens.cpu())
+        seqs = [ScheduledSeq([int(t)], n + k, tb) for t, n, tb in zip(tokens.tolist(), lens, tables)]
+    return torch.stack(all_logits), torch.stack(all_tokens, dim=1)
+
+
+def hf_logits(model_dir, prompts, tokens: Tensor, dtype: torch.dtype, device) -> Tensor:
+    """transformers' logits [K, N, V] for each prompt followed by the given tokens."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    except Exception as e:
+        raise CompiledLLMError(f"transformers cannot load {model_dir}: {type(e).__name__}") from None
+    K = tokens.shape[1]
+    out = []
+    with torch.no_grad():
+        for p, toks in zip(prompts, tokens.tolist()):
+            ids = torch.tensor([list(p) + toks[:-1]], device=device)
+            logits = model(ids).logits[0].float()
+            out.append(logits[len(p) - 1 : len(p) - 1 + K].cpu())
+    return torch.stack(out, dim=1)
+
+
+def judge(
+    logits: Tensor, tokens: Tensor, ref_logits: Tensor, prompts: Sequence[Sequence[int]], dtype: torch.dtype
+) -> Verdict:
+    """Compare one side's logits [K, N, V] and greedy tokens [N, K] with the reference's logits."""
+    ref_tokens = ref_logits.argmax(-1).T  # [N, K]
+    agree_mask = ref_tokens == tokens
+    delta = (logits - ref_logits).abs()
+    per_prompt = tuple(
+        PromptStat(len(p), int(agree_mask[i].sum()), int(tokens.shape[1]), float(delta[:, i].max()))
+        for i, p in enumerate(prompts)
+    )
+    agree, steps = int(agree_mask.sum()), agree_mask.numel()
+    top = logits.topk(TOP_K, dim=-1).indices.transpose(0, 1)  # [N, K, 5]
+    ref_top = ref_logits.topk(TOP_K, dim=-1).indices.transpose(0, 1)
+    in_ref_top = (ref_top == tokens.unsqueeze(-1)).any(-1)
+    in_top = (top == ref_tokens.unsqueeze(-1)).any(-1)
+    outside = int((~agree_mask & ~(in_ref_top & in_top)).sum())
+    max_delta, max_logit = float(delta.max()), float(ref_logits.abs().max())
+    agreement = agree / steps
+    if dtype == torch.float32:
+        ok = agree == steps and max_delta <= FP32_REL_TOL * max_logit
+        rule = f"fp32: 100% agreement and max|Δlogit| <= {FP32_REL_TOL:g} x max|logit|"
+    else:
+        ok = agreement >= LOW_PRECISION_AGREEMENT and outside == 0
+        rule = f"{str(dtype).removeprefix('torch.')}: >= {LOW_PRECISION_AGREEMENT:.0%} agreement, flips inside the other side's top {TOP_K}"
+    return Verdict(ok, agreement, agree, steps, max_delta, max_logit, outside, per_prompt, rule)
+
+
+# ---------------------------------------------------------------------------------------------
+# References and candidates
+# ---------------------------------------------------------------------------------------------
+
+
+def program_step(program, params) -> StepFn:
+    return lambda batch, kv: program(params, batch, kv)
+
+
+def spec_step(config, params) -> StepFn:
+    from compiled_llm.graph.spec import forward
+
+    return lambda batch, kv: forward(config, params, batch, kv)
+
+
+def source_of(manifest: dict):
+    """The ModelSource an engine was built from (for the spec reference and bisection)."""
+    from compiled_llm.sources import resolve_source
+
+    src = manifest.get("source") or {}
+    if src.get("preset"):
+        return resolve_source(src["preset"])
+    model_dir = src.get("model_dir")
+    if model_dir:
+        from pathlib import Path
+
+        if not Path(model_dir).is_dir():
+            raise CompiledLLMError(f"the engine's source checkpoint {model_dir} is not at hand; compare needs it")
+        return resolve_source(model_dir)
+    raise CompiledLLMError("the engine's manifest names no source; compare needs the source checkpoint")
+
+
+def reference_logits(kind: str, engine, prompts, tokens: Tensor, max_tokens: int) -> Tensor:
+    if kind == "hf":
+        if engine.source_dir is None:
+            raise CompiledLLMError("--reference hf needs the source checkpoint directory, which this engine was not built from or which is gone")
+        return hf_logits(engine.source_dir, prompts, tokens, engine.dtype, engine.device)
+    if kind == "spec":
+        from compiled_llm.sources import load_source_params
+
+        params = load_source_params(source_of(engine.manifest), engine.dtype, engine.device)
+        step = spec_step(engine.config, params)
+    elif kind == "portable":
+        from compiled_llm.backend import PortableProgram
+
+        step = program_step(PortableProgram(engine.program.module.gm, engine.program.param_names), engine.params)
+    else:
+        raise CompiledLLMError(f"unknown reference {kind!r}; choose spec, hf or portable")
+    logits, _ = run_steps(step, engine.config, prompts, max_tokens, engine.device, engine.dtype, forced=tokens)
+    return logits
+
+
+def check_candidate(step: StepFn, ref_kind: str, engine, prompts, max_tokens: int) -> Verdict:
+    logits, tokens = run_steps(step, engine.config, prompts, max_tokens, engine.device, engine.dtype)
+    ref = reference_logits(ref_kind, engine, prompts, tokens, max_tokens)
+    return judge(logits, tokens, ref, prompts, engine.dtype)
+
+
+def bisect_passes(engine, ref_kind: str, prompts, max_tokens: int, on_step=None) -> str:
+    """Rebuild the engine in memory with passes[:k], k = 0, 1, ...; name the first stage whose
+    program fails the check ("capture" when even no passes fail, "backend/artifact" when every
+    in-memory rebuild passes and only the saved engine fails)."""
+    from compiled_llm.backend import PortableProgram
+    from compiled_llm.build import lower
+    from compiled_llm.sources import load_source_params
+
+    manifest = engine.manifest
+    names = [p["name"] for p in manifest["passes"]]
+    src = source_of(manifest)
+    prefs = manifest["build_options"].get("kernel_prefs") or {}
+    for k in range(len(names) + 1):
+        params = load_source_params(src, engine.dtype, engine.device)
+        lowered = lower(engine.config, params, names[:k], engine.device.type, engine.dtype, prefs)
+        program = PortableProgram(lowered.gm, lowered.param_names)
+        verdict = check_candidate(program_step(program, lowered.params), ref_kind, engine, prompts, max_tokens)
+        stage = names[k - 1] if k else "capture"
+        if on_step is not None:
+            on_step(stage, verdict)
+        if not verdict.ok:
+            return stage
+    return "backend/artifact"
+
+
+def compare_engine(
+    engine_dir,
+    num_prompts: int = 8,
+    max_tokens: int = 32,
+    reference: str = "spec",
+    backend: str | None = None,
+    seed: int = 0,
+    bisect: bool = True,
+    out: Callable[[str], None] = print,
+) -> tuple[Verdict, str | None]:
+    """Run the comparison, printing per-prompt lines; returns (verdict, culprit or None)."""
+    from compiled_llm.artifact import load_engine
+
+    if num_prompts < 1 or max_tokens < 1:
+        raise CompiledLLMError("--num-prompts and --max-tokens must be at least 1")
+    engine = load_engine(engine_dir, backend=backend)
+    prompts = random_prompts(engine.config.vocab_size, num_prompts, seed)
+    verdict = check_candidate(program_step(engine.program, engine.params), reference, engine, prompts, max_tokens)
+    out(f"engine {engine.engine_dir} ({engine.backend}, {str(engine.dtype).removeprefix('torch.')}) vs {reference}")
+    for i, s in enumerate(verdict.per_prompt):
+        out(f"  prompt {i}: {s.prompt_len:3d} tokens  greedy agreement {s.agree}/{s.steps}  max|Δlogit| {s.max_abs_delta:.3e}")
+    culprit = None
+    if not verdict.ok and bisect:
+        out("out of tolerance; rebuilding with growing prefixes of the pass list:")
+        culprit = bisect_passes(
+            engine, reference, prompts, max_tokens,
+            on_step=lambda stage, v: out(f"  after {stage:<18} agreement {v.agreement:7.2%}  max|Δlogit| {v.max_abs_delta:.3e}  {'ok' if v.ok else 'FAIL'}"),
+        )
+    out(summary_line(verdict, reference, culprit))
+    return verdict, culprit
+
+
+def summary_line(v: Verdict, reference: str, culprit: str | None) -> str:
+    head = "PASS" if v.ok else "FAIL"
+    text = (
+        f"{head}: vs {reference}: greedy agreement {v.agreement:.2%} ({v.agree}/{v.steps}), "
+        f"max|Δlogit| {v.max_abs_delta:.3e} (relative {v.rel_delta:.2e})"
+    )
+    if not v.ok:
+        text += f"; flips outside top-{TOP_K}: {v.flips_outside_top_k}; needs {v.rule}"
+        if culprit:
+            text += f"; first pass that changes the numbers: {culprit}"
+    return text

@@ -1,0 +1,193 @@
+"""Fused semantic ops (``cllm::``) that the build's fusion passes rewrite the spec into.
+
+Each is a ``torch.library.custom_op`` with a fake implementation and a reference implementation
+built from ``ops.py``'s reference helpers, so a fused graph computes what the unfused one does
+(up to float rounding) on any device. Kernel providers (Triton, CUDA C++) register ops with the
+identical schema under ``cllm::<op>__<provider>`` (see ``kernels/registry.py``).
+
+Outputs never alias inputs or each other (custom ops require it), hence the copies of the
+split q/k/v.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from compiled_llm.graph.ops import layer_norm_ref, rms_norm_ref, rotary_ref
+
+# ---------------------------------------------------------------------------------------------
+# Pure reference functions (shared by the ops below and by kernel providers' tests)
+# ---------------------------------------------------------------------------------------------
+
+
+def fused_add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    summed = residual + x
+    return rms_norm_ref(summed, weight, eps), summed
+
+
+def fused_add_layer_norm_ref(
+    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    summed = residual + x
+    return layer_norm_ref(summed, weight, bias, eps), summed
+
+
+def fused_rms_norm_glu_mlp_ref(
+    x: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor, down_weight: Tensor
+) -> Tensor:
+    n = rms_norm_ref(x, norm_weight, eps)
+    gate, up = F.linear(n, gate_up_weight).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down_weight)
+
+
+def fused_layer_norm_gelu_mlp_ref(
+    x: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    eps: float,
+    fc_weight: Tensor,
+    fc_bias: Tensor,
+    proj_weight: Tensor,
+    proj_bias: Tensor,
+) -> Tensor:
+    n = layer_norm_ref(x, norm_weight, norm_bias, eps)
+    return F.linear(F.gelu(F.linear(n, fc_weight, fc_bias), approximate="tanh"), proj_weight, proj_bias)
+
+
+def fused_qkv_rope_ref(
+    x: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Optional[Tensor],
+    q_norm_weight: Optional[Tensor],
+    k_norm_weight: Optional[Tensor],
+    positions: Tensor,
+    cos_sin: Optional[Tensor],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    T = x.shape[0]
+    qkv = F.linear(x, qkv_weight, qkv_bias)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(T, num_heads, head_dim)
+    k = k.reshape(T, num_kv_heads, head_dim)
+    v = v.reshape(T, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q = rms_norm_ref(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = rms_norm_ref(k, k_norm_weight, eps)
+    if cos_sin is not None:
+        q = rotary_ref(q, positions, cos_sin)
+        k = rotary_ref(k, positions, cos_sin)
+    # clone, not contiguous(): with one token the splits are already contiguous views of qkv
+    # and would alias each other
+    fresh = q_norm_weight is not None or cos_sin is not None
+    q = q.contiguous() if fresh else q.clone(memory_format=torch.contiguous_format)
+    k = k.contiguous() if fresh else k.clone(memory_format=torch.contiguous_format)
+    return q, k, v.clone(memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused cllm:: ops
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cllm::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+@fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("cllm::fused_add_layer_norm", mutates_args=())
+def fused_add_layer_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    return fused_add_layer_norm_ref(x, residual, weight, bias, eps)
+
+
+@fused_add_layer_norm.register_fake
+def _(x, residual, weight, bias, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("cllm::fused_rms_norm_glu_mlp", mutates_args=())
+def fused_rms_norm_glu_mlp(
+    x: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor, down_weight: Tensor
+) -> Tensor:
+    return fused_rms_norm_glu_mlp_ref(x, norm_weight, eps, gate_up_weight, down_weight)
+
+
+@fused_rms_norm_glu_mlp.register_fake
+def _(x, norm_weight, eps, gate_up_weight, down_weight):
+    return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
+
+
+@torch.library.custom_op("cllm::fused_layer_norm_gelu_mlp", mutates_args=())
+def fused_layer_norm_gelu_mlp(
+    x: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    eps: float,
+    fc_weight: Tensor,
+    fc_bias: Tensor,
+    proj_weight: Tensor,
+    proj_bias: Tensor,
+) -> Tensor:
+    return fused_layer_norm_gelu_mlp_ref(
+        x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias
+    )
+
+
+@fused_layer_norm_gelu_mlp.register_fake
+def _(x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias):
+    return x.new_empty((*x.shape[:-1], proj_weight.shape[0]))
+
+
+@torch.library.custom_op("cllm::fused_qkv_rope", mutates_args=())
+def fused_qkv_rope(
+    x: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Optional[Tensor],
+    q_norm_weight: Optional[Tensor],
+    k_norm_weight: Optional[Tensor],
+    positions: Tensor,
+    cos_sin: Optional[Tensor],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return fused_qkv_rope_ref(
+        x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
+        num_heads, num_kv_heads, head_dim, eps,
+    )
+
+
+@fused_qkv_rope.register_fake
+def _(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
+      num_heads, num_kv_heads, head_dim, eps):
+    T = x.shape[0]
+    return (
+        x.new_empty((T, num_heads, head_dim)),
+        x.new_empty((T, num_kv_heads, head_dim)),
+        x.new_empty((T, num_kv_heads, head_dim)),
+    )
+
+
+FUSED_OPS = {
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "fused_add_layer_norm": fused_add_layer_norm,
+    "fused_rms_norm_glu_mlp": fused_rms_norm_glu_mlp,
+    "fused_layer_norm_gelu_mlp": fused_layer_norm_gelu_mlp,
+    "fused_qkv_rope": fused_qkv_rope,
+}

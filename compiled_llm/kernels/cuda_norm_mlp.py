@@ -1,0 +1,169 @@
+"""CUDA C++ provider of the fused norm + MLP ops (csrc/norm_mlp.cu), built just in time.
+
+The extension is compiled with ``torch.utils.cpp_extension.load_inline`` on the machine that runs
+it, into ``~/.cache/compiled_llm/cuda_norm_mlp/<hash of source, torch and CUDA versions>``, so a
+second process (or a runtime after a build) only loads the cached library. Building needs nvcc;
+when it is missing or the compile fails, ``extension()`` returns None once, with the reason in
+``build_error()``, and the provider functions below run the Triton kernels instead (the build
+records that through ``cuda_extension_ok()``).
+
+Shape policy: the CUDA kernels are decode GEMVs for T <= 8 rows of bf16/fp16 with H and I
+multiples of 8 (16-byte vector loads); other shapes take matmul-based math inside the provider
+(CUDA norm kernel + cuBLAS + torch activation), never an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).parent / "csrc" / "norm_mlp.cu"
+CPP_DECLS = """
+#include <torch/extension.h>
+#include <optional>
+torch::Tensor norm(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> b, double eps);
+torch::Tensor gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch::Tensor> b1, bool glu);
+torch::Tensor down_proj(torch::Tensor act, torch::Tensor w2, std::optional<torch::Tensor> b2);
+int max_rows();
+"""
+FUNCTIONS = ["norm", "gate_up_act", "down_proj", "max_rows"]
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+_build_error: str | None = None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("COMPILED_LLM_CACHE", Path.home() / ".cache" / "compiled_llm")) / "cuda_norm_mlp"
+
+
+def toolchain_available() -> bool:
+    """Cheap check (no compile): a CUDA torch and an nvcc to build with."""
+    if torch.version.cuda is None:
+        return False
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return shutil.which("nvcc") is not None or (CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists())
+
+
+def _build_key(source: str) -> str:
+    h = hashlib.sha256()
+    for part in (source, torch.__version__, str(torch.version.cuda)):
+        h.update(part.encode())
+    if torch.cuda.is_available():
+        h.update(str(torch.cuda.get_device_capability()).encode())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def extension():
+    """The compiled extension module, or None if it cannot be built here (reason in build_error)."""
+    global _build_error
+    if not toolchain_available():
+        _build_error = "no CUDA toolchain (nvcc) or a CPU-only torch"
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        source = SOURCE.read_text()
+        key = _build_key(source)
+        build_dir = cache_root() / key
+        build_dir.mkdir(parents=True, exist_ok=True)
+        return load_inline(
+            name=f"cllm_norm_mlp_{key}",
+            cpp_sources=CPP_DECLS,
+            cuda_sources=source,
+            functions=FUNCTIONS,
+            build_directory=str(build_dir),
+            extra_cuda_cflags=["-O3"],
+            verbose=False,
+        )
+    except Exception as e:  # compile/link failure: the provider falls back to Triton
+        _build_error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        warnings.warn(f"CUDA norm+MLP extension could not be built, using Triton instead: {_build_error}")
+        return None
+
+
+def build_error() -> str | None:
+    return _build_error
+
+
+def cuda_extension_ok() -> bool:
+    """Build (or load from the cache) the extension; False when it cannot be compiled here."""
+    return extension() is not None
+
+
+def supports(device_type: str, dtype: torch.dtype) -> bool:
+    """Provider probe, kept cheap (no compile): the build compiles only when it picks "cuda"."""
+    return device_type == "cuda" and dtype in SUPPORTED_DTYPES and toolchain_available()
+
+
+def _aligned(*tensors) -> bool:
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _gemv_ok(ext, x2, H: int, inter: int, tensors) -> bool:
+    return (
+        x2.is_cuda and x2.dtype in SUPPORTED_DTYPES and all(t.dtype == x2.dtype for t in tensors)
+        and x2.shape[0] <= ext.max_rows() and H % 8 == 0 and inter % 8 == 0 and _aligned(x2, *tensors)
+    )
+
+
+def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weight):
+    ext = extension()
+    if ext is None:
+        from compiled_llm.kernels import triton_norm_mlp
+
+        return triton_norm_mlp.fused_rms_norm_glu_mlp(x, norm_weight, eps, gate_up_weight, down_weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    H, inter = x2.shape[1], down_weight.shape[1]
+    out_shape = (*x.shape[:-1], down_weight.shape[0])
+    if x2.shape[0] == 0:
+        return x.new_empty(out_shape)
+    if _gemv_ok(ext, x2, H, inter, (norm_weight, gate_up_weight, down_weight)):
+        n = ext.norm(x2, norm_weight, None, eps)
+        out = ext.down_proj(ext.gate_up_act(n, gate_up_weight, None, True), down_weight, None)
+    else:  # many rows (or odd shapes): cuBLAS matmuls around the norm
+        n = _norm(ext, x2, norm_weight, None, eps)
+        gate, up = F.linear(n, gate_up_weight).chunk(2, dim=-1)
+        out = F.linear(F.silu(gate) * up, down_weight)
+    return out.view(out_shape)
+
+
+def fused_layer_norm_gelu_mlp(x, norm_weight, norm_bias, eps: float, fc_weight, fc_bias, proj_weight, proj_bias):
+    ext = extension()
+    if ext is None:
+        from compiled_llm.kernels import triton_norm_mlp
+
+        return triton_norm_mlp.fused_layer_norm_gelu_mlp(
+            x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias
+        )
+    x2 = x.reshape(-1, x.shape[-1])
+    H, inter = x2.shape[1], proj_weight.shape[1]
+    out_shape = (*x.shape[:-1], proj_weight.shape[0])
+    if x2.shape[0] == 0:
+        return x.new_empty(out_shape)
+    if _gemv_ok(ext, x2, H, inter, (norm_weight, norm_bias, fc_weight, fc_bias, proj_weight, proj_bias)):
+        n = ext.norm(x2, norm_weight, norm_bias, eps)
+        out = ext.down_proj(ext.gate_up_act(n, fc_weight, fc_bias, False), proj_weight, proj_bias)
+    else:
+        n = _norm(ext, x2, norm_weight, norm_bias, eps)
+        out = F.linear(F.gelu(F.linear(n, fc_weight, fc_bias), approximate="tanh"), proj_weight, proj_bias)
+    return out.view(out_shape)
+
+
+def _norm(ext, x2, weight, bias, eps):
+    """The CUDA norm kernel where its contract holds, else the torch reference."""
+    from compiled_llm.graph.ops import layer_norm_ref, rms_norm_ref
+
+    tensors = (weight,) if bias is None else (weight, bias)
+    if x2.is_cuda and x2.dtype in SUPPORTED_DTYPES and x2.shape[1] % 8 == 0 and _aligned(x2, *tensors) \
+            and all(t.dtype == x2.dtype for t in tensors):
+        return ext.norm(x2, weight, bias, eps)
+    return rms_norm_ref(x2, weight, eps) if bias is None else layer_norm_ref(x2, weight, bias, eps)

@@ -1,0 +1,109 @@
+"""What every pass shares: the Pass record, the context it reads and writes, and small FX
+helpers for matching semantic ops and swapping weights.
+
+A pass is ``run(gm, ctx) -> matches``: it rewrites the flat graph module in place and may add or
+drop weights in ``ctx.params`` (a merged q/k/v weight is added here and the originals dropped by
+``cleanup`` once nothing reads them). It must not change what the graph computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor
+from torch.fx import GraphModule, Node
+
+from compiled_llm.config import ModelConfig
+from compiled_llm.graph import fused_ops as _fused_ops, ops as _ops  # noqa: F401  (registers cllm:: ops)
+from compiled_llm.graph.export import INPUT_NAMES, PARAM_META
+
+aten = torch.ops.aten
+cllm = torch.ops.cllm
+
+
+@dataclasses.dataclass
+class PassContext:
+    config: ModelConfig
+    params: dict[str, Tensor]  # mutable: passes add merged weights; cleanup drops unused ones
+    device_type: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    kernel_choice: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> provider
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[GraphModule, PassContext], int]
+    description: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# FX helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def is_call(node: Any, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def param_name(node: Any) -> str | None:
+    """The weight name a node reads if it is a weight placeholder, else None."""
+    if isinstance(node, Node) and node.op == "placeholder":
+        return node.meta.get(PARAM_META)
+    return None
+
+
+def input_node(gm: GraphModule, name: str) -> Node:
+    """The placeholder of one of the batch/cache inputs (token_ids, positions, ...)."""
+    assert name in INPUT_NAMES
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and PARAM_META not in n.meta]
+    return placeholders[INPUT_NAMES.index(name)]
+
+
+def add_param(gm: GraphModule, ctx: PassContext, name: str, tensor: Tensor) -> Node:
+    """A new weight placeholder (inserted after the existing weights) holding ``tensor``."""
+    ctx.params[name] = tensor
+    first_input = input_node(gm, INPUT_NAMES[0])
+    with gm.graph.inserting_before(first_input):
+        node = gm.graph.placeholder(name.replace(".", "_"))
+    node.meta[PARAM_META] = name
+    node.meta["val"] = tensor
+    return node
+
+
+def users(node: Node) -> list[Node]:
+    return list(node.users)
+
+
+def single_user(node: Any) -> bool:
+    return isinstance(node, Node) and len(node.users) == 1
+
+
+def erase_dead(gm: GraphModule, nodes: Iterable[Node]) -> int:
+    """Erase the given nodes that nothing uses any more (latest first); returns how many."""
+    erased = 0
+    for node in sorted(set(nodes), key=_topo_index(gm), reverse=True):
+        if node.op == "call_function" and not node.users:
+            gm.graph.erase_node(node)
+            erased += 1
+    return erased
+
+
+def _topo_index(gm: GraphModule):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return lambda n: order[n]
+
+
+def shape_str(node: Any) -> str | None:
+    """The node's output shape as text (symbolic dims included), from export's metadata."""
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    if isinstance(val, torch.Tensor):
+        return str(tuple(val.shape))
+    return None
+
+
+def finish(gm: GraphModule) -> None:
+    gm.graph.lint()
+    gm.recompile()

@@ -1,0 +1,97 @@
+"""fuse_norm_mlp: the norm that feeds an MLP, and the MLP, into one op.
+
+  Llama/Qwen: rms_norm -> linear(gate), linear(up) -> silu(gate) * up -> linear(down)
+              => fused_rms_norm_glu_mlp(x, norm_w, eps, gate_up_w, down_w)
+  GPT-2:      layer_norm -> linear(fc, +bias) -> gelu(tanh) -> linear(proj, +bias)
+              => fused_layer_norm_gelu_mlp(...)
+
+The gate and up weights are stored once, concatenated (``layers.N.gate_up.weight``); the
+originals are dropped by ``cleanup`` when nothing reads them any more.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from compiled_llm.passes.base import (
+    Pass, PassContext, add_param, aten, cllm, erase_dead, finish, is_call, param_name, single_user,
+)
+
+
+def _linear_parts(node: Node):
+    """(input, weight node, bias node or None) of an aten.linear node."""
+    x, w = node.args[0], node.args[1]
+    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return x, w, b
+
+
+def _merged_name(weight_name: str, part: str, merged: str) -> str:
+    prefix, _, leaf = weight_name.rpartition(f"{part}.")
+    return f"{prefix}{merged}.{leaf}"
+
+
+def _fuse_glu(gm: GraphModule, ctx: PassContext, down: Node) -> bool:
+    mul = down.args[0]
+    if not (is_call(mul, aten.mul.Tensor) and single_user(mul)) or _linear_parts(down)[2] is not None:
+        return False
+    silu, up = mul.args
+    if not is_call(silu, aten.silu.default):
+        silu, up = up, silu
+    if not (is_call(silu, aten.silu.default) and single_user(silu) and is_call(up, aten.linear.default) and single_user(up)):
+        return False
+    gate = silu.args[0]
+    if not (is_call(gate, aten.linear.default) and single_user(gate)):
+        return False
+    n, wg, bg = _linear_parts(gate)
+    n2, wu, bu = _linear_parts(up)
+    if n is not n2 or bg is not None or bu is not None or not is_call(n, cllm.rms_norm.default):
+        return False
+    if set(n.users) != {gate, up}:
+        return False
+    names = [param_name(w) for w in (wg, wu, down.args[1])]
+    if None in names:
+        return False
+    x, norm_w, eps = n.args
+    gate_up = torch.cat([ctx.params[names[0]], ctx.params[names[1]]], dim=0)
+    gu_node = add_param(gm, ctx, _merged_name(names[0], "gate", "gate_up"), gate_up)
+    with gm.graph.inserting_before(down):
+        fused = gm.graph.call_function(cllm.fused_rms_norm_glu_mlp.default, (x, norm_w, eps, gu_node, down.args[1]))
+    fused.meta.update({k: v for k, v in down.meta.items() if k == "val"})
+    down.replace_all_uses_with(fused)
+    erase_dead(gm, [down, mul, silu, gate, up, n])
+    return True
+
+
+def _fuse_gelu(gm: GraphModule, ctx: PassContext, proj: Node) -> bool:
+    gelu = proj.args[0]
+    if not (is_call(gelu, aten.gelu.default) and single_user(gelu)) or gelu.kwargs.get("approximate") != "tanh":
+        return False
+    fc = gelu.args[0]
+    if not (is_call(fc, aten.linear.default) and single_user(fc)):
+        return False
+    n, wf, bf = _linear_parts(fc)
+    _, wp, bp = _linear_parts(proj)
+    if bf is None or bp is None or not is_call(n, cllm.layer_norm.default) or set(n.users) != {fc}:
+        return False
+    x, nw, nb, eps = n.args
+    with gm.graph.inserting_before(proj):
+        fused = gm.graph.call_function(cllm.fused_layer_norm_gelu_mlp.default, (x, nw, nb, eps, wf, bf, wp, bp))
+    fused.meta.update({k: v for k, v in proj.meta.items() if k == "val"})
+    proj.replace_all_uses_with(fused)
+    erase_dead(gm, [proj, gelu, fc, n])
+    return True
+
+
+def run(gm: GraphModule, ctx: PassContext) -> int:
+    count = 0
+    for node in list(gm.graph.nodes):
+        if getattr(node, "_erased", False) or not is_call(node, aten.linear.default):
+            continue
+        if _fuse_glu(gm, ctx, node) or _fuse_gelu(gm, ctx, node):
+            count += 1
+    finish(gm)
+    return count
+
+
+PASS = Pass("fuse_norm_mlp", run, "norm + MLP (SwiGLU or GELU) into one fused op; gate/up weights merged")

@@ -1,0 +1,130 @@
+"""`compiled-llm run ENGINE_DIR`: the compiled runtime behind the run command.
+
+Same prompts, sampling options and output formats as the reference path (cli/run.py), plus
+--stream, --interactive (chat REPL), --profile and the engine sizing knobs. Prints a perf
+summary: load, graph capture, time to first token, prefill and decode throughput.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+
+def build_llm(args):
+    from compiled_llm.cli.run import resolve_device
+    from compiled_llm.serve.llm import LLM
+
+    device = resolve_device(args.device)
+    dtype = None if args.dtype == "auto" else args.dtype
+    return LLM(
+        args.source,
+        dtype=dtype,
+        device=device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.no_cuda_graphs,
+    )
+
+
+def run_engine(args) -> int:
+    from compiled_llm.cli.run import output_record, print_json_record, print_readable, prompts_from_args, sampling_from_args
+    from compiled_llm.serve.profiling import profile_engine
+
+    sampling = sampling_from_args(args)  # bad values fail before anything loads
+    t0 = time.perf_counter()
+    llm = build_llm(args)
+    load_s = time.perf_counter() - t0
+    engine = llm.engine
+    if args.interactive:
+        return chat(llm, sampling, args.system_prompt)
+    prompts = prompts_from_args(args, llm.tokenizer)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    texts = list(args.prompt or []) + list(args.prompt_ids or [])
+
+    t_run = time.perf_counter()
+    with profile_engine(args.profile, engine, engine.device):
+        if args.stream and not args.json:
+            outputs = []
+            for i, (req, text) in enumerate(zip(requests, texts)):
+                print(f"=== prompt {i} ({len(req['prompt_token_ids'])} tokens) ===\n{text}\n--- output ---", flush=True)
+                for delta in llm.stream(req, sampling):
+                    print(delta, end="", flush=True)
+                out = llm.last_stream_output
+                outputs.append(out)
+                print(f"\n--- ({len(out.token_ids)} tokens, finish: {out.finish_reason}) ---\n", flush=True)
+        else:
+            outputs = llm.generate(requests, sampling, use_tqdm=not args.json and sys.stderr.isatty())
+    wall = time.perf_counter() - t_run
+
+    if not args.stream or args.json:
+        for i, (o, text) in enumerate(zip(outputs, texts)):
+            record = output_record(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason)
+            if args.json:
+                print_json_record(record)
+            else:
+                print_readable(i, text, record)
+    if not args.json:
+        print(f"{args.source} on {engine.device.type}, {str(llm.model.dtype).removeprefix('torch.')}, compiled runtime")
+        print(perf_summary(llm, outputs, load_s, wall))
+    return 0
+
+
+def perf_summary(llm, outputs, load_s: float, wall_s: float) -> str:
+    st = llm.stats
+    ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
+    rate = lambda n, s: f"{n / s:,.1f} tok/s" if s > 0 else "n/a"  # noqa: E731
+    graphs = f"{st.graph_capture_s:.3f} s" if st.graphs_captured else "-"
+    pc = llm.engine.block_manager.stats
+    rows = [
+        ("load", f"{load_s:.3f} s", f"KV cache {st.kv_num_blocks} blocks"),
+        ("graphs", graphs, f"{st.graphs_captured} decode buckets captured" if st.graphs_captured else "eager decode"),
+        ("ttft", f"{(statistics.median(ttfts) if ttfts else 0):.3f} s", "median time to first token"),
+        ("prefill", f"{st.prefill_s:.3f} s", f"{st.prefill_tokens} tokens, {rate(st.prefill_tokens, st.prefill_s)}"),
+        ("decode", f"{st.decode_s:.3f} s", f"{st.decode_tokens} tokens, {rate(st.decode_tokens, st.decode_s)}"),
+        ("total", f"{wall_s:.3f} s", f"{st.generated_tokens} tokens generated, {rate(st.generated_tokens, wall_s)}"),
+        ("cache", "", f"prefix-cache hits {pc.hit_tokens} tokens, preemptions {llm.engine.scheduler.num_preemptions}"),
+    ]
+    return "perf:\n" + "\n".join(f"  {n:<8}{t:>10}   {d}".rstrip() for n, t, d in rows)
+
+
+def chat(llm, sampling, system_prompt=None, stdin=None, stdout=None) -> int:
+    """A chat REPL: each line is a user message; the reply streams. With a chat template the
+    conversation is multi-turn; otherwise each message stands alone."""
+    from compiled_llm.errors import CompiledLLMError
+    from compiled_llm.tokenizer import DEFAULT_SYSTEM_PROMPT
+
+    stdin = stdin or sys.stdin
+    stdout = stdout or sys.stdout
+    tok = llm.tokenizer
+    if tok is None:
+        raise CompiledLLMError("--interactive needs a tokenizer, and this engine has none")
+    system = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
+    hf = getattr(tok, "hf", None)
+    multi_turn = hf is not None and bool(getattr(tok, "has_chat_template", False))
+    messages = [{"role": "system", "content": system}] if system else []
+    print("chat: type a message, empty line or Ctrl-D to quit", file=stdout, flush=True)
+    while True:
+        print("> ", end="", file=stdout, flush=True)
+        line = stdin.readline()
+        if not line or not line.strip():
+            return 0
+        user = line.rstrip("\n")
+        if multi_turn:
+            messages.append({"role": "user", "content": user})
+            ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # some versions return a BatchEncoding
+                ids = list(ids["input_ids"])
+        else:
+            ids = tok.encode_chat(user, system)
+        reply = []
+        for delta in llm.stream({"prompt_token_ids": list(ids)}, sampling):
+            reply.append(delta)
+            print(delta, end="", file=stdout, flush=True)
+        print(file=stdout, flush=True)
+        if multi_turn:
+            messages.append({"role": "assistant", "content": "".join(reply)})

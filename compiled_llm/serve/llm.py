@@ -1,0 +1,149 @@
+"""``LLM``: the offline API, vLLM style.
+
+    from compiled_llm import LLM, SamplingParams
+    llm = LLM("engine_dir_or_model")
+    for out in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
+        print(out.text)
+    for delta in llm.stream("Tell me a story", SamplingParams(max_tokens=64)):
+        print(delta, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+from compiled_llm.errors import InvalidRequestError
+from compiled_llm.sampling import SamplingParams
+from compiled_llm.serve.llm_engine import EngineConfig, LLMEngine
+from compiled_llm.serve.loader import LoadedModel, load_model
+from compiled_llm.serve.outputs import RequestOutput
+
+
+def _is_single_prompt(prompts: Any) -> bool:
+    if isinstance(prompts, (str, dict)):
+        return True
+    # a bare list of token ids is one prompt
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+
+
+class LLM:
+    """Load an engine directory (or a model source: checkpoint dir, preset, hub id) and serve
+    batches of requests with continuous batching."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype=None,
+        device=None,
+        *,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 4096,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        num_blocks: int | None = None,
+        kv_cache_gib: float | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        enforce_eager: bool = False,
+        max_graph_batch_size: int = 256,
+    ):
+        config = EngineConfig(
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_blocks=num_blocks,
+            kv_cache_gib=kv_cache_gib,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            use_cuda_graphs=not enforce_eager,
+            max_graph_batch_size=max_graph_batch_size,
+        )
+        self._init_engine(load_model(model, dtype=dtype, device=device), config)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, **engine_options) -> "LLM":
+        """An LLM over an already loaded model (tests, benchmarks: a config + params + program)."""
+        self = cls.__new__(cls)
+        if "enforce_eager" in engine_options:
+            engine_options["use_cuda_graphs"] = not engine_options.pop("enforce_eager")
+        self._init_engine(loaded, EngineConfig(**engine_options))
+        return self
+
+    def _init_engine(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.model = loaded
+        self.engine = LLMEngine(loaded, config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    def _normalize(self, prompts, sampling_params) -> list[tuple]:
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        # every request is checked before any runs
+        return [self.engine.validate(p, sp) for p, sp in zip(prompts, params)]
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``."""
+        requests = self._normalize(prompts, sampling_params)
+        ids = [self.engine.add_request(None, _validated=r) for r in requests]
+        index = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in index:
+                        results[index[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:  # leave nothing half-run behind
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results  # type: ignore[return-value]
+
+    def stream(self, prompt: str | dict, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Text deltas of one request as they are generated (closing the iterator aborts it)."""
+        (request,) = self._normalize(prompt, sampling_params)
+        rid = self.engine.add_request(None, stream=True, _validated=request)
+        self.last_stream_output: RequestOutput | None = None
+        finished = False
+        try:
+            while not finished and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    self.last_stream_output = out
+                    finished = out.finished
+                    if out.delta_text:
+                        yield out.delta_text
+        finally:
+            if not finished:
+                self.engine.abort_request(rid)

@@ -1,0 +1,296 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs out.
+
+``LLMEngine`` owns the KV cache, block manager, scheduler and model runner of one loaded model.
+``add_request`` validates a request completely (a request that can never be served is refused
+there, never left to hang), ``step`` runs one batch and returns the outputs that changed:
+finished requests, and every new token of streaming ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from compiled_llm.errors import CompiledLLMError, EngineError, InvalidRequestError
+from compiled_llm.sampling import SamplingParams, make_generator
+from compiled_llm.serve import kv_cache as kvc
+from compiled_llm.serve.block_manager import BlockManager, cdiv
+from compiled_llm.serve.detokenizer import IncrementalDetokenizer
+from compiled_llm.serve.loader import LoadedModel
+from compiled_llm.serve.model_runner import ModelRunner, _label, profile_step
+from compiled_llm.serve.outputs import CompletionOutput, RequestOutput
+from compiled_llm.serve.scheduler import Scheduler, SchedulerConfig
+from compiled_llm.serve.sequence import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None  # fixed KV size (blocks); overrides the GiB / memory sizing
+    kv_cache_gib: float | None = None  # fixed KV size on a CPU (default 0.5 GiB)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    use_cuda_graphs: bool = True
+    max_graph_batch_size: int = 256
+
+    def __post_init__(self):
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise CompiledLLMError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise CompiledLLMError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise CompiledLLMError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise CompiledLLMError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0  # steps with any prompt tokens (run eagerly)
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0  # pure decode steps (CUDA graphs when captured)
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    generated_tokens: int = 0
+    kv_num_blocks: int = 0
+    graph_capture_s: float = 0.0
+    graphs_captured: int = 0
+    memory: dict = dataclasses.field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.config = config
+        mc = model.config
+        self.tokenizer = model.tokenizer
+        self.device = torch.device(model.device)
+        limit = min(mc.max_position_embeddings, model.max_model_len or mc.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.stats = EngineStats()
+        bs = config.block_size
+        max_num_seqs = config.max_num_seqs
+
+        num_blocks = config.num_blocks
+        if num_blocks is None and self.device.type == "cuda":
+            num_blocks, self.stats.memory = kvc.gpu_num_blocks(
+                mc, bs, model.dtype, self.device, config.gpu_memory_utilization,
+                lambda: profile_step(
+                    mc, model.params, model.program,
+                    num_tokens=min(config.max_num_batched_tokens, self.max_model_len),
+                    num_seqs=max_num_seqs, block_size=bs, dtype=model.dtype, device=self.device,
+                ),
+            )
+        elif num_blocks is None:
+            num_blocks = kvc.cpu_num_blocks(
+                mc, bs, model.dtype, config.kv_cache_gib, max_num_seqs * cdiv(self.max_model_len, bs) + 1
+            )
+        self.stats.kv_num_blocks = num_blocks
+        kv_cache = kvc.allocate(mc, num_blocks, bs, model.dtype, self.device)
+
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+            stop_token_ids=model.eos_token_ids,
+        )
+        self.runner = ModelRunner(
+            mc, model.params, model.program, kv_cache,
+            block_size=bs, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, device=self.device,
+        )
+        if config.use_cuda_graphs and self.device.type == "cuda":
+            if self.runner.capture_decode_graphs(config.max_graph_batch_size):
+                self.stats.graph_capture_s = self.runner.graphs.capture_s
+                self.stats.graphs_captured = len(self.runner.graphs.graphs)
+
+        self._requests: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._streaming: set[str] = set()
+        self._arrivals = itertools.count()
+        self.profile_labels = False
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def set_profile_labels(self, on: bool) -> None:
+        self.profile_labels = on
+        self.runner.profile_labels = on
+
+    def prompt_token_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text, {"prompt_token_ids": [...]} or a list
+        of ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "text prompt given but the model has no tokenizer; pass {'prompt_token_ids': [...]}"
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" not in prompt:
+                raise InvalidRequestError("a dict prompt needs a 'prompt_token_ids' list")
+            ids = prompt["prompt_token_ids"]
+            text = prompt.get("prompt")
+        elif isinstance(prompt, (list, tuple)):
+            ids, text = prompt, None
+        else:
+            raise InvalidRequestError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        try:
+            ids = [int(t) for t in ids]
+        except (TypeError, ValueError):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers") from None
+        return text, ids
+
+    def validate(self, prompt: Any, params: SamplingParams | None) -> tuple[str | None, list[int], SamplingParams]:
+        """Everything that can be wrong with a request, checked before it is queued."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)  # re-runs its validation
+        text, ids = self.prompt_token_ids(prompt)
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty; give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {n} tokens + max_tokens {params.max_tokens} exceeds the model's max length of {self.max_model_len} tokens"
+            )
+        need = cdiv(n + params.max_tokens, self.config.block_size)
+        if need > self.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {need} KV-cache blocks ({n} + {params.max_tokens} tokens) but the cache has only {self.num_blocks}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
+        return text, ids, params
+
+    def add_request(
+        self,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        stream: bool = False,
+        _validated: tuple | None = None,
+    ) -> str:
+        text, ids, params = _validated or self.validate(prompt, params)
+        arrival = next(self._arrivals)
+        request_id = str(arrival) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            arrival=arrival,
+            prompt=text,
+            generator=make_generator(params.seed, self.device),
+        )
+        self._requests[request_id] = seq
+        if params.detokenize and self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if stream:
+            self._streaming.add(request_id)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._requests.pop(str(request_id), None)
+        if seq is None:
+            return
+        self.scheduler.abort(seq)
+        self._detok.pop(seq.request_id, None)
+        self._streaming.discard(seq.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        if not self.scheduler.has_unfinished():
+            return []
+        t0 = time.perf_counter()
+        with _label(self.profile_labels, "schedule"):
+            batch = self.scheduler.schedule()
+        if batch.is_empty:
+            raise EngineError("the scheduler could not schedule any request (KV cache too small for the waiting ones)")
+        # prompt (or recomputed) tokens of this step, counted before update() appends tokens
+        prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.num_output_tokens == 0)
+        sampled = self.runner.execute(batch)
+        changed = self.scheduler.update(batch, sampled)
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.steps += 1
+        st.generated_tokens += len(sampled)
+        if batch.is_decode:
+            st.decode_steps += 1
+            st.decode_tokens += len(sampled)
+            st.decode_s += dt
+        else:
+            st.prefill_steps += 1
+            st.prefill_tokens += prompt_tokens
+            st.prefill_s += dt
+
+        outputs = []
+        for seq in changed:
+            rid = seq.request_id
+            det = self._detok.get(rid)
+            if det is not None and det.add(seq.token_ids[-1]):
+                if seq.is_finished:
+                    seq.finish_reason = "stop"  # a stop string outranks max_tokens
+                else:
+                    self.scheduler.finish(seq, "stop")
+            if seq.is_finished:
+                if det is not None:
+                    det.finalize()
+                outputs.append(self._output(seq, det, [seq.token_ids[-1]]))
+                self._requests.pop(rid, None)
+                self._detok.pop(rid, None)
+                self._streaming.discard(rid)
+            elif rid in self._streaming:
+                outputs.append(self._output(seq, det, [seq.token_ids[-1]]))
+        return outputs
+
+    def _output(self, seq: Sequence, det: IncrementalDetokenizer | None, delta_ids: list[int]) -> RequestOutput:
+        finished = seq.is_finished
+        text = det.text if det is not None else ""
+        delta = det.take_delta(finished) if det is not None else ""
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason)],
+            finished=finished,
+            metrics=seq.metrics,
+            delta_text=delta,
+            delta_token_ids=delta_ids,
+        )
+
+    def prefix_cache_stats(self):
+        return self.block_manager.stats

@@ -1,0 +1,257 @@
+"""Runs one scheduled step on the device: packs the batch, calls the program (or replays a
+CUDA graph for a decode step), samples.
+
+Host work per step is kept small: inputs are written into preallocated (pinned, on CUDA) numpy
+views and copied to preallocated device buffers with non_blocking copies; each running
+sequence's block table is mirrored in a numpy array row that only receives its new blocks; the
+only host sync of a step is fetching the sampled ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from compiled_llm.config import ModelConfig
+from compiled_llm.graph.spec import PackedBatch
+from compiled_llm.sampling import SamplingTensors, sample
+from compiled_llm.serve.block_manager import cdiv
+from compiled_llm.serve.cuda_graphs import DecodeGraphs, decode_buckets
+from compiled_llm.serve.scheduler import ScheduledBatch
+from compiled_llm.serve.sequence import Sequence
+
+Program = Callable[[dict, PackedBatch, Tensor], Tensor]
+
+
+def _label(enabled: bool, name: str):
+    if enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: dict[str, Tensor],
+        program: Program,
+        kv_cache: Tensor,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        device: torch.device,
+    ):
+        self.config = config
+        self.params = params
+        self.program = program
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.device = torch.device(device)
+        self.width = cdiv(max_model_len, block_size)  # block-table columns
+        self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.profile_labels = False
+        cuda = self.device.type == "cuda"
+
+        def host(n: int, dtype: torch.dtype) -> Tensor:
+            t = torch.zeros(n, dtype=dtype)
+            return t.pin_memory() if cuda else t
+
+        n, s = self.max_tokens, max_num_seqs
+        self._host = {
+            "tok": host(n, torch.int64),
+            "pos": host(n, torch.int64),
+            "slot": host(n, torch.int64),
+            "qsl": host(s + 1, torch.int32),
+            "sl": host(s, torch.int32),
+            "bt": host(s * self.width, torch.int32),
+        }
+        self._np = {k: v.numpy() for k, v in self._host.items()}
+        # on a CPU the program reads the host buffers themselves
+        self._dev = {k: v.to(self.device) if cuda else v for k, v in self._host.items()}
+        self._copied = torch.cuda.Event() if cuda else None
+        self._arange = np.arange(s + 1, dtype=np.int32)
+        # block-table mirror: one row per running sequence (Sequence.row)
+        self._tables = np.zeros((s, self.width), dtype=np.int32)
+        self._row_key: list[tuple | None] = [None] * s
+        self._row_synced = [0] * s
+        self.graphs = DecodeGraphs()
+
+    # ---- CUDA graphs --------------------------------------------------------------------------
+
+    def capture_decode_graphs(self, max_batch_size: int) -> bool:
+        if self.device.type != "cuda":
+            return False
+        buckets = decode_buckets(min(max_batch_size, self.max_num_seqs))
+        # capture-time inputs: every row attends to one token of block 0 and writes nowhere
+        self._np["tok"][:] = 0
+        self._np["pos"][:] = 0
+        self._np["slot"][:] = -1
+        self._np["sl"][:] = 1
+        self._np["qsl"][:] = self._arange
+        self._np["bt"][:] = 0
+        for k in self._dev:
+            self._dev[k].copy_(self._host[k])
+        return self.graphs.capture(buckets, lambda b: self._run_program(self._views(b, b, self.width)), self.device)
+
+    # ---- a step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Run the step; the sampled token of each row in batch.sample_rows, in that order."""
+        with _label(self.profile_labels, "forward"):
+            logits = self._forward(batch)
+        with _label(self.profile_labels, "sample"):
+            return self._sample(batch, logits)
+
+    def _forward(self, batch: ScheduledBatch) -> Tensor:
+        seqs = batch.seqs
+        S = len(seqs)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the host buffers
+        self._sync_tables(seqs)
+        if batch.is_decode:
+            bucket = self.graphs.bucket_for(S) if self.graphs.enabled else None
+            if bucket is not None:
+                self._fill_decode(seqs, bucket, self.width)
+                self._copy_in(bucket, bucket, self.width)
+                return self.graphs.replay(bucket)[:S]
+            width = max(len(s.block_table) for s in seqs)
+            self._fill_decode(seqs, S, width)
+            T = S
+        else:
+            width = max(len(s.block_table) for s in seqs)
+            T = self._fill_mixed(seqs, batch.num_new_tokens, width)
+        self._copy_in(T, S, width)
+        return self._run_program(self._views(T, S, width))
+
+    def _run_program(self, batch: PackedBatch) -> Tensor:
+        return self.program(self.params, batch, self.kv_cache)
+
+    def _sample(self, batch: ScheduledBatch, logits: Tensor) -> list[int]:
+        rows = batch.sample_rows
+        if not rows:
+            return []
+        if len(rows) != len(batch.seqs):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        seqs = [batch.seqs[r] for r in rows]
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            ids = logits.argmax(dim=-1)
+        else:
+            st = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
+            gens = [s.generator for s in seqs]
+            ids = sample(logits, st, gens if any(g is not None for g in gens) else None)
+        return ids.tolist()
+
+    # ---- host-side batch building -------------------------------------------------------------
+
+    def _sync_tables(self, seqs: list[Sequence]) -> None:
+        """Copy new block-table entries of each sequence into its mirror row."""
+        for s in seqs:
+            r = s.row
+            key = (s.request_id, s.table_epoch)
+            if self._row_key[r] != key:
+                self._row_key[r] = key
+                self._row_synced[r] = 0
+            k, n = self._row_synced[r], len(s.block_table)
+            if n > k:
+                self._tables[r, k:n] = s.block_table[k:n]
+                self._row_synced[r] = n
+
+    def _fill_decode(self, seqs: list[Sequence], padded: int, width: int) -> None:
+        """One new token per sequence (its last); rows S..padded-1 are padding."""
+        S = len(seqs)
+        npb = self._np
+        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=S)
+        pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=S)
+        npb["tok"][:S] = [s.token_ids[-1] for s in seqs]
+        npb["pos"][:S] = pos
+        bs = self.block_size
+        npb["slot"][:S] = self._tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        npb["sl"][:S] = pos + 1
+        npb["qsl"][: padded + 1] = self._arange[: padded + 1]
+        bt = npb["bt"][: padded * width].reshape(padded, width)
+        bt[:S] = self._tables[rows, :width]
+        if padded > S:
+            npb["tok"][S:padded] = 0
+            npb["pos"][S:padded] = 0
+            npb["slot"][S:padded] = -1
+            npb["sl"][S:padded] = 0
+            bt[S:] = 0
+
+    def _fill_mixed(self, seqs: list[Sequence], num_new: list[int], width: int) -> int:
+        npb = self._np
+        bs = self.block_size
+        bt = npb["bt"][: len(seqs) * width].reshape(len(seqs), width)
+        t = 0
+        npb["qsl"][0] = 0
+        for i, (s, n) in enumerate(zip(seqs, num_new)):
+            c = s.num_computed_tokens
+            npb["tok"][t:t + n] = s.token_ids[c:c + n]
+            pos = np.arange(c, c + n, dtype=np.int64)
+            npb["pos"][t:t + n] = pos
+            row = self._tables[s.row]
+            npb["slot"][t:t + n] = row[pos // bs].astype(np.int64) * bs + pos % bs
+            npb["sl"][i] = c + n
+            bt[i] = row[:width]
+            t += n
+            npb["qsl"][i + 1] = t
+        return t
+
+    def _copy_in(self, T: int, S: int, width: int) -> None:
+        if self._copied is None:
+            return
+        sizes = {"tok": T, "pos": T, "slot": T, "qsl": S + 1, "sl": S, "bt": S * width}
+        for k, n in sizes.items():
+            self._dev[k][:n].copy_(self._host[k][:n], non_blocking=True)
+        self._copied.record()
+
+    def _views(self, T: int, S: int, width: int) -> PackedBatch:
+        d = self._dev
+        return PackedBatch(
+            token_ids=d["tok"][:T],
+            positions=d["pos"][:T],
+            query_start_loc=d["qsl"][: S + 1],
+            seq_lens=d["sl"][:S],
+            block_tables=d["bt"][: S * width].view(S, width),
+            slot_mapping=d["slot"][:T],
+        )
+
+
+@torch.inference_mode()
+def profile_step(
+    config: ModelConfig,
+    params: dict[str, Tensor],
+    program: Program,
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """The largest step the engine runs: a prefill of num_tokens tokens, then sampling (with
+    top-k/top-p sorting) of num_seqs rows of logits. Used to measure the activation peak."""
+    from compiled_llm.graph.batch import ScheduledSeq, pack_batch
+    from compiled_llm.sampling import SamplingParams
+    from compiled_llm.serve import kv_cache as kvc
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (max(num_tokens, 2),), generator=gen).tolist()
+    # two sequences splitting the tokens (programs are exported for >= 2 sequences)
+    half = len(tokens) // 2
+    a, b = cdiv(half, block_size), cdiv(len(tokens) - half, block_size)
+    kv = kvc.allocate(config, a + b, block_size, dtype, device)
+    seqs = [ScheduledSeq(tokens[:half], 0, list(range(a))), ScheduledSeq(tokens[half:], 0, list(range(a, a + b)))]
+    logits = program(params, pack_batch(seqs, block_size, device), kv)
+    del kv
+    rows = torch.randn((num_seqs, logits.shape[-1]), device=device, dtype=logits.dtype)
+    p = SamplingParams(temperature=0.7, top_k=50, top_p=0.9)
+    sample(rows, SamplingTensors.from_params([p] * num_seqs, logits.shape[-1], device))

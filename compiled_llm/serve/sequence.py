@@ -1,0 +1,95 @@
+"""One request's state inside the engine: its tokens, how many of them sit in the KV cache, its
+blocks, its sampling parameters and timings.
+
+The scheduler and the block manager mutate it; nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from compiled_llm.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.perf_counter) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # submission order: lower = higher priority (FCFS)
+    prompt: str | None = None
+    generator: object | None = None  # torch.Generator for seeded sampling
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in this sequence's blocks
+    block_table: list[int] = field(default_factory=list)
+    # Chained hashes of the full blocks of token_ids (tokens never change, so this only grows).
+    block_hashes: list[int] = field(default_factory=list)
+    num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    # Bumped whenever block_table is dropped (preemption), so a runner that mirrors the table
+    # knows to copy it again.
+    table_epoch: int = 0
+    row: int = -1  # the runner's slot for this sequence while it runs
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_hash(self, index: int, block_size: int) -> int:
+        """Chained hash of full block ``index``: hash((parent hash, its token ids)). Equal
+        hashes mean equal whole prefixes (the block manager also checks the tokens)."""
+        while len(self.block_hashes) <= index:
+            i = len(self.block_hashes)
+            parent = self.block_hashes[i - 1] if i else None
+            tokens = tuple(self.token_ids[i * block_size:(i + 1) * block_size])
+            assert len(tokens) == block_size, "only full blocks have a hash"
+            self.block_hashes.append(hash((parent, tokens)))
+        return self.block_hashes[index]

@@ -1,0 +1,140 @@
+"""The engine directory is self-describing and its loader refuses a bad one with a one-line
+EngineError: a deleted file, a flipped byte, a format version from the future, another device.
+A compiled cache that does not fit the machine falls back to the portable program."""
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from compiled_llm import artifact
+from compiled_llm.build import build_engine
+from compiled_llm.errors import EngineError
+from compiled_llm.graph.batch import ScheduledSeq, pack_batch
+from compiled_llm.graph.spec import forward, kv_cache_shape
+from compiled_llm.sources import load_source_params, resolve_source
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eng") / "tiny-qwen2"
+    build_engine("tiny-qwen2", out, progress=False)
+    return out
+
+
+@pytest.fixture
+def copy_of(engine, tmp_path):
+    dst = tmp_path / "engine"
+    shutil.copytree(engine, dst)
+    return dst
+
+
+def test_artifact_holds_what_run_needs(engine):
+    m = artifact.read_manifest(engine)
+    for f in ("weights.safetensors", "program.pt2", "ir/00_captured.ops.json", "tokenizer/tokenizer.json"):
+        assert f in m["files"], f
+        assert (engine / f).is_file()
+    assert m["format_version"] == artifact.FORMAT_VERSION
+    assert m["model_config"]["architecture"] == "Qwen2ForCausalLM"
+    assert m["build_options"]["dtype"] == "float32" and m["build_options"]["device"] == "cpu"
+    assert m["versions"]["torch"] == torch.__version__
+    assert [p["name"] for p in m["passes"]][:2] == ["cleanup_noop", "fuse_norm_mlp"]
+    assert m["kernels"]["paged_attention"] == "reference"
+    assert m["backend"]["kind"] == "portable"
+    assert m["source"]["preset"] == "tiny-qwen2"
+    # the program stores no weights: far smaller than the weights file
+    assert (engine / "program.pt2").stat().st_size < (engine / "weights.safetensors").stat().st_size / 4
+
+
+def test_loaded_engine_computes_the_spec(engine):
+    e = artifact.load_engine(engine)
+    assert e.backend == "portable" and e.device.type == "cpu" and e.dtype == torch.float32
+    assert e.tokenizer_dir == engine / "tokenizer" and e.source_dir is None
+    assert "layers.0.qkv.weight" in e.params and "layers.0.q.weight" not in e.params
+    src = resolve_source("tiny-qwen2")
+    params = load_source_params(src, torch.float32, "cpu")
+    batch = pack_batch([ScheduledSeq([5, 6, 7], 0, [1]), ScheduledSeq([9], 4, [0])], 16)
+    kv = torch.randn(kv_cache_shape(e.config, 3, 16))
+    kv_ref = kv.clone()
+    torch.testing.assert_close(e.program(e.params, batch, kv), forward(src.config, params, batch, kv_ref),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_deleted_file_is_refused(copy_of):
+    (copy_of / "program.pt2").unlink()
+    with pytest.raises(EngineError, match=r"engine file program.pt2 is missing"):
+        artifact.load_engine(copy_of)
+
+
+def test_deleted_manifest_is_refused(copy_of):
+    (copy_of / "manifest.json").unlink()
+    with pytest.raises(EngineError, match="manifest.json is missing"):
+        artifact.load_engine(copy_of)
+
+
+def test_flipped_byte_is_refused(copy_of):
+    path = copy_of / "weights.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="weights.safetensors fails its checksum"):
+        artifact.load_engine(copy_of)
+
+
+def test_future_format_version_is_refused(copy_of):
+    path = copy_of / "manifest.json"
+    m = json.loads(path.read_text())
+    m["format_version"] = artifact.FORMAT_VERSION + 1
+    path.write_text(json.dumps(m))
+    with pytest.raises(EngineError, match=f"format version {artifact.FORMAT_VERSION + 1} is newer"):
+        artifact.load_engine(copy_of)
+
+
+def test_engine_for_another_device_is_refused(engine):
+    with pytest.raises(EngineError, match="built for cpu but cuda was asked for"):
+        artifact.load_engine(engine, device="cuda")
+
+
+def test_errors_are_one_line(copy_of):
+    (copy_of / "weights.safetensors").unlink()
+    with pytest.raises(EngineError) as info:
+        artifact.load_engine(copy_of)
+    assert "\n" not in str(info.value)
+
+
+def test_compiled_cache_for_another_machine_falls_back_to_portable():
+    fp = {"torch": "0.0.1", "triton": "9.9", "gpu_arch": "sm_00"}
+    manifest = {"backend": {"kind": "inductor", "cache_file": "inductor_cache.bin", "fingerprint": fp}}
+    kind, warning = artifact.choose_backend(manifest, torch.device("cpu"), None)
+    assert kind == "portable" and "torch is" in warning and "portable" in warning
+    kind, warning = artifact.choose_backend(manifest, torch.device("cpu"), "portable")
+    assert kind == "portable" and warning is None
+
+
+def test_fallback_warns_on_load(copy_of):
+    """An engine that claims an Inductor cache compiled elsewhere still loads, portable, with a warning."""
+    path = copy_of / "manifest.json"
+    m = json.loads(path.read_text())
+    m["backend"] = {"kind": "inductor", "cache_file": "inductor_cache.bin",
+                    "fingerprint": {"torch": "0.0.1", "triton": None, "gpu_arch": "sm_90"}}
+    path.write_text(json.dumps(m))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        e = artifact.load_engine(copy_of)
+    assert e.backend == "portable"
+    assert any("does not fit this machine" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_build_saves_inductor_cache_and_reloads(tmp_path):
+    out = tmp_path / "eng"
+    m = build_engine("tiny-qwen2", out, dtype="bfloat16", device="cuda", progress=False)
+    assert m["backend"]["kind"] == "inductor" and m["backend"]["cache_file"]
+    e = artifact.load_engine(out)
+    assert e.backend == "inductor"
+    batch = pack_batch([ScheduledSeq([5, 6, 7], 0, [1])], 16, "cuda")
+    kv = torch.zeros(kv_cache_shape(e.config, 3, 16), dtype=torch.bfloat16, device="cuda")
+    assert torch.isfinite(e.program(e.params, batch, kv).float()).all()

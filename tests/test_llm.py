@@ -1,0 +1,162 @@
+"""The LLM API against the reference loop: batched, chunked, prefix-cached and preempted
+generation gives exactly what each request gives alone; sampling is reproducible; stop strings,
+streaming and aborts; bad requests are refused at submit while others carry on."""
+
+import random
+
+import pytest
+import torch
+
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.errors import CompiledLLMError, InvalidRequestError
+from compiled_llm.reference import generate_reference
+from hf_checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # small budget and pool: chunked prefill and preemption both happen
+    return LLM("tiny-qwen2", device="cpu", max_num_seqs=16, max_num_batched_tokens=96, num_blocks=48)
+
+
+def mixed_requests(vocab, n=64, seed=0, prefix=()):
+    rng = random.Random(seed)
+    prompts = [list(prefix) + [rng.randrange(vocab) for _ in range(rng.randint(1, 100))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 16), temperature=0.0, ignore_eos=rng.random() < 0.5) for _ in range(n)]
+    return prompts, params
+
+
+def reference(llm, prompts, params, detokenize=None):
+    m = llm.model
+    return generate_reference(m.config, m.params, prompts, params, eos_token_ids=m.eos_token_ids, detokenize=detokenize)
+
+
+def assert_same(outs, refs):
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert o.token_ids == r.token_ids, f"request {i}: {o.token_ids} != {r.token_ids}"
+        assert o.finish_reason == r.finish_reason, f"request {i}"
+
+
+def test_64_mixed_requests_match_reference_on_preset(tiny):
+    prompts, params = mixed_requests(tiny.model.config.vocab_size)
+    preempted_before = tiny.engine.scheduler.num_preemptions
+    outs = tiny.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert_same(outs, reference(tiny, prompts, params))
+    assert tiny.engine.scheduler.num_preemptions > preempted_before
+    assert tiny.engine.block_manager.num_free_blocks == tiny.engine.num_blocks
+
+
+def test_64_mixed_requests_match_reference_on_transformers_checkpoint(tmp_path):
+    make_checkpoint("qwen2", tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=16, max_num_batched_tokens=128)
+    prompts, params = mixed_requests(llm.model.config.vocab_size, seed=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_same(outs, reference(llm, prompts, params))
+
+
+def test_shared_system_prompt_hits_prefix_cache_without_changing_outputs(tiny):
+    vocab = tiny.model.config.vocab_size
+    system = [random.Random(5).randrange(vocab) for _ in range(40)]
+    prompts, params = mixed_requests(vocab, n=24, seed=2, prefix=system)
+    hits_before = tiny.engine.block_manager.stats.hit_tokens
+    outs = tiny.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hits = tiny.engine.block_manager.stats.hit_tokens - hits_before
+    assert hits >= 32 * 20  # 40 tokens = 2 full blocks of 16, reused by most requests
+    assert sum(o.metrics.num_cached_tokens for o in outs) > 0
+    assert_same(outs, reference(tiny, prompts, params))
+
+
+def test_text_prompts_detokenize_like_the_reference(tiny):
+    tok = tiny.tokenizer
+    texts = ["Hello there", "The quick brown fox", "a"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = tiny.generate(texts, params, use_tqdm=False)
+    refs = reference(tiny, [tok.encode(t) for t in texts], [params] * 3, detokenize=tok.decode)
+    for o, r, t in zip(outs, refs, texts):
+        assert o.prompt == t and o.text == r.text and o.token_ids == r.token_ids
+        assert o.outputs[0].text == o.text
+
+
+def test_stop_string_is_trimmed_and_streaming_adds_up(tiny):
+    prompt = "Once upon a time"
+    base = tiny.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(base.text) >= 6
+    stop = base.text[3:5]
+    cut = base.text.find(stop)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop])
+    out = tiny.generate(prompt, params, use_tqdm=False)[0]
+    assert out.text == base.text[:cut] and out.finish_reason == "stop"
+    ref = reference(tiny, [tiny.tokenizer.encode(prompt)], [params], detokenize=tiny.tokenizer.decode)[0]
+    assert (out.text, out.token_ids, out.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
+    # streaming: the deltas add up to the text, for plain and stop-string requests alike
+    assert "".join(tiny.stream(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))) == base.text
+    assert "".join(tiny.stream(prompt, params)) == out.text
+
+
+def test_seeded_sampling_is_reproducible_and_matches_reference(tiny):
+    vocab = tiny.model.config.vocab_size
+    prompts = [[random.Random(i).randrange(vocab) for _ in range(10 + i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, seed=100 + i, ignore_eos=True) for i in range(6)]
+    first = tiny.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # a different batch around them (and in another order) changes nothing
+    noise = [SamplingParams(max_tokens=5, temperature=1.0) for _ in range(3)]
+    second = tiny.generate([{"prompt_token_ids": p} for p in prompts[::-1]] + [[1, 2]] * 3, params[::-1] + noise, use_tqdm=False)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second[:6][::-1]]
+    assert len({tuple(o.token_ids) for o in first}) > 1
+    assert [o.token_ids for o in first] == [r.token_ids for r in reference(tiny, prompts, params)]
+
+
+def test_closing_a_stream_aborts_and_frees_blocks(tiny):
+    it = tiny.stream({"prompt_token_ids": [5] * 50}, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+    next(it)
+    it.close()
+    assert not tiny.engine.has_unfinished_requests()
+    assert tiny.engine.block_manager.num_free_blocks == tiny.engine.num_blocks
+
+
+@pytest.mark.parametrize(
+    "prompt, make_params, fragment",
+    [
+        ({"prompt_token_ids": []}, lambda: SamplingParams(), "empty"),
+        ("", lambda: SamplingParams(), "empty"),
+        ({"prompt_token_ids": [1] * 1020}, lambda: SamplingParams(max_tokens=10), "max length"),
+        ({"prompt_token_ids": [1, 99999]}, lambda: SamplingParams(), "vocabulary"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(max_tokens=0), "max_tokens"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(temperature=-1.0), "temperature"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(top_p=0.0), "top_p"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(top_p=1.01), "top_p"),
+    ],
+)
+def test_bad_request_is_refused_at_submit_while_others_carry_on(tiny, prompt, make_params, fragment):
+    engine = tiny.engine
+    good = engine.add_request({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+    engine.step()
+    with pytest.raises(InvalidRequestError, match=fragment):
+        engine.add_request(prompt, make_params())
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == [good] and len(finished[0].token_ids) == 4
+
+
+def test_generate_validates_every_request_before_running_any(tiny):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        tiny.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not tiny.engine.has_unfinished_requests()
+
+
+def test_unknown_engine_directory_is_refused(tmp_path):
+    with pytest.raises(CompiledLLMError, match="nowhere"):
+        LLM(str(tmp_path / "nowhere"), device="cpu")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CompiledLLMError, match="config.json"):
+        LLM(str(empty), device="cpu")
+
+
+def test_single_prompt_and_output_conveniences(tiny):
+    (out,) = tiny.generate({"prompt_token_ids": [7, 8, 9]}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out.token_ids == out.outputs[0].token_ids and len(out.token_ids) == 3
+    assert out.finish_reason == "length" and out.finished
+    assert out.metrics.time_to_first_token is not None and out.metrics.time_to_first_token >= 0

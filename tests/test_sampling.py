@@ -1,0 +1,122 @@
+"""The batched sampler against the definitions of greedy, temperature, top-k and top-p, seeded
+reproducibility, and SamplingParams validation."""
+
+import math
+
+import pytest
+import torch
+
+from compiled_llm.errors import InvalidRequestError
+from compiled_llm.sampling import SamplingParams, SamplingTensors, make_generator, sample, truncate_logits
+
+V = 8
+# fixed logits with distinct, known probabilities
+LOGITS = torch.log(torch.tensor([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02]))
+
+
+def draw(params: SamplingParams, n=4000, seed=0):
+    torch.manual_seed(seed)
+    logits = LOGITS.repeat(n, 1)
+    st = SamplingTensors.from_params([params] * n, V, "cpu")
+    return sample(logits, st)
+
+
+def frequencies(ids):
+    return torch.bincount(ids, minlength=V).float() / len(ids)
+
+
+def assert_matches(ids, probs, n_sigma=5.0):
+    freq = frequencies(ids)
+    sigma = torch.sqrt(probs * (1 - probs) / len(ids)).clamp_min(1e-3)
+    assert ((freq - probs).abs() <= n_sigma * sigma).all(), (freq, probs)
+
+
+def test_greedy_is_argmax_per_row():
+    logits = torch.randn(5, 100)
+    params = [SamplingParams(temperature=0.0)] * 5
+    ids = sample(logits, SamplingTensors.from_params(params, 100, "cpu"))
+    assert torch.equal(ids, logits.argmax(-1))
+
+
+def test_temperature_scales_the_distribution():
+    for t in (1.0, 0.5, 2.0):
+        ids = draw(SamplingParams(temperature=t))
+        assert_matches(ids, torch.softmax(LOGITS / t, -1))
+
+
+def test_top_k_samples_only_the_k_best_renormalised():
+    k = 3
+    ids = draw(SamplingParams(temperature=1.0, top_k=k))
+    assert set(ids.tolist()) <= {0, 1, 2}
+    p = LOGITS.exp()[:k]
+    assert_matches(ids, torch.cat([p / p.sum(), torch.zeros(V - k)]))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # probs sorted: .30 .25 .15 .12 ...: cumulative .30 .55 .70 .82
+    def kept(top_p):
+        out = truncate_logits(LOGITS[None], torch.tensor([V]), torch.tensor([top_p]))
+        return torch.isfinite(out[0]).nonzero().flatten().tolist()
+
+    assert kept(0.69) == [0, 1, 2]  # .30+.25+.15 = .70 reaches .69, .30+.25 does not
+    assert kept(0.71) == [0, 1, 2, 3]
+    assert kept(0.05) == [0]  # the best token always stays
+    assert kept(1.0) == list(range(V))
+    ids = draw(SamplingParams(temperature=1.0, top_p=0.54))
+    assert set(ids.tolist()) <= {0, 1}
+    p = LOGITS.exp()[:2]
+    assert_matches(ids, torch.cat([p / p.sum(), torch.zeros(V - 2)]))
+
+
+def test_top_k_and_top_p_together_apply_both():
+    out = truncate_logits(LOGITS[None], torch.tensor([2]), torch.tensor([0.9]))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 1]
+
+
+def test_rows_keep_their_own_parameters():
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0)]
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS])
+    st = SamplingTensors.from_params(params, V, "cpu")
+    for _ in range(20):
+        ids = sample(logits, st).tolist()
+        assert ids[0] == 0 and ids[1] == V - 1
+
+
+def test_seeded_rows_reproduce_and_ignore_their_neighbours():
+    def run(batch_params, seed_row):
+        gens = [make_generator(p.seed, "cpu") for p in batch_params]
+        st = SamplingTensors.from_params(batch_params, V, "cpu")
+        logits = LOGITS.repeat(len(batch_params), 1)
+        return [sample(logits, st, gens)[seed_row].item() for _ in range(30)]
+
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = run([seeded], 0)
+    torch.manual_seed(99)  # unseeded neighbours draw from the global generator
+    crowded = run([SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0.7, top_k=3)], 1)
+    assert alone == crowded
+    assert len(set(alone)) > 1  # really sampled
+    other = run([SamplingParams(temperature=1.0, seed=4321)], 0)
+    assert other != alone
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
+def test_invalid_sampling_params_are_refused(kwargs, fragment):
+    with pytest.raises(InvalidRequestError, match=fragment):
+        SamplingParams(**kwargs)
+
+
+def test_stop_is_normalised_to_a_tuple():
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
