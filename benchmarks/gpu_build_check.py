@@ -47,7 +47,7 @@ def load_once(engine_dir: str) -> dict:
         "fxgraph_hit": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
         "fxgraph_miss": int(counters["inductor"].get("fxgraph_cache_miss", 0)),
         "aot_hit": int(counters["aot_autograd"].get("autograd_cache_hit", 0)),
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     }
 
 

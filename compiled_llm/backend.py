@@ -47,7 +47,10 @@ class InductorProgram:
         # Inductor may mutate the graph it is handed: give it a copy.
         self.module = FlatProgram(copy.deepcopy(gm), param_names)
         self.param_names = list(param_names)
-        self.compiled = torch.compile(self.module, fullgraph=True)
+        # auto_functionalized v2 loses the paged_attention cache writes when the cache's block
+        # count is dynamic (checked on torch 2.13 CPU: the step's k/v never reach kv_cache);
+        # v1 keeps them.
+        self.compiled = torch.compile(self.module, fullgraph=True, options={"enable_auto_functionalized_v2": False})
 
     def __call__(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor) -> Tensor:
         mark = torch._dynamo.maybe_mark_dynamic

@@ -160,3 +160,116 @@ def test_single_prompt_and_output_conveniences(tiny):
     assert out.token_ids == out.outputs[0].token_ids and len(out.token_ids) == 3
     assert out.finish_reason == "length" and out.finished
     assert out.metrics.time_to_first_token is not None and out.metrics.time_to_first_token >= 0
+
+
+def test_decode_padded_to_buckets_matches_unpadded(tiny):
+    """The CUDA-graph input layout (rows padded to the bucket with slot -1 / seq_len 0, block
+    tables at full width), exercised eagerly on the CPU."""
+    from compiled_llm.serve.cuda_graphs import decode_buckets
+
+    prompts, params = mixed_requests(tiny.model.config.vocab_size, n=20, seed=7)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    plain = tiny.generate(requests, params, use_tqdm=False)
+    runner = tiny.engine.runner
+    runner.decode_buckets = runner.graphs.buckets = decode_buckets(16)
+    try:
+        padded = tiny.generate(requests, params, use_tqdm=False)
+    finally:
+        runner.decode_buckets = runner.graphs.buckets = []
+    assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
+    assert_same(padded, reference(tiny, prompts, params))
+
+
+def test_decode_buckets_cover_every_batch_size():
+    from compiled_llm.serve.cuda_graphs import decode_buckets
+
+    b = decode_buckets(256)
+    assert b[:4] == [1, 2, 4, 8] and b[-1] == 256
+    assert all(x in b for x in range(16, 65, 8))
+    assert b == sorted(set(b))
+    assert decode_buckets(20)[-1] == 20 and max(decode_buckets(20)) == 20
+
+
+# ---- the CLI on a built engine -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    from compiled_llm.build import build_engine
+
+    out = tmp_path_factory.mktemp("engine") / "tiny"
+    build_engine("tiny-qwen2", out, dtype="float32", device="cpu", progress=False)
+    return str(out)
+
+
+def cli(argv, capsys):
+    import json
+
+    from compiled_llm.cli.main import main
+
+    code = main(argv)
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines() if line.startswith("{")]
+    return code, captured, lines
+
+
+def test_run_engine_json_matches_reference(engine_dir, tiny, capsys):
+    code, _, lines = cli(["run", engine_dir, "--prompt", "Hi there", "--prompt-ids", "5,6,7,8", "--max-tokens", "10",
+                          "--ignore-eos", "--device", "cpu", "--json", "--max-num-seqs", "4"], capsys)
+    assert code == 0 and len(lines) == 2
+    tok = tiny.tokenizer
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    refs = reference(tiny, [tok.encode("Hi there"), [5, 6, 7, 8]], [params] * 2, detokenize=tok.decode)
+    for line, r in zip(lines, refs):
+        assert line == {"prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason}
+
+
+def test_run_engine_stream_profile_and_perf_summary(engine_dir, tmp_path, capsys):
+    import json
+
+    prof = tmp_path / "prof"
+    code, captured, _ = cli(["run", engine_dir, "--prompt", "Hello", "--max-tokens", "6", "--ignore-eos",
+                             "--device", "cpu", "--stream", "--profile", str(prof)], capsys)
+    assert code == 0
+    for field in ("load", "graphs", "ttft", "prefill", "decode", "tokens generated"):
+        assert field in captured.out
+    trace = json.loads((prof / "trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"schedule", "forward", "sample"} <= names
+
+
+def test_run_engine_interactive_chat(engine_dir, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nsecond message\n\n"))
+    code, captured, _ = cli(["run", engine_dir, "--interactive", "--max-tokens", "4", "--device", "cpu"], capsys)
+    assert code == 0 and captured.out.count("> ") == 3  # two replies, then the empty line quits
+
+
+def test_run_engine_bad_option_values_exit_2(engine_dir, capsys):
+    code, captured, _ = cli(["run", engine_dir, "--prompt-ids", "1,2", "--top-p", "0", "--device", "cpu"], capsys)
+    assert code == 2 and captured.err.startswith("error:") and "top_p" in captured.err
+    code, captured, _ = cli(["run", engine_dir, "--prompt-ids", "1,2", "--max-tokens", "5000", "--device", "cpu"], capsys)
+    assert code == 2 and "max length" in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_bench_latency_on_cpu(engine_dir, capsys):
+    code, captured, _ = cli(["bench", engine_dir, "--workload", "latency", "--no-hf", "--device", "cpu"], capsys)
+    assert code == 0
+    row = next(line for line in captured.out.splitlines() if line.startswith("latency") and "decode_tok_s" in line)
+    assert float(row.split()[2].replace(",", "")) > 0
+
+
+def test_throughput_workload_definition_and_small_run(tiny):
+    from compiled_llm.cli.bench import load_workloads
+
+    wl = load_workloads()
+    prompts, max_tokens = wl.throughput_requests()
+    assert len(prompts) == len(max_tokens) == 256
+    assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= n <= 1024 for n in max_tokens)
+    assert all(0 <= t <= 10000 for p in prompts for t in p)
+    assert wl.throughput_requests() == (prompts, max_tokens)  # seeded: the same every time
+    result = wl.compiled_throughput(tiny, num_requests=3, max_input_len=110, max_output_len=104)
+    assert result.metrics["output_tok_s"] > 0
+    table = wl.format_table([result])
+    assert "throughput" in table and "output_tok_s" in table

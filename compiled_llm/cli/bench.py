@@ -1,12 +1,130 @@
-"""`compiled-llm bench` (placeholder until its issue lands)."""
+"""`compiled-llm bench ENGINE_DIR --workload latency|throughput|prefill|all`: the PERF.md
+workloads on a built engine, with Hugging Face transformers measured in the same run (built
+from the engine's source config with random weights) and one table comparing them.
+
+The workload code lives in benchmarks/workloads.py at the repository root (also used by
+benchmarks/bench_all.py), so this command needs a source checkout of the project.
+"""
+
+from __future__ import annotations
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("bench", help="(not yet implemented)")
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark an engine on the latency / throughput / prefill workloads (vs HF transformers)",
+        description="Run the workloads of PERF.md on ENGINE_DIR and, unless --no-hf, the same workloads "
+                    "on Hugging Face transformers in the same process; print one table.",
+    )
+    p.add_argument("engine", metavar="ENGINE_DIR", help="an engine directory made by 'compiled-llm build' (or a model source)")
+    p.add_argument("--workload", choices=("latency", "throughput", "prefill", "all"), default="all",
+                   help="which workload to run (default all)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers peer")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to run; auto = cuda when available")
+    p.add_argument("--num-requests", type=int, default=256, metavar="N",
+                   help="requests of the throughput workload (default 256, as PERF.md defines it)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of GPU memory the engine may use (default 0.9)")
+    p.add_argument("--num-blocks", type=int, default=None, metavar="N", help="fixed number of KV-cache blocks")
+    p.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="most sequences per step (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096, metavar="N",
+                   help="token budget of one step (default 4096)")
+    p.add_argument("--max-model-len", type=int, default=4096, metavar="N",
+                   help="longest sequence served; bounds the block tables (default 4096, enough for the workloads)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly instead of with CUDA graphs")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON list instead of a table")
     p.set_defaults(handler=run)
 
 
-def run(args) -> int:
+def load_workloads():
+    """benchmarks/workloads.py of the source checkout this package runs from."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
     from compiled_llm.errors import CompiledLLMError
 
-    raise CompiledLLMError("'bench' is not implemented yet")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "workloads.py"
+    if not path.is_file():
+        raise CompiledLLMError(f"benchmarks/workloads.py not found at {path}; 'bench' needs a source checkout")
+    if "compiled_llm_bench_workloads" in sys.modules:
+        return sys.modules["compiled_llm_bench_workloads"]
+    spec = importlib.util.spec_from_file_location("compiled_llm_bench_workloads", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def hf_config_of(llm) -> dict | None:
+    """The config.json the engine was built from (preset or checkpoint), or None."""
+    import json
+    from pathlib import Path
+
+    manifest = llm.model.manifest or {}
+    source = manifest.get("source", {})
+    if source.get("preset"):
+        from compiled_llm.presets import preset_hf_config
+
+        return preset_hf_config(source["preset"])
+    model_dir = source.get("model_dir")
+    if model_dir and (Path(model_dir) / "config.json").is_file():
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    if not llm.model.is_engine:
+        from compiled_llm.presets import is_preset, preset_hf_config
+
+        if is_preset(llm.model.name):
+            return preset_hf_config(llm.model.name)
+        path = Path(llm.model.name) / "config.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+    return None
+
+
+def run(args) -> int:
+    import dataclasses
+    import json
+
+    from compiled_llm.cli.run import resolve_device
+    from compiled_llm.serve.llm import LLM
+
+    wl = load_workloads()
+    workloads = wl.WORKLOADS if args.workload == "all" else (args.workload,)
+    device = resolve_device(args.device)
+    llm = LLM(
+        args.engine, device=device,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enforce_eager=args.no_cuda_graphs,
+    )
+    results = []
+    for w in workloads:
+        if w == "throughput":
+            results.append(wl.compiled_throughput(llm, args.num_requests))
+        else:
+            results.extend(wl.run_compiled(llm, (w,)))
+    hf_cfg = None if args.no_hf else hf_config_of(llm)
+    dtype = llm.model.dtype
+    del llm  # free the engine's memory for the peer
+    if hf_cfg is not None:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        for w in workloads:
+            if w == "throughput":
+                results.append(wl.hf_throughput(hf_cfg, dtype, device, args.num_requests))
+            else:
+                results.extend(wl.run_hf(hf_cfg, dtype, device, (w,)))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    else:
+        print(f"{args.engine} on {device.type}, {str(dtype).removeprefix('torch.')}")
+        print(wl.format_table(results))
+        if not args.no_hf and hf_cfg is None:
+            print("hf: skipped (the engine records no preset or checkpoint config to build it from)")
+    return 0

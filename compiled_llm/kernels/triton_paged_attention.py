@@ -178,7 +178,7 @@ def _prefill_kernel(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
             scores = dot(q, tl.trans(k), IEEE) * qk_scale
-            valid = mask_n[None, :]
+            valid = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
             scores = tl.where(valid, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows that see nothing yet

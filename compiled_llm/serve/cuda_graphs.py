@@ -70,6 +70,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(device)
         except Exception as e:  # any capture failure: run eagerly instead
             self.graphs.clear()
+            self.buckets = sorted(buckets)
             self.logits = None
             try:
                 torch.cuda.synchronize(device)

@@ -117,8 +117,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, device=self.device,
         )
+        self.runner.set_decode_buckets(config.max_graph_batch_size)
         if config.use_cuda_graphs and self.device.type == "cuda":
-            if self.runner.capture_decode_graphs(config.max_graph_batch_size):
+            if self.runner.capture_decode_graphs():
                 self.stats.graph_capture_s = self.runner.graphs.capture_s
                 self.stats.graphs_captured = len(self.runner.graphs.graphs)
 

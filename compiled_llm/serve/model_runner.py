@@ -82,13 +82,20 @@ class ModelRunner:
         self._row_key: list[tuple | None] = [None] * s
         self._row_synced = [0] * s
         self.graphs = DecodeGraphs()
+        self.decode_buckets: list[int] = []
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
-    def capture_decode_graphs(self, max_batch_size: int) -> bool:
-        if self.device.type != "cuda":
+    def set_decode_buckets(self, max_batch_size: int) -> None:
+        """Pad decode steps of up to max_batch_size sequences to buckets (CUDA only)."""
+        if self.device.type == "cuda":
+            self.decode_buckets = decode_buckets(min(max_batch_size, self.max_num_seqs))
+            self.graphs.buckets = self.decode_buckets
+
+    def capture_decode_graphs(self) -> bool:
+        buckets = self.decode_buckets
+        if not buckets:
             return False
-        buckets = decode_buckets(min(max_batch_size, self.max_num_seqs))
         # capture-time inputs: every row attends to one token of block 0 and writes nowhere
         self._np["tok"][:] = 0
         self._np["pos"][:] = 0
@@ -117,11 +124,15 @@ class ModelRunner:
             self._copied.synchronize()  # the previous step's copies have read the host buffers
         self._sync_tables(seqs)
         if batch.is_decode:
-            bucket = self.graphs.bucket_for(S) if self.graphs.enabled else None
+            bucket = self.graphs.bucket_for(S) if self.decode_buckets else None
             if bucket is not None:
+                # Padded to the bucket at full width, with or without graphs: eager decode
+                # runs exactly the kernels and shapes the graphs replay.
                 self._fill_decode(seqs, bucket, self.width)
                 self._copy_in(bucket, bucket, self.width)
-                return self.graphs.replay(bucket)[:S]
+                if self.graphs.enabled:
+                    return self.graphs.replay(bucket)[:S]
+                return self._run_program(self._views(bucket, bucket, self.width))[:S]
             width = max(len(s.block_table) for s in seqs)
             self._fill_decode(seqs, S, width)
             T = S

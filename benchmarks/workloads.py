@@ -1,0 +1,299 @@
+"""The project's benchmark workloads (/work/shared/PERF.md), for compiled_llm and for Hugging
+Face transformers, measured the same way in the same process.
+
+- latency: batch 1, a 128-token random prompt, 256 new tokens greedy, EOS ignored; decode
+  tok/s (prefill excluded) and time to first token.
+- throughput: 256 requests, prompt lengths and max_tokens uniform in 100..1024 with
+  random.seed(0), token ids in 0..10000, temperature 0.6, EOS ignored (nano-vllm's bench.py);
+  output tok/s = sum(max_tokens) / wall time.
+- prefill: one 1024-token prompt; time to first token.
+
+HF peers: latency uses a static cache + torch.compile (mode reduce-overhead) on the same shapes;
+throughput uses static batching (all requests left-padded to the longest, max(max_tokens) steps
+for the batch), measured over a capped number of decode steps and extrapolated (each extra step
+costs at least the measured average, so the extrapolation flatters HF). Every workload warms up
+first and reports the median of its repeats.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+WORKLOADS = ("latency", "throughput", "prefill")
+
+
+@dataclass
+class Result:
+    workload: str
+    system: str
+    metrics: dict[str, float]
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workload definitions
+# ---------------------------------------------------------------------------------------------
+
+
+def latency_prompt(vocab_size: int, length: int = 128, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(min(vocab_size, 10_001)) for _ in range(length)]
+
+
+def throughput_requests(num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
+                        vocab_size: int | None = None):
+    """(prompts, max_tokens) exactly as nano-vllm's bench.py draws them (ids folded into a
+    vocabulary smaller than 10001, for tiny test models only)."""
+    from random import randint, seed
+
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_requests)]
+    max_tokens = [randint(100, max_output_len) for _ in range(num_requests)]
+    if vocab_size is not None and vocab_size <= 10000:
+        prompts = [[t % vocab_size for t in p] for p in prompts]
+    return prompts, max_tokens
+
+
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# compiled_llm
+# ---------------------------------------------------------------------------------------------
+
+
+def compiled_latency(llm, new_tokens: int = 256, repeats: int = 3) -> Result:
+    from compiled_llm import SamplingParams
+
+    prompt = {"prompt_token_ids": latency_prompt(llm.model.config.vocab_size)}
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    ttft, decode = [], []
+    for _ in range(repeats):
+        (out,) = llm.generate(prompt, params, use_tqdm=False)
+        m = out.metrics
+        ttft.append(m.first_token_time - m.arrival_time)
+        decode.append((new_tokens - 1) / (m.finished_time - m.first_token_time))
+    return Result("latency", "compiled_llm", {"decode_tok_s": statistics.median(decode), "ttft_ms": 1e3 * statistics.median(ttft)},
+                  note=f"CUDA graphs: {llm.stats.graphs_captured} buckets" if llm.stats.graphs_captured else "eager decode")
+
+
+def compiled_throughput(llm, num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> Result:
+    from compiled_llm import SamplingParams
+
+    prompts, max_tokens = throughput_requests(num_requests, max_input_len, max_output_len, llm.model.config.vocab_size)
+    params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, detokenize=False) for n in max_tokens]
+    warm = [{"prompt_token_ids": p[:100]} for p in prompts[:8]]
+    llm.generate(warm, SamplingParams(max_tokens=16, temperature=0.6, ignore_eos=True, detokenize=False), use_tqdm=False)
+    preempt0 = llm.engine.scheduler.num_preemptions
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    assert [len(o.token_ids) for o in outs] == max_tokens, "every request must produce exactly max_tokens"
+    return Result(
+        "throughput", "compiled_llm",
+        {"output_tok_s": sum(max_tokens) / wall, "wall_s": wall},
+        note=f"{num_requests} requests, {llm.engine.scheduler.num_preemptions - preempt0} preemptions",
+    )
+
+
+def compiled_prefill(llm, length: int = 1024, repeats: int = 5) -> Result:
+    from compiled_llm import SamplingParams
+
+    prompt = {"prompt_token_ids": latency_prompt(llm.model.config.vocab_size, length, seed=1)}
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    # distinct prompts per repeat so the prefix cache cannot serve them
+    vocab = min(llm.model.config.vocab_size, 10_001)
+    prompts = [{"prompt_token_ids": [(t + i) % vocab for t in prompt["prompt_token_ids"]]} for i in range(repeats + 1)]
+    llm.generate(prompts[0], params, use_tqdm=False)
+    ttft = []
+    for p in prompts[1:]:
+        (out,) = llm.generate(p, params, use_tqdm=False)
+        ttft.append(out.metrics.first_token_time - out.metrics.arrival_time)
+    med = statistics.median(ttft)
+    return Result("prefill", "compiled_llm", {"ttft_ms": 1e3 * med, "prefill_tok_s": length / med})
+
+
+def run_compiled(llm, workloads=WORKLOADS) -> list[Result]:
+    fns = {"latency": compiled_latency, "throughput": compiled_throughput, "prefill": compiled_prefill}
+    return [fns[w](llm) for w in workloads]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face transformers
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_model(hf_config: dict, dtype, device):
+    """A transformers model built from a config.json dict, random weights (speed does not depend
+    on their values)."""
+    import torch
+    import transformers
+
+    d = dict(hf_config)
+    cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **{k: v for k, v in d.items() if k != "architectures"})
+    torch.manual_seed(0)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    except TypeError:  # older transformers name the argument torch_dtype
+        model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+class _TokenClock:
+    """A generate() streamer that timestamps the prompt and each new token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def hf_latency(hf_config: dict, dtype, device, new_tokens: int = 256, repeats: int = 3) -> Result:
+    import torch
+
+    model = hf_model(hf_config, dtype, device)
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.tensor([latency_prompt(hf_config["vocab_size"])], device=device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+              attention_mask=torch.ones_like(ids))
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, **kw)  # compiles
+        first_call = time.perf_counter() - t0
+        model.generate(ids, **kw)
+        ttft, decode = [], []
+        for _ in range(repeats):
+            clock = _TokenClock()
+            _sync()
+            start = time.perf_counter()
+            model.generate(ids, streamer=clock, **kw)
+            _sync()
+            end = time.perf_counter()
+            first = clock.times[1]  # times[0] is the prompt
+            ttft.append(first - start)
+            decode.append((new_tokens - 1) / (end - first))
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return Result("latency", "hf static+compile", {"decode_tok_s": statistics.median(decode), "ttft_ms": 1e3 * statistics.median(ttft)},
+                  note=f"first call {first_call:.0f} s (compile)")
+
+
+def hf_throughput(hf_config: dict, dtype, device, num_requests: int = 256, measured_steps: int = 64,
+                  max_input_len: int = 1024, max_output_len: int = 1024) -> Result:
+    """Static batching: all requests left-padded to the longest prompt, max(max_tokens) steps.
+    Runs the prefill and ``measured_steps`` decode steps, and extrapolates the rest at the
+    measured per-step time (an underestimate: later steps attend to longer contexts)."""
+    import torch
+
+    prompts, max_tokens = throughput_requests(num_requests, max_input_len, max_output_len, hf_config.get("vocab_size"))
+    model = hf_model(hf_config, dtype, device)
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kw = dict(attention_mask=mask, do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=0)
+
+    def timed(steps: int) -> float:
+        _sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kw)
+        _sync()
+        return time.perf_counter() - t0
+
+    measured_steps = max(1, min(measured_steps, max(max_tokens) - 1))
+    timed(2)  # warm-up
+    t_prefill = timed(1)
+    t_steps = timed(1 + measured_steps)
+    per_step = max(t_steps - t_prefill, 0.0) / measured_steps
+    total_steps = max(max_tokens)
+    wall = t_prefill + per_step * (total_steps - 1)
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return Result(
+        "throughput", "hf static batching",
+        {"output_tok_s": sum(max_tokens) / wall, "wall_s": wall},
+        note=f"eager SDPA, batch {num_requests} padded to {longest}; {measured_steps} of {total_steps} steps measured, rest extrapolated",
+    )
+
+
+def hf_prefill(hf_config: dict, dtype, device, length: int = 1024, repeats: int = 5) -> Result:
+    import torch
+
+    model = hf_model(hf_config, dtype, device)
+    ids = torch.tensor([latency_prompt(hf_config["vocab_size"], length, seed=1)], device=device)
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            _sync()
+            t0 = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            _sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+    del model
+    med = statistics.median(times)
+    return Result("prefill", "hf eager", {"ttft_ms": 1e3 * med, "prefill_tok_s": length / med}, note="one forward, SDPA")
+
+
+def run_hf(hf_config: dict, dtype, device, workloads=WORKLOADS) -> list[Result]:
+    fns = {"latency": hf_latency, "throughput": hf_throughput, "prefill": hf_prefill}
+    results = []
+    for w in workloads:
+        try:
+            results.append(fns[w](hf_config, dtype, device))
+        except Exception as e:  # a peer failing must not hide our numbers
+            msg = str(e).strip().splitlines()[0][:80] if str(e).strip() else type(e).__name__
+            results.append(Result(w, "hf", {}, note=f"failed: {type(e).__name__}: {msg}"))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+HEADLINE = {"latency": "decode_tok_s", "throughput": "output_tok_s", "prefill": "ttft_ms"}
+LOWER_IS_BETTER = {"ttft_ms", "wall_s"}
+
+
+def format_table(results: list[Result]) -> str:
+    """One row per workload and metric: compiled_llm, the HF peer, and the speedup."""
+    rows = [("workload", "metric", "compiled_llm", "hf", "speedup", "notes")]
+    for w in WORKLOADS:
+        ours = next((r for r in results if r.workload == w and r.system == "compiled_llm"), None)
+        peer = next((r for r in results if r.workload == w and r.system != "compiled_llm"), None)
+        if ours is None:
+            continue
+        for metric, value in ours.metrics.items():
+            other = peer.metrics.get(metric) if peer else None
+            speed = ""
+            if other:
+                speed = f"{(other / value if metric in LOWER_IS_BETTER else value / other):.2f}x"
+            notes = "; ".join(n for n in (ours.note, f"hf: {peer.system}, {peer.note}" if peer else "") if n)
+            rows.append((w, metric, f"{value:,.1f}", f"{other:,.1f}" if other else "-", speed, notes if metric == HEADLINE[w] else ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = []
+    for i, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(r[:5])) + ("  " + r[5] if r[5] else ""))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,297 @@
+"""Triton and CUDA C++ providers against the references on a GPU, at real model shapes.
+
+Qwen2.5-0.5B (H 896, I 4864, 14 q / 2 kv heads, head_dim 64), Llama-3.2-1B (H 2048, I 8192,
+32 / 8 heads, head_dim 64), Qwen3-0.6B's q/k-norm attention (16 / 8 heads, head_dim 128) and
+GPT-2 (H 768, I 3072, 12 heads); fresh random bf16 and fp16 inputs; relative error
+||out - ref|| / ||ref|| <= 1e-2. Outputs are poisoned (the allocator's free blocks filled with
+NaN) before each run, and cache slots outside every context hold NaN, so an element a kernel
+forgets to write or a slot it wrongly reads shows up. Decode-path providers are also captured
+in a CUDA graph and replayed on new inputs, as the runtime does.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from compiled_llm.graph import fused_ops, ops  # noqa: E402
+from compiled_llm.kernels import cuda_norm_mlp, providers, triton_norm_mlp  # noqa: E402
+from kernel_inputs import (  # noqa: E402
+    attention_case, mlp_gelu_inputs, mlp_glu_inputs, poison_allocator, qkv_inputs, rel_err,
+)
+
+DEV = "cuda"
+TOL = 1e-2
+DTYPES = [torch.bfloat16, torch.float16]
+MODELS = {
+    "qwen2.5-0.5b": dict(H=896, I=4864, Hq=14, Hkv=2, D=64),
+    "llama-3.2-1b": dict(H=2048, I=8192, Hq=32, Hkv=8, D=64),
+}
+QWEN3 = dict(H=1024, I=3072, Hq=16, Hkv=8, D=128)
+GPT2 = dict(H=768, I=3072, Hq=12, Hkv=12, D=64)
+
+
+def triton_op(name):
+    return providers.provider_op(name, providers.TRITON)
+
+
+def _poisoned_call(fn, *args, numel=1 << 22):
+    poison_allocator(DEV, numel, numel // 4, numel // 16)
+    return fn(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged attention
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_attention(case, op):
+    out_cache, ref_cache = case.kv_cache.clone(), case.kv_cache.clone()
+    out = _poisoned_call(op, *case.args(out_cache))
+    ref = ops.paged_attention(*case.args(ref_cache))
+    torch.cuda.synchronize()
+    assert torch.equal(out_cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0)), "kv store wrote wrong slots"
+    err = rel_err(out, ref)
+    assert err <= TOL, err
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_paged_attention_decode(model, dtype):
+    m = MODELS[model]
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(1, 3000, (13,), generator=g).tolist() + [1, 16, 17]
+    case = attention_case([(c - 1, 1) for c in ctx], m["Hq"], m["Hkv"], m["D"], 16, dtype, DEV, seed=1,
+                          pad_rows=3, max_blocks=256)
+    out = _run_attention(case, triton_op("paged_attention"))
+    assert out[-3:].abs().sum() == 0  # padding rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_paged_attention_prefill_and_mixed(model, dtype):
+    m = MODELS[model]
+    specs = [(0, 300), (500, 128), (1000, 1), (0, 17), (33, 64)]
+    case = attention_case(specs, m["Hq"], m["Hkv"], m["D"], 16, dtype, DEV, seed=2)
+    _run_attention(case, triton_op("paged_attention"))
+
+
+def test_paged_attention_head_dim_128_decode_and_prefill():
+    m = QWEN3
+    for specs, pad in (([(700, 1), (0, 1), (60, 1)], 1), ([(0, 200), (90, 40)], 0)):
+        case = attention_case(specs, m["Hq"], m["Hkv"], m["D"], 16, torch.bfloat16, DEV, seed=3, pad_rows=pad)
+        _run_attention(case, triton_op("paged_attention"))
+
+
+# ---------------------------------------------------------------------------------------------
+# norms, qkv + rope
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [896, 2048, 768])
+@pytest.mark.parametrize("T", [1, 7, 512])
+def test_norms(T, H, dtype):
+    g = torch.Generator().manual_seed(T * H)
+    x, r = (torch.randn(T, H, generator=g).to(DEV, dtype) for _ in range(2))
+    w, b = (torch.randn(H, generator=g).to(DEV, dtype) for _ in range(2))
+    assert rel_err(_poisoned_call(triton_op("rms_norm"), x, w, 1e-6), ops.rms_norm_ref(x, w, 1e-6)) <= TOL
+    assert rel_err(_poisoned_call(triton_op("layer_norm"), x, w, b, 1e-5), ops.layer_norm_ref(x, w, b, 1e-5)) <= TOL
+    for name, args in (("fused_add_rms_norm", (x, r, w, 1e-6)), ("fused_add_layer_norm", (x, r, w, b, 1e-5))):
+        normed, summed = _poisoned_call(triton_op(name), *args)
+        ref_n, ref_s = getattr(fused_ops, name + "_ref")(*args)
+        assert torch.equal(summed, ref_s)
+        assert rel_err(normed, ref_n) <= TOL
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gpt2"])
+@pytest.mark.parametrize("T", [1, 256])
+def test_fused_qkv_rope(family, T, dtype):
+    m = {"qwen2": MODELS["qwen2.5-0.5b"], "qwen3": QWEN3, "llama": MODELS["llama-3.2-1b"], "gpt2": GPT2}[family]
+    args = qkv_inputs(T, m["H"], m["Hq"], m["Hkv"], m["D"], dtype, DEV, seed=T,
+                      bias=family in ("qwen2", "gpt2"), qk_norm=family == "qwen3", rope=family != "gpt2")
+    out = _poisoned_call(triton_op("fused_qkv_rope"), *args)
+    ref = fused_ops.fused_qkv_rope_ref(*args)
+    for o, r in zip(out, ref):
+        assert o.shape == r.shape
+        assert rel_err(o, r) <= TOL
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding(dtype):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(300, 14, 64, generator=g).to(DEV, dtype)
+    k = torch.randn(300, 2, 64, generator=g).to(DEV, dtype)
+    pos = torch.randint(0, 4096, (300,), generator=g).to(DEV)
+    cs = ops.rope_cos_sin(64, 4096, 1e6).to(DEV)
+    for o, r in zip(_poisoned_call(triton_op("rotary_embedding"), q, k, pos, cs), ops.rotary_embedding(q, k, pos, cs)):
+        assert rel_err(o, r) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# norm + MLP: Triton decode and prefill forms, CUDA C++
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("T,form", [(1, "decode"), (4, "decode"), (16, "decode"), (64, "decode"),
+                                    (1, "prefill"), (300, "prefill")])
+def test_rms_norm_glu_mlp_triton(model, T, form, dtype):
+    m = MODELS[model]
+    args = mlp_glu_inputs(T, m["H"], m["I"], dtype, DEV, seed=T)
+    out = _poisoned_call(triton_norm_mlp.fused_rms_norm_glu_mlp, *args, form)
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args)) <= TOL
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,form", [(1, "decode"), (9, "decode"), (200, "prefill")])
+def test_layer_norm_gelu_mlp_triton(T, form, dtype):
+    args = mlp_gelu_inputs(T, GPT2["H"], GPT2["I"], dtype, DEV, seed=T)
+    out = _poisoned_call(triton_norm_mlp.fused_layer_norm_gelu_mlp, *args, form)
+    assert rel_err(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args)) <= TOL
+
+
+def _cuda_ext():
+    if not cuda_norm_mlp.cuda_extension_ok():
+        pytest.fail(f"CUDA norm+MLP extension did not build: {cuda_norm_mlp.build_error()}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("T", [1, 3, 8, 40])  # 40 rows: the provider's matmul path
+def test_rms_norm_glu_mlp_cuda(model, T, dtype):
+    _cuda_ext()
+    m = MODELS[model]
+    args = mlp_glu_inputs(T, m["H"], m["I"], dtype, DEV, seed=T)
+    out = _poisoned_call(providers.provider_op("fused_rms_norm_glu_mlp", providers.CUDA), *args)
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args)) <= TOL
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 8, 40])
+def test_layer_norm_gelu_mlp_cuda(T, dtype):
+    _cuda_ext()
+    args = mlp_gelu_inputs(T, GPT2["H"], GPT2["I"], dtype, DEV, seed=T)
+    out = _poisoned_call(providers.provider_op("fused_layer_norm_gelu_mlp", providers.CUDA), *args)
+    assert rel_err(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args)) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA-graph capture of the decode path
+# ---------------------------------------------------------------------------------------------
+
+
+def _capture_and_replay(fn, static_args, new_args):
+    """Capture fn(*static_args) in a CUDA graph, copy new_args into the static tensors, replay;
+    returns the graph's outputs (as the runtime would see them)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # warm up outside the capture (first calls compile the kernels)
+            fn(*static_args)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn(*static_args)
+    for dst, src in zip(static_args, new_args):
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    return outs
+
+
+def test_decode_attention_replays_in_cuda_graph():
+    m = MODELS["qwen2.5-0.5b"]
+    cfg = dict(num_heads=m["Hq"], num_kv_heads=m["Hkv"], head_dim=m["D"], block_size=16, dtype=torch.bfloat16,
+               device=DEV, max_blocks=128)
+    first = attention_case([(40, 1), (900, 1), (0, 1)], seed=5, pad_rows=1, **cfg)
+    # same bucket (4 rows), other contexts and slots; same number of cache blocks
+    second = attention_case([(1500, 1), (3, 1), (77, 1)], seed=6, pad_rows=1, extra_blocks=0, **cfg)
+    nb = max(first.kv_cache.shape[1], second.kv_cache.shape[1])
+    pad = lambda c: torch.nn.functional.pad(c, (0, 0, 0, 0, 0, 0, 0, nb - c.shape[1]), value=float("nan"))  # noqa: E731
+    static = list(first.args(pad(first.kv_cache)))
+    new = list(second.args(pad(second.kv_cache)))
+    out = _capture_and_replay(triton_op("paged_attention"), static, new)
+    ref_cache = pad(second.kv_cache)
+    ref = ops.paged_attention(*new[:3], ref_cache, *new[4:])
+    assert rel_err(out, ref) <= TOL
+    assert torch.equal(static[3].nan_to_num(7.0), ref_cache.nan_to_num(7.0))
+    assert out[-1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("provider", ["triton", "cuda"])
+def test_decode_mlp_replays_in_cuda_graph(provider):
+    if provider == "cuda":
+        _cuda_ext()
+    m = MODELS["qwen2.5-0.5b"]
+    static = list(mlp_glu_inputs(4, m["H"], m["I"], torch.bfloat16, DEV, seed=7))
+    new = mlp_glu_inputs(4, m["H"], m["I"], torch.bfloat16, DEV, seed=8)
+    out = _capture_and_replay(providers.provider_op("fused_rms_norm_glu_mlp", provider), static, new)
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*new)) <= TOL
+
+
+def test_decode_norm_and_qkv_replay_in_cuda_graph():
+    m = QWEN3
+    static = list(qkv_inputs(8, m["H"], m["Hq"], m["Hkv"], m["D"], torch.bfloat16, DEV, 9, False, True, True))
+    new = qkv_inputs(8, m["H"], m["Hq"], m["Hkv"], m["D"], torch.bfloat16, DEV, 10, False, True, True)
+    outs = _capture_and_replay(triton_op("fused_qkv_rope"), static, new)
+    for o, r in zip(outs, fused_ops.fused_qkv_rope_ref(*new)):
+        assert rel_err(o, r) <= TOL
+    g = torch.Generator().manual_seed(11)
+    static = [torch.randn(8, 896, generator=g).to(DEV, torch.bfloat16) for _ in range(3)] + [1e-6]
+    new = [torch.randn(8, 896, generator=g).to(DEV, torch.bfloat16) for _ in range(3)] + [1e-6]
+    static[2], new[2] = static[2][0], new[2][0]  # weight [H]
+    normed, summed = _capture_and_replay(triton_op("fused_add_rms_norm"), static, new)
+    ref_n, ref_s = fused_ops.fused_add_rms_norm_ref(*new)
+    assert torch.equal(summed, ref_s) and rel_err(normed, ref_n) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# opcheck of every provider op on the GPU
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpu_opcheck_cases():
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(12)
+    x, r = (torch.randn(5, 256, generator=g).to(DEV, bf) for _ in range(2))
+    w, b = (torch.randn(256, generator=g).to(DEV, bf) for _ in range(2))
+    q, k = torch.randn(5, 4, 64, generator=g).to(DEV, bf), torch.randn(5, 2, 64, generator=g).to(DEV, bf)
+    pos, cs = torch.tensor([1, 0, 5, 9, 2], device=DEV), ops.rope_cos_sin(64, 16, 10000.0).to(DEV)
+    prefill = attention_case([(0, 20), (30, 9)], 4, 2, 64, 16, bf, DEV, seed=13)
+    decode = attention_case([(30, 1), (0, 1)], 4, 2, 64, 16, bf, DEV, seed=14, pad_rows=1)
+    return {
+        "rms_norm/triton": (x, w, 1e-6),
+        "layer_norm/triton": (x, w, b, 1e-5),
+        "fused_add_rms_norm/triton": (x, r, w, 1e-6),
+        "fused_add_layer_norm/triton": (x, r, w, b, 1e-5),
+        "rotary_embedding/triton": (q, k, pos, cs),
+        "fused_qkv_rope/triton": qkv_inputs(5, 256, 4, 2, 64, bf, DEV, 15, True, True, True, max_pos=16),
+        "fused_rms_norm_glu_mlp/triton": mlp_glu_inputs(5, 256, 512, bf, DEV, 16),
+        "fused_layer_norm_gelu_mlp/triton": mlp_gelu_inputs(5, 256, 512, bf, DEV, 17),
+        "paged_attention/triton": prefill.args(prefill.kv_cache.nan_to_num(0.0)),
+        "paged_attention/triton/decode": decode.args(decode.kv_cache.nan_to_num(0.0)),
+        "fused_rms_norm_glu_mlp/cuda": mlp_glu_inputs(5, 256, 512, bf, DEV, 18),
+        "fused_layer_norm_gelu_mlp/cuda": mlp_gelu_inputs(5, 256, 512, bf, DEV, 19),
+    }
+
+
+OPCHECK_IDS = [
+    "rms_norm/triton", "layer_norm/triton", "fused_add_rms_norm/triton", "fused_add_layer_norm/triton",
+    "rotary_embedding/triton", "fused_qkv_rope/triton", "fused_rms_norm_glu_mlp/triton",
+    "fused_layer_norm_gelu_mlp/triton", "paged_attention/triton", "paged_attention/triton/decode",
+    "fused_rms_norm_glu_mlp/cuda", "fused_layer_norm_gelu_mlp/cuda",
+]
+
+
+@pytest.mark.parametrize("case", OPCHECK_IDS)
+def test_opcheck_provider_ops_on_gpu(case):
+    name, provider = case.split("/")[:2]
+    if provider == "cuda":
+        _cuda_ext()
+    torch.library.opcheck(providers.provider_op(name, provider), _gpu_opcheck_cases()[case])
