@@ -86,10 +86,12 @@ def attention_case(
     T = int(qsl[-1])
     cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
     flat = cache.view(2, -1, num_kv_heads, head_dim)
-    for s, (cached, _) in enumerate(specs):  # earlier context: real values
-        for pos in range(cached):
-            slot = seqs[s].block_table[pos // block_size] * block_size + pos % block_size
-            flat[:, slot] = torch.randn((2, num_kv_heads, head_dim), generator=gen)
+    cached_slots = [  # earlier context gets real values
+        seqs[s].block_table[pos // block_size] * block_size + pos % block_size
+        for s, (cached, _) in enumerate(specs) for pos in range(cached)
+    ]
+    if cached_slots:
+        flat[:, torch.tensor(cached_slots)] = torch.randn((2, len(cached_slots), num_kv_heads, head_dim), generator=gen)
 
     def rnd(*shape):
         return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)

@@ -28,12 +28,12 @@ SOURCE = Path(__file__).parent / "csrc" / "norm_mlp.cu"
 CPP_DECLS = """
 #include <torch/extension.h>
 #include <optional>
-torch::Tensor norm(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> b, double eps);
-torch::Tensor gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch::Tensor> b1, bool glu);
-torch::Tensor down_proj(torch::Tensor act, torch::Tensor w2, std::optional<torch::Tensor> b2);
-int max_rows();
+torch::Tensor cllm_norm(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> b, double eps);
+torch::Tensor cllm_gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch::Tensor> b1, bool glu);
+torch::Tensor cllm_down_proj(torch::Tensor act, torch::Tensor w2, std::optional<torch::Tensor> b2);
+int cllm_max_rows();
 """
-FUNCTIONS = ["norm", "gate_up_act", "down_proj", "max_rows"]
+FUNCTIONS = ["cllm_norm", "cllm_gate_up_act", "cllm_down_proj", "cllm_max_rows"]
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 _build_error: str | None = None
@@ -111,7 +111,7 @@ def _aligned(*tensors) -> bool:
 def _gemv_ok(ext, x2, H: int, inter: int, tensors) -> bool:
     return (
         x2.is_cuda and x2.dtype in SUPPORTED_DTYPES and all(t.dtype == x2.dtype for t in tensors)
-        and x2.shape[0] <= ext.max_rows() and H % 8 == 0 and inter % 8 == 0 and _aligned(x2, *tensors)
+        and x2.shape[0] <= ext.cllm_max_rows() and H % 8 == 0 and inter % 8 == 0 and _aligned(x2, *tensors)
     )
 
 
@@ -127,8 +127,8 @@ def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weig
     if x2.shape[0] == 0:
         return x.new_empty(out_shape)
     if _gemv_ok(ext, x2, H, inter, (norm_weight, gate_up_weight, down_weight)):
-        n = ext.norm(x2, norm_weight, None, eps)
-        out = ext.down_proj(ext.gate_up_act(n, gate_up_weight, None, True), down_weight, None)
+        n = ext.cllm_norm(x2, norm_weight, None, eps)
+        out = ext.cllm_down_proj(ext.cllm_gate_up_act(n, gate_up_weight, None, True), down_weight, None)
     else:  # many rows (or odd shapes): cuBLAS matmuls around the norm
         n = _norm(ext, x2, norm_weight, None, eps)
         gate, up = F.linear(n, gate_up_weight).chunk(2, dim=-1)
@@ -150,8 +150,8 @@ def fused_layer_norm_gelu_mlp(x, norm_weight, norm_bias, eps: float, fc_weight, 
     if x2.shape[0] == 0:
         return x.new_empty(out_shape)
     if _gemv_ok(ext, x2, H, inter, (norm_weight, norm_bias, fc_weight, fc_bias, proj_weight, proj_bias)):
-        n = ext.norm(x2, norm_weight, norm_bias, eps)
-        out = ext.down_proj(ext.gate_up_act(n, fc_weight, fc_bias, False), proj_weight, proj_bias)
+        n = ext.cllm_norm(x2, norm_weight, norm_bias, eps)
+        out = ext.cllm_down_proj(ext.cllm_gate_up_act(n, fc_weight, fc_bias, False), proj_weight, proj_bias)
     else:
         n = _norm(ext, x2, norm_weight, norm_bias, eps)
         out = F.linear(F.gelu(F.linear(n, fc_weight, fc_bias), approximate="tanh"), proj_weight, proj_bias)
@@ -165,5 +165,5 @@ def _norm(ext, x2, weight, bias, eps):
     tensors = (weight,) if bias is None else (weight, bias)
     if x2.is_cuda and x2.dtype in SUPPORTED_DTYPES and x2.shape[1] % 8 == 0 and _aligned(x2, *tensors) \
             and all(t.dtype == x2.dtype for t in tensors):
-        return ext.norm(x2, weight, bias, eps)
+        return ext.cllm_norm(x2, weight, bias, eps)
     return rms_norm_ref(x2, weight, eps) if bias is None else layer_norm_ref(x2, weight, bias, eps)

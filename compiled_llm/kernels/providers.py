@@ -33,7 +33,15 @@ MAX_ROW_NORM = 65536  # one program holds the whole row in registers
 
 
 def triton_supports(device_type: str, dtype: torch.dtype) -> bool:
-    return device_type == "cuda" and dtype in TRITON_DTYPES
+    """CUDA GPUs Triton generates code for: Volta (7.0) and newer, Ampere (8.0) and newer for bf16
+    (tensor-core bf16 dots). Without a visible GPU (a build for a CUDA target on another
+    machine) the capability is not checked."""
+    if device_type != "cuda" or dtype not in TRITON_DTYPES:
+        return False
+    if not torch.cuda.is_available():
+        return True
+    major_minor = torch.cuda.get_device_capability()
+    return major_minor >= (8, 0) if dtype == torch.bfloat16 else major_minor >= (7, 0)
 
 
 def _empty(x: Tensor, *shape: int) -> Tensor:

@@ -50,6 +50,6 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         k, v, kv_cache, slot_mapping,
         *k.stride(), *v.stride(), *kv_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_HK=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim),
+        BLOCK_HK=max(2, next_pow2(num_kv_heads)), BLOCK_D=next_pow2(head_dim),
         num_warps=cfg["num_warps"],
     )

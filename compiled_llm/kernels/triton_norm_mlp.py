@@ -167,10 +167,13 @@ def _decode(x, norm_weight, norm_bias, eps, w1, b1, w2, b2, is_rms: bool, is_glu
     T, H = x.shape
     inter = w2.shape[1]
     cfg = launch_configs.get("norm_mlp_decode", T)
-    if b2 is not None:  # the output starts as the bias; every chunk adds its share
-        acc = b2.to(torch.float32).expand(T, w2.shape[0]).contiguous()
+    # the fp32 output starts as the bias (or 0) and every chunk adds its share; always a fresh
+    # buffer: for fp32 weights b2.float().expand() would alias (and the atomics corrupt) b2
+    acc = torch.empty((T, w2.shape[0]), dtype=torch.float32, device=x.device)
+    if b2 is not None:
+        acc.copy_(b2.expand(T, w2.shape[0]))
     else:
-        acc = torch.zeros((T, w2.shape[0]), dtype=torch.float32, device=x.device)
+        acc.zero_()
     x = x if x.stride(-1) == 1 else x.contiguous()
     grid = (triton.cdiv(inter, cfg["BLOCK_I"]), triton.cdiv(T, cfg["BLOCK_T"]))
     _norm_mlp_decode_kernel[grid](

@@ -236,7 +236,7 @@ def paged_attention_decode(q, kv_cache, query_start_loc, seq_lens, block_tables,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         *out.stride(),
-        HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_P=next_pow2(splits), BLOCK_D=next_pow2(head_dim),
+        HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_P=max(2, next_pow2(splits)), BLOCK_D=next_pow2(head_dim),
         num_warps=rcfg["num_warps"],
     )
     return out

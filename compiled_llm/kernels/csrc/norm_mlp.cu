@@ -230,7 +230,7 @@ void check_input(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 // n = rms_norm(x, w) when b is None, else layer_norm(x, w, b); x [rows, H]
-torch::Tensor norm(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> b, double eps) {
+torch::Tensor cllm_norm(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> b, double eps) {
   check_input(x, "x");
   check_input(w, "norm weight");
   const int rows = x.size(0), H = x.size(1);
@@ -255,7 +255,7 @@ torch::Tensor norm(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor
 }
 
 // act [rows, I] from n [rows, H]: glu: w1 = [gate; up] [2I, H]; else w1 = fc [I, H] with bias b1
-torch::Tensor gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch::Tensor> b1, bool glu) {
+torch::Tensor cllm_gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch::Tensor> b1, bool glu) {
   check_input(n, "n");
   check_input(w1, "w1");
   const int rows = n.size(0), H = n.size(1);
@@ -284,7 +284,7 @@ torch::Tensor gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch
 }
 
 // out [rows, H] = act [rows, I] @ w2 [H, I]^T (+ b2)
-torch::Tensor down_proj(torch::Tensor act, torch::Tensor w2, std::optional<torch::Tensor> b2) {
+torch::Tensor cllm_down_proj(torch::Tensor act, torch::Tensor w2, std::optional<torch::Tensor> b2) {
   check_input(act, "act");
   check_input(w2, "w2");
   const int rows = act.size(0), I = act.size(1), H = w2.size(0);
@@ -308,4 +308,4 @@ torch::Tensor down_proj(torch::Tensor act, torch::Tensor w2, std::optional<torch
   return out;
 }
 
-int max_rows() { return kMaxT; }
+int cllm_max_rows() { return kMaxT; }

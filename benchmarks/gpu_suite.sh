@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in few long commands (device time is scarce):
+#   bash benchmarks/gpu_suite.sh tests    # CPU suite under the GPU machine's torch + every GPU test
+#   bash benchmarks/gpu_suite.sh kernels  # kernel microbenchmarks
+#   bash benchmarks/gpu_suite.sh build    # Inductor build, reload without recompiling, compare
+#   bash benchmarks/gpu_suite.sh bench    # PERF.md workloads, compiled_llm vs HF transformers
+# Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+LOG=${OUT:-gpu_logs}; mkdir -p "$LOG"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+for phase in "$@"; do
+  echo "=== $phase ($(date -u +%H:%M:%S)) ==="
+  case $phase in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider -m "not gpu" -x tests 2>&1 | tail -5 | tee "$LOG/cpu_tests.log"
+      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests 2>&1 | tee "$LOG/gpu_tests.log" | tail -40 ;;
+    kernels) python3 benchmarks/microbench_kernels.py 2>&1 | tee "$LOG/microbench.log" ;;
+    build) python3 benchmarks/gpu_build_check.py ${BUILD_ARGS:-} 2>&1 | tee "$LOG/build_check.log" | tail -30 ;;
+    bench) python3 benchmarks/bench_all.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench.log" | tail -40 ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done
