@@ -70,8 +70,8 @@ def _cases(dt):
             **_stride_args("stride_x", "stride_r", "stride_o", "stride_s", "N"), "eps": 1.0,
         }, dict(IS_RMS=rms, HAS_RESIDUAL=True, BLOCK_N=2048)
         yield f"norm_mlp_decode rms={rms}", tm._norm_mlp_decode_kernel, 4, {
-            **ptr("x_ptr", "nw_ptr", "nb_ptr", "w1_ptr", "b1_ptr", "w2_ptr"), "out_ptr": "*fp32", "eps": 1.0,
-            **_stride_args("T", "H", "I", "stride_x", "stride_w1", "stride_w2", "stride_o"),
+            **ptr("x_ptr", "nw_ptr", "nb_ptr", "w1_ptr", "b1_ptr", "act_ptr"), "eps": 1.0,
+            **_stride_args("T", "H", "I", "stride_x", "stride_w1", "stride_a"),
         }, dict(IS_RMS=rms, IS_GLU=rms, BLOCK_T=16, BLOCK_I=16, BLOCK_H=256, IEEE=ieee)
         yield f"act glu={rms}", tm._act_kernel, 4, {
             **ptr("in_ptr", "out_ptr"), **_stride_args("I", "stride_in", "stride_out"),

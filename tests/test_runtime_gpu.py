@@ -16,7 +16,7 @@ from compiled_llm import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def build(tmp_path_factory, source, dtype, max_model_len=2048):
+def build(tmp_path_factory, source, dtype, max_model_len=None):
     from compiled_llm.build import build_engine
 
     out = tmp_path_factory.mktemp(source.replace(".", "_")) / "engine"
@@ -33,7 +33,7 @@ def requests(vocab, n, max_tokens, seed=0, max_prompt=200):
 
 
 def generate(engine, graphs, prompts, params, **kw):
-    llm = LLM(engine, device="cuda", enforce_eager=not graphs, gpu_memory_utilization=0.4, max_model_len=2048, **kw)
+    llm = LLM(engine, device="cuda", enforce_eager=not graphs, gpu_memory_utilization=0.4, **kw)
     try:
         if graphs:
             assert llm.stats.graphs_captured > 0, "CUDA graph capture failed for an engine (see the warning)"
@@ -79,7 +79,7 @@ def test_tiny_fp32_engine_matches_reference(tmp_path_factory):
 
 
 def test_qwen25_shapes_bf16_graphs_match_eager(tmp_path_factory):
-    engine = build(tmp_path_factory, "qwen2.5-0.5b", "bfloat16")
+    engine = build(tmp_path_factory, "qwen2.5-0.5b", "bfloat16", max_model_len=2048)
     prompts, params = requests(151936, 16, 64, seed=5)
     graphs = generate(engine, True, prompts, params)
     eager = generate(engine, False, prompts, params)

@@ -4,9 +4,9 @@ Decode form (small T): ``_norm_mlp_decode_kernel``, grid (cdiv(I, BLOCK_I), cdiv
 Decode is bound by reading the weights, so each program streams its own chunk of the
 intermediate dimension exactly once: it recomputes the norm statistics of its BLOCK_T rows of x
 (x is tiny and stays in L2), multiplies the normalised rows by its gate/up (or fc) rows,
-applies silu·mul (or bias + gelu-tanh), multiplies the result by down[:, chunk] and atomically
-adds its partial [BLOCK_T, H] product into an fp32 output. No [T, I] intermediate ever reaches
-memory. Rows are padded to BLOCK_T >= 16 so tl.dot runs on tensor cores.
+applies silu·mul (or bias + gelu-tanh) and writes its [T, chunk] activation; one cuBLAS GEMM
+then applies down (or proj). Deterministic: no atomics, so greedy decoding repeats exactly.
+Rows are padded to BLOCK_T >= 16 so tl.dot runs on tensor cores.
 
 Prefill form (large T): Triton norm -> cuBLAS matmul -> Triton activation -> cuBLAS matmul.
 At large T the matmuls are compute-bound and cuBLAS beats a hand-written Triton GEMM.
@@ -40,9 +40,9 @@ def _gelu_tanh(h):
 
 @triton.jit
 def _norm_mlp_decode_kernel(
-    x_ptr, nw_ptr, nb_ptr, w1_ptr, b1_ptr, w2_ptr, out_ptr,
+    x_ptr, nw_ptr, nb_ptr, w1_ptr, b1_ptr, act_ptr,
     T, H, I, eps,
-    stride_x, stride_w1, stride_w2, stride_o,
+    stride_x, stride_w1, stride_a,
     IS_RMS: tl.constexpr, IS_GLU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -107,16 +107,11 @@ def _norm_mlp_decode_kernel(
         act = _gelu_tanh(hdn)
     act = tl.where(mask_t[:, None] & mask_i[None, :], act, 0.0).to(dtype)
 
-    # second projection of this chunk, accumulated across programs in fp32
-    w2_cols = w2_ptr + offs_i[:, None]
-    out_rows = out_ptr + offs_t.to(tl.int64)[:, None] * stride_o
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        w2 = tl.load(w2_cols + offs_h.to(tl.int64)[None, :] * stride_w2,
-                     mask=mask_i[:, None] & mask_h[None, :], other=0.0)  # [BLOCK_I, BLOCK_H]
-        part = dot(act, w2, IEEE)
-        tl.atomic_add(out_rows + offs_h[None, :], part, mask=mask_t[:, None] & mask_h[None, :])
+    # the activation chunk goes to memory ([T, I] is tiny at decode sizes); the second
+    # projection is one cuBLAS GEMM over it. Accumulating it here with atomics would save that
+    # round trip but makes the sum order (and so greedy decoding in bf16) vary run to run.
+    act_rows = act_ptr + offs_t.to(tl.int64)[:, None] * stride_a
+    tl.store(act_rows + offs_i[None, :], act, mask=mask_t[:, None] & mask_i[None, :])
 
 
 @triton.jit
@@ -167,25 +162,19 @@ def _decode(x, norm_weight, norm_bias, eps, w1, b1, w2, b2, is_rms: bool, is_glu
     T, H = x.shape
     inter = w2.shape[1]
     cfg = launch_configs.get("norm_mlp_decode", T)
-    # the fp32 output starts as the bias (or 0) and every chunk adds its share; always a fresh
-    # buffer: for fp32 weights b2.float().expand() would alias (and the atomics corrupt) b2
-    acc = torch.empty((T, w2.shape[0]), dtype=torch.float32, device=x.device)
-    if b2 is not None:
-        acc.copy_(b2.expand(T, w2.shape[0]))
-    else:
-        acc.zero_()
+    act = torch.empty((T, inter), dtype=x.dtype, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     grid = (triton.cdiv(inter, cfg["BLOCK_I"]), triton.cdiv(T, cfg["BLOCK_T"]))
     _norm_mlp_decode_kernel[grid](
         x, norm_weight, norm_bias if norm_bias is not None else norm_weight,
-        w1, b1 if b1 is not None else norm_weight, w2, acc,
+        w1, b1 if b1 is not None else norm_weight, act,
         T, H, inter, eps,
-        x.stride(0), w1.stride(0), w2.stride(0), acc.stride(0),
+        x.stride(0), w1.stride(0), act.stride(0),
         IS_RMS=is_rms, IS_GLU=is_glu,
         BLOCK_T=cfg["BLOCK_T"], BLOCK_I=cfg["BLOCK_I"], BLOCK_H=min(cfg["BLOCK_H"], max(16, next_pow2(H))),
         IEEE=is_fp32(x), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return acc.to(x.dtype)
+    return F.linear(act, w2, b2)
 
 
 def use_decode_form(num_tokens: int) -> bool:
