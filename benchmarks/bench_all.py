@@ -22,7 +22,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads as wl  # noqa: E402
 
 
+def run_hf_child(hf_cfg: dict, dtype: str, device: str, workload: str) -> list:
+    """Run one HF workload in a fresh interpreter; its Result comes back as JSON on stdout."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--hf-child", json.dumps({"config": hf_cfg, "dtype": dtype,
+                                                               "device": device, "workload": workload})]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            d = json.loads(line)
+            return [wl.Result(d["workload"], d["system"], d["metrics"], d.get("note", ""))]
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:100]
+    return [wl.Result(workload, "hf", {}, note=f"failed (exit {proc.returncode}): {tail}")]
+
+
+def hf_child(spec_json: str) -> int:
+    import dataclasses
+    import json
+
+    import torch
+
+    spec = json.loads(spec_json)
+    (res,) = wl.run_hf(spec["config"], getattr(torch, spec["dtype"]), torch.device(spec["device"]), (spec["workload"],))
+    print(json.dumps({k: v for k, v in dataclasses.asdict(res).items() if k != "extra"}), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--hf-child"]:
+        return hf_child(argv[1])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", default="qwen2.5-0.5b", help="model source to build (default preset qwen2.5-0.5b)")
     ap.add_argument("--engine", default=None, help="use this engine directory instead of building one")
@@ -69,24 +100,25 @@ def main(argv=None) -> int:
     if kernels:
         info.append("kernels " + ", ".join(f"{k}={v}" for k, v in sorted(kernels.items())))
 
+    print("; ".join(info), flush=True)
     results = []
     for w in workloads:
         t0 = time.perf_counter()
         results.extend(wl.run_compiled(llm, (w,)))
-        print(f"compiled_llm {w}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(f"compiled_llm {w} ({time.perf_counter() - t0:.1f} s): {results[-1].metrics} {results[-1].note}", flush=True)
     hf_cfg = hf_config_of(llm)
     dtype = llm.model.dtype
     del llm
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     if not args.no_hf and hf_cfg is not None:
+        # The peer runs in a child process of this run: its torch.compile and CUDA graphs then
+        # share nothing with our engine's (a crash there once took our finished numbers with it).
         for w in workloads:
             t0 = time.perf_counter()
-            results.extend(wl.run_hf(hf_cfg, dtype, device, (w,)))
-            print(f"hf {w}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-            gc.collect()
+            results.extend(run_hf_child(hf_cfg, str(dtype).removeprefix("torch."), device.type, w))
+            print(f"hf {w} ({time.perf_counter() - t0:.1f} s): {results[-1].metrics} {results[-1].note}", flush=True)
 
-    print("; ".join(info))
     print(wl.format_table(results))
     if tmp is not None:
         tmp.cleanup()
