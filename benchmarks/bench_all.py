@@ -23,19 +23,23 @@ import workloads as wl  # noqa: E402
 
 
 def run_hf_child(hf_cfg: dict, dtype: str, device: str, workload: str) -> list:
-    """Run one HF workload in a fresh interpreter; its Result comes back as JSON on stdout."""
+    """Run one HF workload in a fresh interpreter; its Result comes back as JSON on stdout. The
+    latency peer retries with the next compile variant when one crashes."""
     import json
     import subprocess
 
-    cmd = [sys.executable, __file__, "--hf-child", json.dumps({"config": hf_cfg, "dtype": dtype,
-                                                               "device": device, "workload": workload})]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            d = json.loads(line)
-            return [wl.Result(d["workload"], d["system"], d["metrics"], d.get("note", ""))]
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:100]
-    return [wl.Result(workload, "hf", {}, note=f"failed (exit {proc.returncode}): {tail}")]
+    failures = []
+    for variant in wl.HF_COMPILE_VARIANTS if workload == "latency" else (None,):
+        spec = {"config": hf_cfg, "dtype": dtype, "device": device, "workload": workload, "variant": variant}
+        proc = subprocess.run([sys.executable, __file__, "--hf-child", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=300)
+        for line in reversed(proc.stdout.splitlines()):
+            if line.startswith("{"):
+                d = json.loads(line)
+                note = "; ".join(failures + [d.get("note", "")])
+                return [wl.Result(d["workload"], d["system"], d["metrics"], note)]
+        failures.append(f"variant {variant} failed (exit {proc.returncode})")
+    return [wl.Result(workload, "hf", {}, note="; ".join(failures))]
 
 
 def hf_child(spec_json: str) -> int:
@@ -45,7 +49,11 @@ def hf_child(spec_json: str) -> int:
     import torch
 
     spec = json.loads(spec_json)
-    (res,) = wl.run_hf(spec["config"], getattr(torch, spec["dtype"]), torch.device(spec["device"]), (spec["workload"],))
+    dtype, device = getattr(torch, spec["dtype"]), torch.device(spec["device"])
+    if spec["workload"] == "latency":
+        res = wl.hf_latency(spec["config"], dtype, device, variant=spec["variant"])
+    else:
+        (res,) = wl.run_hf(spec["config"], dtype, device, (spec["workload"],))
     print(json.dumps({k: v for k, v in dataclasses.asdict(res).items() if k != "extra"}), flush=True)
     return 0
 

@@ -163,12 +163,20 @@ class _TokenClock:
         pass
 
 
-def hf_latency(hf_config: dict, dtype, device, new_tokens: int = 256, repeats: int = 3) -> Result:
+HF_COMPILE_VARIANTS = ("auto", "default")
+
+
+def hf_latency(hf_config: dict, dtype, device, new_tokens: int = 256, repeats: int = 3, variant: str = "auto") -> Result:
+    """variant "auto": transformers' own path (a static cache makes generate() compile the
+    decoding forward, CUDA graphs included); "default": our torch.compile(mode="default") of
+    the forward, the fallback when the first crashes (seen: a segfault in torch 2.11's CUDA-graph
+    trees under transformers 5.17)."""
     import torch
 
     model = hf_model(hf_config, dtype, device)
     model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    if variant == "default":
+        model.forward = torch.compile(model.forward, mode="default", fullgraph=True)
     ids = torch.tensor([latency_prompt(hf_config["vocab_size"])], device=device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
               attention_mask=torch.ones_like(ids))
@@ -191,7 +199,7 @@ def hf_latency(hf_config: dict, dtype, device, new_tokens: int = 256, repeats: i
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return Result("latency", "hf static+compile", {"decode_tok_s": statistics.median(decode), "ttft_ms": 1e3 * statistics.median(ttft)},
-                  note=f"first call {first_call:.0f} s (compile)")
+                  note=f"compile {variant}, first call {first_call:.0f} s")
 
 
 def hf_throughput(hf_config: dict, dtype, device, num_requests: int = 256, measured_steps: int = 64,
