@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in few long commands (device time is scarce):
-#   bash benchmarks/gpu_suite.sh tests    # CPU suite under the GPU machine's torch + every GPU test
+#   bash benchmarks/gpu_suite.sh cpu-tests  # the CPU suite under the GPU machine's torch versions
+#   bash benchmarks/gpu_suite.sh tests    # every GPU test
 #   bash benchmarks/gpu_suite.sh kernels  # kernel microbenchmarks
 #   bash benchmarks/gpu_suite.sh build    # Inductor build, reload without recompiling, compare
 #   bash benchmarks/gpu_suite.sh bench    # PERF.md workloads, compiled_llm vs HF transformers
@@ -16,8 +17,8 @@ pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "note
 for phase in "$@"; do
   echo "=== $phase ($(date -u +%H:%M:%S)) ==="
   case $phase in
+    cpu-tests) python3 -m pytest -q -p no:cacheprovider -m "not gpu" -rfE tests 2>&1 | tee "$LOG/cpu_tests.log" | tail -5 ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests 2>&1 | tail -5 | tee "$LOG/cpu_tests.log"
       python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests 2>&1 | tee "$LOG/gpu_tests.log" | tail -40 ;;
     kernels) python3 benchmarks/microbench_kernels.py 2>&1 | tee "$LOG/microbench.log" ;;
     build) python3 benchmarks/gpu_build_check.py ${BUILD_ARGS:-} 2>&1 | tee "$LOG/build_check.log" | tail -30 ;;

@@ -44,22 +44,17 @@ class InductorProgram:
     kind = INDUCTOR
 
     def __init__(self, gm: torch.fx.GraphModule, param_names: list[str]):
-        # Inductor may mutate the graph it is handed: give it a copy.
-        self.module = FlatProgram(copy.deepcopy(gm), param_names)
+        from compiled_llm.piecewise import compile_pieces
+
+        # Inductor may mutate the graph it is handed: give it a copy. Only the pure pieces
+        # between KV-cache writes are compiled (see piecewise.py); dynamic=True so one compiled
+        # piece serves every token count instead of one recompile per bucket.
+        pieces = compile_pieces(copy.deepcopy(gm), lambda m: torch.compile(m, fullgraph=True, dynamic=True))
+        self.module = FlatProgram(pieces, param_names)
         self.param_names = list(param_names)
-        # auto_functionalized v2 loses the paged_attention cache writes when the cache's block
-        # count is dynamic (checked on torch 2.13 CPU: the step's k/v never reach kv_cache);
-        # v1 keeps them.
-        self.compiled = torch.compile(self.module, fullgraph=True, options={"enable_auto_functionalized_v2": False})
 
     def __call__(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor) -> Tensor:
-        mark = torch._dynamo.maybe_mark_dynamic
-        for t in (batch.token_ids, batch.positions, batch.slot_mapping, batch.query_start_loc, batch.seq_lens):
-            mark(t, 0)
-        mark(batch.block_tables, 0)
-        mark(batch.block_tables, 1)
-        mark(kv_cache, 2)
-        return self.compiled(params, *batch, kv_cache)
+        return self.module(params, *batch, kv_cache)
 
 
 def machine_fingerprint(device: torch.device | str) -> dict[str, str | None]:
