@@ -220,7 +220,10 @@ def build_engine(
         cache_file = None
         if backend == backends.INDUCTOR:
             with _Stage("backend", times, progress):
-                program = backends.InductorProgram(lowered.gm, lowered.param_names)
+                # compile the graph as the loader will see it (read back from the .pt2): the
+                # compile caches are keyed by the graph, so this is what lets a load hit them
+                saved_gm = torch.export.load(str(work / artifact.PROGRAM_FILE)).graph_module
+                program = backends.InductorProgram(saved_gm, lowered.param_names)
                 backends.warm(program, lowered.params, config, dev, torch_dtype)
                 if backends.save_compiled(work / artifact.INDUCTOR_CACHE_FILE):
                     cache_file = artifact.INDUCTOR_CACHE_FILE

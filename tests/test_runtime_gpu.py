@@ -56,7 +56,7 @@ def generate(engine, graphs, prompts, params, **kw):
 def test_tiny_engine_graphs_match_eager(tmp_path_factory, dtype):
     engine = build(tmp_path_factory, "tiny-qwen2", dtype)
     # 40 requests of mixed lengths: decode batches shrink through many buckets as they finish
-    prompts, _ = requests(272, 40, 0)
+    prompts, _ = requests(272, 40, 1)
     rng = random.Random(1)
     params = [SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.0, ignore_eos=True, detokenize=False) for _ in prompts]
     graphs = generate(engine, True, prompts, params)
@@ -88,7 +88,7 @@ def test_qwen25_shapes_bf16_graphs_match_eager(tmp_path_factory):
 
 def test_seeded_sampling_repeats_with_graphs(tmp_path_factory):
     engine = build(tmp_path_factory, "tiny-qwen2", "bfloat16")
-    prompts, _ = requests(272, 8, 0, seed=9)
+    prompts, _ = requests(272, 8, 1, seed=9)
     params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, top_k=50, seed=i, ignore_eos=True, detokenize=False) for i in range(8)]
     first = generate(engine, True, prompts, params)
     second = generate(engine, True, prompts[::-1], params[::-1])
