@@ -190,8 +190,18 @@ def print_readable(index: int, prompt_text: str, record: dict, file=None) -> Non
     print(f"=== prompt {index} ({n_prompt} tokens) ===", file=out)
     print(prompt_text, file=out)
     print(f"--- output ({n_out} tokens, finish: {record['finish_reason']}) ---", file=out)
-    print(record["text"] if record["text"] else record["token_ids"], file=out)
+    text = record["text"]
+    if text.strip():
+        print(text, file=out)
+    else:  # empty or only whitespace (random-weight presets often say "\n" 32 times)
+        print(f"{text!r} (token ids {record['token_ids']})", file=out)
     print(file=out, flush=True)
+
+
+def random_weights_note(preset: str | None) -> str | None:
+    if not preset:
+        return None
+    return f"note: {preset} is a preset with random weights: its text is noise, its speed is real"
 
 
 def format_perf(load_s: float, prefill_s: float, prompt_tokens: int, decode_s: float,
@@ -267,6 +277,8 @@ def run_reference(args) -> int:
             print_readable(i, prompt_text, record)
     if not args.json:
         print(f"{src.name} on {device.type}, {str(dtype).removeprefix('torch.')}, reference (eager) path")
+        if note := random_weights_note(src.preset):
+            print(note)
         print(format_perf(
             load_s + warmup_s,
             prefill_s=sum(o.prefill_s for o in outputs),

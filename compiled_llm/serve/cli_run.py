@@ -32,7 +32,7 @@ def build_llm(args):
 
 
 def run_engine(args) -> int:
-    from compiled_llm.cli.run import output_record, print_json_record, print_readable, prompts_from_args, sampling_from_args
+    from compiled_llm.cli.run import output_record, print_json_record, print_readable, prompts_from_args, random_weights_note, sampling_from_args
     from compiled_llm.serve.profiling import profile_engine
 
     sampling = sampling_from_args(args)  # bad values fail before anything loads
@@ -70,6 +70,8 @@ def run_engine(args) -> int:
                 print_readable(i, text, record)
     if not args.json:
         print(f"{args.source} on {engine.device.type}, {str(llm.model.dtype).removeprefix('torch.')}, compiled runtime")
+        if note := random_weights_note(((llm.model.manifest or {}).get("source") or {}).get("preset")):
+            print(note)
         print(perf_summary(llm, outputs, load_s, wall))
     return 0
 
