@@ -198,10 +198,25 @@ def print_readable(index: int, prompt_text: str, record: dict, file=None) -> Non
     print(file=out, flush=True)
 
 
-def random_weights_note(preset: str | None) -> str | None:
-    if not preset:
-        return None
-    return f"note: {preset} is a preset with random weights: its text is noise, its speed is real"
+def print_outputs(outputs, prompt_texts: list[str], as_json: bool) -> None:
+    """One JSON line or one readable block per output (anything with prompt_token_ids,
+    token_ids, text and finish_reason)."""
+    for i, (o, prompt_text) in enumerate(zip(outputs, prompt_texts)):
+        record = output_record(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason)
+        if as_json:
+            print_json_record(record)
+        else:
+            print_readable(i, prompt_text, record)
+
+
+def print_run_header(name: str, device, dtype, path: str, preset: str | None) -> None:
+    print(f"{name} on {torch_device_type(device)}, {str(dtype).removeprefix('torch.')}, {path}")
+    if preset:
+        print(f"note: {preset} is a preset with random weights: its text is noise, its speed is real")
+
+
+def torch_device_type(device) -> str:
+    return getattr(device, "type", str(device))
 
 
 def format_perf(load_s: float, prefill_s: float, prompt_tokens: int, decode_s: float,
@@ -268,17 +283,9 @@ def run_reference(args) -> int:
     outputs = generate_reference(
         src.config, params, prompts, sampling, eos_token_ids=source_eos_token_ids(src, tokenizer), detokenize=detok
     )
-    texts = list(args.prompt or []) + list(args.prompt_ids or [])
-    for i, (o, prompt_text) in enumerate(zip(outputs, texts)):
-        record = output_record(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason)
-        if args.json:
-            print_json_record(record)
-        else:
-            print_readable(i, prompt_text, record)
+    print_outputs(outputs, list(args.prompt or []) + list(args.prompt_ids or []), args.json)
     if not args.json:
-        print(f"{src.name} on {device.type}, {str(dtype).removeprefix('torch.')}, reference (eager) path")
-        if note := random_weights_note(src.preset):
-            print(note)
+        print_run_header(src.name, device, dtype, "reference (eager) path", src.preset)
         print(format_perf(
             load_s + warmup_s,
             prefill_s=sum(o.prefill_s for o in outputs),

@@ -32,7 +32,7 @@ def build_llm(args):
 
 
 def run_engine(args) -> int:
-    from compiled_llm.cli.run import output_record, print_json_record, print_readable, prompts_from_args, random_weights_note, sampling_from_args
+    from compiled_llm.cli.run import print_outputs, print_run_header, prompts_from_args, sampling_from_args
     from compiled_llm.serve.profiling import profile_engine
 
     sampling = sampling_from_args(args)  # bad values fail before anything loads
@@ -62,16 +62,10 @@ def run_engine(args) -> int:
     wall = time.perf_counter() - t_run
 
     if not args.stream or args.json:
-        for i, (o, text) in enumerate(zip(outputs, texts)):
-            record = output_record(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason)
-            if args.json:
-                print_json_record(record)
-            else:
-                print_readable(i, text, record)
+        print_outputs(outputs, texts, args.json)
     if not args.json:
-        print(f"{args.source} on {engine.device.type}, {str(llm.model.dtype).removeprefix('torch.')}, compiled runtime")
-        if note := random_weights_note(((llm.model.manifest or {}).get("source") or {}).get("preset")):
-            print(note)
+        preset = ((llm.model.manifest or {}).get("source") or {}).get("preset")
+        print_run_header(args.source, engine.device, llm.model.dtype, "compiled runtime", preset)
         print(perf_summary(llm, outputs, load_s, wall))
     return 0
 
