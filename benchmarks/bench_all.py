@@ -17,51 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import workloads as wl  # noqa: E402
-
-
-def run_hf_child(hf_cfg: dict, dtype: str, device: str, workload: str) -> list:
-    """Run one HF workload in a fresh interpreter; its Result comes back as JSON on stdout. The
-    latency peer retries with the next compile variant when one crashes."""
-    import json
-    import subprocess
-
-    failures = []
-    for variant in wl.HF_COMPILE_VARIANTS if workload == "latency" else (None,):
-        spec = {"config": hf_cfg, "dtype": dtype, "device": device, "workload": workload, "variant": variant}
-        proc = subprocess.run([sys.executable, __file__, "--hf-child", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=300)
-        for line in reversed(proc.stdout.splitlines()):
-            if line.startswith("{"):
-                d = json.loads(line)
-                note = "; ".join(failures + [d.get("note", "")])
-                return [wl.Result(d["workload"], d["system"], d["metrics"], note)]
-        failures.append(f"variant {variant} failed (exit {proc.returncode})")
-    return [wl.Result(workload, "hf", {}, note="; ".join(failures))]
-
-
-def hf_child(spec_json: str) -> int:
-    import dataclasses
-    import json
-
-    import torch
-
-    spec = json.loads(spec_json)
-    dtype, device = getattr(torch, spec["dtype"]), torch.device(spec["device"])
-    if spec["workload"] == "latency":
-        res = wl.hf_latency(spec["config"], dtype, device, variant=spec["variant"])
-    else:
-        (res,) = wl.run_hf(spec["config"], dtype, device, (spec["workload"],))
-    print(json.dumps({k: v for k, v in dataclasses.asdict(res).items() if k != "extra"}), flush=True)
-    return 0
+from compiled_llm import workloads as wl  # noqa: E402
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--hf-child"]:
-        return hf_child(argv[1])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", default="qwen2.5-0.5b", help="model source to build (default preset qwen2.5-0.5b)")
     ap.add_argument("--engine", default=None, help="use this engine directory instead of building one")
@@ -124,7 +83,7 @@ def main(argv=None) -> int:
         # share nothing with our engine's (a crash there once took our finished numbers with it).
         for w in workloads:
             t0 = time.perf_counter()
-            results.extend(run_hf_child(hf_cfg, str(dtype).removeprefix("torch."), device.type, w))
+            results.append(wl.run_hf_child(hf_cfg, dtype, device.type, w))
             print(f"hf {w} ({time.perf_counter() - t0:.1f} s): {results[-1].metrics} {results[-1].note}", flush=True)
 
     print(wl.format_table(results))

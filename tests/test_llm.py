@@ -261,9 +261,8 @@ def test_bench_latency_on_cpu(engine_dir, capsys):
 
 
 def test_throughput_workload_definition_and_small_run(tiny):
-    from compiled_llm.cli.bench import load_workloads
+    from compiled_llm import workloads as wl
 
-    wl = load_workloads()
     prompts, max_tokens = wl.throughput_requests()
     assert len(prompts) == len(max_tokens) == 256
     assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= n <= 1024 for n in max_tokens)
@@ -273,3 +272,14 @@ def test_throughput_workload_definition_and_small_run(tiny):
     assert result.metrics["output_tok_s"] > 0
     table = wl.format_table([result])
     assert "throughput" in table and "output_tok_s" in table
+
+
+def test_hf_peer_runs_in_a_child_process_and_reports_back():
+    """`bench` measures HF in a fresh interpreter; its result comes back intact (prefill of a
+    tiny preset's config on the CPU, the quickest HF workload)."""
+    from compiled_llm import workloads as wl
+    from compiled_llm.presets import preset_hf_config
+
+    result = wl.run_hf_child(preset_hf_config("tiny-qwen2"), torch.float32, "cpu", "prefill")
+    assert result.workload == "prefill" and result.system.startswith("hf"), result.note
+    assert result.metrics["ttft_ms"] > 0

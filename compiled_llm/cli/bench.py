@@ -2,8 +2,8 @@
 workloads on a built engine, with Hugging Face transformers measured in the same run (built
 from the engine's source config with random weights) and one table comparing them.
 
-The workload code lives in benchmarks/workloads.py at the repository root (also used by
-benchmarks/bench_all.py), so this command needs a source checkout of the project.
+The workload code lives in compiled_llm/workloads.py (also used by
+benchmarks/bench_all.py).
 """
 
 from __future__ import annotations
@@ -35,26 +35,6 @@ def add_parser(subparsers):
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly instead of with CUDA graphs")
     p.add_argument("--json", action="store_true", help="print the results as one JSON list instead of a table")
     p.set_defaults(handler=run)
-
-
-def load_workloads():
-    """benchmarks/workloads.py of the source checkout this package runs from."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    from compiled_llm.errors import CompiledLLMError
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "workloads.py"
-    if not path.is_file():
-        raise CompiledLLMError(f"benchmarks/workloads.py not found at {path}; 'bench' needs a source checkout")
-    if "compiled_llm_bench_workloads" in sys.modules:
-        return sys.modules["compiled_llm_bench_workloads"]
-    spec = importlib.util.spec_from_file_location("compiled_llm_bench_workloads", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def hf_config_of(llm) -> dict | None:
@@ -89,7 +69,8 @@ def run(args) -> int:
     from compiled_llm.cli.run import resolve_device
     from compiled_llm.serve.llm import LLM
 
-    wl = load_workloads()
+    from compiled_llm import workloads as wl
+
     workloads = wl.WORKLOADS if args.workload == "all" else (args.workload,)
     device = resolve_device(args.device)
     llm = LLM(
@@ -115,11 +96,8 @@ def run(args) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        for w in workloads:
-            if w == "throughput":
-                results.append(wl.hf_throughput(hf_cfg, dtype, device, args.num_requests))
-            else:
-                results.extend(wl.run_hf(hf_cfg, dtype, device, (w,)))
+        for w in workloads:  # each in a child process (see workloads.run_hf_child)
+            results.append(wl.run_hf_child(hf_cfg, dtype, device, w, args.num_requests))
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
     else:
