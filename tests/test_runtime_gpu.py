@@ -86,6 +86,28 @@ def test_qwen25_shapes_bf16_graphs_match_eager(tmp_path_factory):
     assert graphs == eager
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_sequence_prefill_graphs_match_eager_prefill(tmp_path_factory, dtype):
+    """Prompts prefilled alone replay a token-count bucket's graph (padded rows write nowhere):
+    lengths at, below and above bucket edges, a chunked prompt and a prefix-cache hit give the
+    same tokens as op-by-op prefill, with async scheduling on and off."""
+    engine = build(tmp_path_factory, "tiny-qwen2", dtype)
+    rng = random.Random(4)
+    base = [rng.randrange(256) for _ in range(300)]
+    lengths = [1, 15, 16, 17, 100, 255, 300]
+    prompts = [{"prompt_token_ids": base[:n]} for n in lengths] + [{"prompt_token_ids": base[:100] + [7, 8, 9]}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+    runs = []
+    for kw in ({}, {"prefill_graph_max_tokens": 0, "async_scheduling": False}, {"max_num_batched_tokens": 128}):
+        llm = LLM(engine, device="cuda", gpu_memory_utilization=0.3, **kw)
+        if kw.get("prefill_graph_max_tokens", 1):
+            assert llm.engine.runner.prefill_graphs.enabled
+        runs.append([llm.generate(p, params, use_tqdm=False)[0].token_ids for p in prompts])
+        del llm
+        gc.collect()
+    assert runs[0] == runs[1] == runs[2]
+
+
 def test_seeded_sampling_repeats_with_graphs(tmp_path_factory):
     engine = build(tmp_path_factory, "tiny-qwen2", "bfloat16")
     prompts, _ = requests(272, 8, 1, seed=9)

@@ -1,10 +1,13 @@
-"""CUDA graphs of the decode step, one per batch-size bucket, sharing one memory pool.
+"""CUDA graphs of whole steps, one per bucket, sharing one memory pool.
 
-A decode step of S sequences is padded to the next bucket with rows that write nowhere (slot
--1) and attend to nothing (seq_len 0), and replays that bucket's graph. Graphs read fixed input
-buffers, so the runner copies each step's inputs into them before replay. Every bucket runs
-eagerly once before any capture: a first call may compile (Triton) or allocate, neither of which
-may happen inside a capture.
+Decode: a step of S sequences is padded to the next batch-size bucket with rows that write
+nowhere (slot -1) and attend to nothing (seq_len 0), and replays that bucket's graph.
+Prefill of one sequence: its T new tokens are padded to the next token-count bucket with rows
+that belong to no sequence (past query_start_loc[-1], slot -1), so they write nowhere and no real
+row sees them; launching a prefill op by op costs the host far more than the device's few ms.
+Graphs read fixed input buffers, so the runner copies each step's inputs into them before
+replay. Every bucket runs eagerly once before any capture: a first call may compile (Triton) or
+allocate, neither of which may happen inside a capture.
 """
 
 from __future__ import annotations
@@ -18,6 +21,15 @@ import torch
 from torch import Tensor
 
 
+def prefill_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Powers of two from ``smallest`` up to max_tokens (and max_tokens itself)."""
+    out, t = [], smallest
+    while t < max_tokens:
+        out.append(t)
+        t *= 2
+    return out + [max_tokens] if max_tokens >= 1 else out
+
+
 def decode_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, steps of 8 to 64, steps of 16 to 128, steps of 32 after, up to the max."""
     sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 129, 16), *range(160, max_batch_size + 1, 32)]
@@ -25,14 +37,15 @@ def decode_buckets(max_batch_size: int) -> list[int]:
     return out
 
 
-class DecodeGraphs:
-    """Captured graphs by bucket; ``run(S)`` replays the smallest bucket >= S."""
+class StepGraphs:
+    """Captured graphs by bucket; ``replay(bucket_for(n))`` runs the smallest bucket >= n."""
 
     def __init__(self):
         self.buckets: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: Tensor | None = None  # [max bucket, vocab], written by every graph
+        self.logits: Tensor | None = None  # [rows of the largest bucket, vocab], written by every graph
         self.capture_s = 0.0
+        self.pool = None
 
     @property
     def enabled(self) -> bool:
@@ -42,7 +55,7 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, num_seqs)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def capture(self, buckets: list[int], forward: Callable[[int], Tensor], device) -> bool:
+    def capture(self, buckets: list[int], forward: Callable[[int], Tensor], device, pool=None) -> bool:
         """Warm and capture ``forward(bucket)`` (which reads the static inputs of that bucket
         and returns its logits). Returns False, with a warning, when capture fails: the
         runner then stays eager."""
@@ -56,16 +69,17 @@ class DecodeGraphs:
                     forward(b)
             torch.cuda.current_stream(device).wait_stream(stream)
             torch.cuda.synchronize(device)
-            self.logits = torch.empty((max(buckets), out.shape[-1]), dtype=out.dtype, device=device)
+            self.logits = torch.empty((max(out.shape[0], 1), out.shape[-1]), dtype=out.dtype, device=device)
             del out
-            pool = None
+            self.pool = pool
             # largest first: its activations set the pool size the smaller ones reuse
             for b in sorted(buckets, reverse=True):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self.logits[:b].copy_(forward(b))
-                if pool is None:
-                    pool = g.pool()
+                with torch.cuda.graph(g, pool=self.pool):
+                    logits = forward(b)
+                    self.logits[: logits.shape[0]].copy_(logits)
+                if self.pool is None:
+                    self.pool = g.pool()
                 self.graphs[b] = g
             torch.cuda.synchronize(device)
         except Exception as e:  # any capture failure: run eagerly instead
@@ -83,6 +97,9 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - t0
         return True
 
-    def replay(self, bucket: int) -> Tensor:
+    def replay(self, bucket: int, rows: int) -> Tensor:
         self.graphs[bucket].replay()
-        return self.logits[:bucket]
+        return self.logits[:rows]
+
+
+DecodeGraphs = StepGraphs  # the name the runner and tests have used

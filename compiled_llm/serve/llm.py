@@ -47,6 +47,8 @@ class LLM:
         enable_chunked_prefill: bool = True,
         enforce_eager: bool = False,
         max_graph_batch_size: int = 256,
+        async_scheduling: bool = True,
+        prefill_graph_max_tokens: int = 4096,
     ):
         config = EngineConfig(
             block_size=block_size,
@@ -60,6 +62,8 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             use_cuda_graphs=not enforce_eager,
             max_graph_batch_size=max_graph_batch_size,
+            async_scheduling=async_scheduling,
+            prefill_graph_max_tokens=prefill_graph_max_tokens,
         )
         self._init_engine(load_model(model, dtype=dtype, device=device), config)
 

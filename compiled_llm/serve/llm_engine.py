@@ -23,7 +23,7 @@ from compiled_llm.serve.detokenizer import IncrementalDetokenizer
 from compiled_llm.serve.loader import LoadedModel
 from compiled_llm.serve.model_runner import ModelRunner, _label, profile_step
 from compiled_llm.serve.outputs import CompletionOutput, RequestOutput
-from compiled_llm.serve.scheduler import Scheduler, SchedulerConfig
+from compiled_llm.serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from compiled_llm.serve.sequence import Sequence
 
 
@@ -40,6 +40,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     use_cuda_graphs: bool = True
     max_graph_batch_size: int = 256
+    # Queue the next decode step before reading this one's tokens, so the host's bookkeeping
+    # runs while the device computes (see LLMEngine.step).
+    async_scheduling: bool = True
+    # One-sequence prefills of up to this many tokens replay CUDA graphs (token-count buckets,
+    # powers of two); 0 turns them off.
+    prefill_graph_max_tokens: int = 4096
 
     def __post_init__(self):
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size")
@@ -63,6 +69,8 @@ class EngineStats:
     decode_steps: int = 0  # pure decode steps (CUDA graphs when captured)
     decode_tokens: int = 0
     decode_s: float = 0.0
+    ahead_steps: int = 0  # decode steps queued before the previous step's tokens were read
+    dropped_ahead_tokens: int = 0  # tokens computed ahead for sequences that had finished
     generated_tokens: int = 0
     kv_num_blocks: int = 0
     graph_capture_s: float = 0.0
@@ -122,12 +130,18 @@ class LLMEngine:
             if self.runner.capture_decode_graphs():
                 self.stats.graph_capture_s = self.runner.graphs.capture_s
                 self.stats.graphs_captured = len(self.runner.graphs.graphs)
+                if config.prefill_graph_max_tokens > 0 and self.runner.capture_prefill_graphs(
+                    min(config.prefill_graph_max_tokens, self.max_model_len)
+                ):
+                    self.stats.graph_capture_s += self.runner.prefill_graphs.capture_s
+                    self.stats.graphs_captured += len(self.runner.prefill_graphs.graphs)
 
         self._requests: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._streaming: set[str] = set()
         self._arrivals = itertools.count()
         self.profile_labels = False
+        self._pending = None  # (batch, handle, rows) of a decode step queued ahead
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -229,21 +243,42 @@ class LLMEngine:
         self._streaming.discard(seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     # ---- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if not self.scheduler.has_unfinished():
-            return []
+        """One step's results. With async scheduling a decode step is usually already queued
+        on the device (launched by the previous call); this call queues the one after it
+        before it waits, then applies the tokens of the step it waited for. A token computed
+        ahead for a sequence that has finished meanwhile (EOS, stop string, abort) is dropped."""
         t0 = time.perf_counter()
-        with _label(self.profile_labels, "schedule"):
-            batch = self.scheduler.schedule()
-        if batch.is_empty:
-            raise EngineError("the scheduler could not schedule any request (KV cache too small for the waiting ones)")
+        if self._pending is not None:
+            batch, handle = self._pending
+            self._pending = None
+        else:
+            if not self.scheduler.has_unfinished():
+                return []
+            with _label(self.profile_labels, "schedule"):
+                batch = self.scheduler.schedule()
+            if batch.is_empty:
+                raise EngineError("the scheduler could not schedule any request (KV cache too small for the waiting ones)")
+            handle = self.runner.launch(batch)
         # prompt (or recomputed) tokens of this step, counted before update() appends tokens
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.num_output_tokens == 0)
-        sampled = self.runner.execute(batch)
+        if self.config.async_scheduling and batch.is_decode:
+            with _label(self.profile_labels, "schedule"):
+                ahead = self.scheduler.schedule_ahead(batch)
+            if ahead is not None:
+                ahead_batch, rows = ahead
+                self._pending = (ahead_batch, self.runner.launch(ahead_batch, handle, rows))
+                self.stats.ahead_steps += 1
+        sampled = self.runner.collect(handle)
+        n_rows = len(batch.seqs)
+        batch, sampled = _drop_finished(batch, sampled)
+        self.stats.dropped_ahead_tokens += n_rows - len(batch.seqs)
+        if batch.is_empty:
+            return []  # every sequence of the step queued ahead had finished
         changed = self.scheduler.update(batch, sampled)
         dt = time.perf_counter() - t0
         st = self.stats
@@ -295,3 +330,22 @@ class LLMEngine:
 
     def prefix_cache_stats(self):
         return self.block_manager.stats
+
+
+def _drop_finished(batch: ScheduledBatch, sampled: list[int]) -> tuple[ScheduledBatch, list[int]]:
+    """The rows of a step whose sequences still run (a step queued ahead may hold sequences
+    that finished or were aborted after it was queued)."""
+    if all(not s.is_finished for s in batch.seqs):
+        return batch, sampled
+    kept = ScheduledBatch()
+    by_row = dict(zip(batch.sample_rows, sampled))
+    tokens = []
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        if seq.is_finished:
+            continue
+        if i in by_row:
+            kept.sample_rows.append(len(kept.seqs))
+            tokens.append(by_row[i])
+        kept.seqs.append(seq)
+        kept.num_new_tokens.append(n)
+    return kept, tokens

@@ -10,6 +10,7 @@ only host sync of a step is fetching the sampled ids.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -20,11 +21,21 @@ from compiled_llm.config import ModelConfig
 from compiled_llm.graph.spec import PackedBatch
 from compiled_llm.sampling import SamplingTensors, sample
 from compiled_llm.serve.block_manager import cdiv
-from compiled_llm.serve.cuda_graphs import DecodeGraphs, decode_buckets
+from compiled_llm.serve.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
 from compiled_llm.serve.scheduler import ScheduledBatch
 from compiled_llm.serve.sequence import Sequence
 
 Program = Callable[[dict, PackedBatch, Tensor], Tensor]
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its sampled ids on the device, and the pinned host copy they are on
+    their way to (ready once ``event`` completes)."""
+
+    ids: Tensor | None  # [len(sample_rows)] int64 on the device; None when nothing is sampled
+    host: Tensor | None
+    event: "torch.cuda.Event | None"
 
 
 def _label(enabled: bool, name: str):
@@ -81,8 +92,11 @@ class ModelRunner:
         self._tables = np.zeros((s, self.width), dtype=np.int32)
         self._row_key: list[tuple | None] = [None] * s
         self._row_synced = [0] * s
-        self.graphs = DecodeGraphs()
+        self.graphs = StepGraphs()  # decode, by batch size
         self.decode_buckets: list[int] = []
+        self.prefill_graphs = StepGraphs()  # prefill of one sequence, by token count
+        self._ids_host = [host(s, torch.int64) for _ in range(2)] if cuda else []
+        self._ids_turn = 0
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
@@ -107,48 +121,131 @@ class ModelRunner:
             self._dev[k].copy_(self._host[k])
         return self.graphs.capture(buckets, lambda b: self._run_program(self._views(b, b, self.width)), self.device)
 
+    def capture_prefill_graphs(self, max_tokens: int) -> bool:
+        """Graphs of one sequence's prefill of up to max_tokens tokens (CUDA only), in the decode
+        graphs' memory pool (the two never run at once)."""
+        if self.device.type != "cuda":
+            return False
+        buckets = prefill_buckets(min(max_tokens, self.max_tokens))
+        # capture-time inputs: one sequence whose rows write nowhere, over block 0
+        self._np["tok"][:] = 0
+        self._np["pos"][:] = 0
+        self._np["slot"][:] = -1
+        self._np["bt"][:] = 0
+        self._np["qsl"][:2] = (0, 1)
+        self._np["sl"][:1] = 1
+        for k in self._dev:
+            self._dev[k].copy_(self._host[k])
+        self.prefill_graphs.buckets = buckets
+        return self.prefill_graphs.capture(
+            buckets, lambda t: self._run_program(self._views(t, 1, self.width)), self.device, pool=self.graphs.pool
+        )
+
     # ---- a step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run the step; the sampled token of each row in batch.sample_rows, in that order."""
-        with _label(self.profile_labels, "forward"):
-            logits = self._forward(batch)
-        with _label(self.profile_labels, "sample"):
-            return self._sample(batch, logits)
+        return self.collect(self.launch(batch))
 
-    def _forward(self, batch: ScheduledBatch) -> Tensor:
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, ahead_of: StepHandle | None = None,
+               ahead_rows: list[int] | None = None) -> StepHandle:
+        """Queue the step's forward and sampling on the device without waiting for them.
+
+        With ``ahead_of`` the batch is a decode step scheduled before the step ``ahead_of``
+        finished: each row's input token is that step's sampled id (row ahead_rows[i] of it,
+        all rows in order when None), copied on the device, and its position is one past the
+        sequence's num_computed_tokens (which the earlier step has not yet advanced)."""
+        with _label(self.profile_labels, "forward"):
+            logits = self._forward(batch, ahead_of, ahead_rows)
+        with _label(self.profile_labels, "sample"):
+            ids = self._sample(batch, logits)
+        if ids is None:
+            return StepHandle(None, None, None)
+        if self.device.type != "cuda":
+            return StepHandle(ids, ids, None)
+        # two pinned buffers, alternating: a launch may be queued while the previous one's ids
+        # are still being read back
+        self._ids_turn ^= 1
+        host = self._ids_host[self._ids_turn][: ids.shape[0]]
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepHandle(ids, host, event)
+
+    @staticmethod
+    def collect(handle: StepHandle) -> list[int]:
+        """Wait for a launched step; its sampled ids as Python ints."""
+        if handle.ids is None:
+            return []
+        if handle.event is not None:
+            handle.event.synchronize()
+        return handle.host.tolist()
+
+    def _forward(self, batch: ScheduledBatch, ahead_of: StepHandle | None = None,
+                 ahead_rows: list[int] | None = None) -> Tensor:
         seqs = batch.seqs
         S = len(seqs)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the host buffers
         self._sync_tables(seqs)
+        ahead = 0 if ahead_of is None else 1
+        assert ahead == 0 or batch.is_decode, "only decode steps are scheduled ahead"
         if batch.is_decode:
             bucket = self.graphs.bucket_for(S) if self.decode_buckets else None
             if bucket is not None:
                 # Padded to the bucket at full width, with or without graphs: eager decode
                 # runs exactly the kernels and shapes the graphs replay.
-                self._fill_decode(seqs, bucket, self.width)
+                self._fill_decode(seqs, bucket, self.width, ahead)
                 self._copy_in(bucket, bucket, self.width)
+                self._tokens_from(ahead_of, ahead_rows, S)
                 if self.graphs.enabled:
-                    return self.graphs.replay(bucket)[:S]
+                    return self.graphs.replay(bucket, S)
                 return self._run_program(self._views(bucket, bucket, self.width))[:S]
             width = max(len(s.block_table) for s in seqs)
-            self._fill_decode(seqs, S, width)
-            T = S
+            self._fill_decode(seqs, S, width, ahead)
+            self._copy_in(S, S, width)
+            self._tokens_from(ahead_of, ahead_rows, S)
+            return self._run_program(self._views(S, S, width))
+        elif S == 1 and self.prefill_graphs.enabled:
+            bucket = self.prefill_graphs.bucket_for(batch.num_new_tokens[0])
+            if bucket is not None:
+                T = self._fill_mixed(seqs, batch.num_new_tokens, self.width)
+                # rows T..bucket-1 belong to no sequence: they write nowhere
+                self._np["tok"][T:bucket] = 0
+                self._np["pos"][T:bucket] = 0
+                self._np["slot"][T:bucket] = -1
+                self._copy_in(bucket, 1, self.width)
+                return self.prefill_graphs.replay(bucket, 1)
+            width = max(len(s.block_table) for s in seqs)
+            T = self._fill_mixed(seqs, batch.num_new_tokens, width)
         else:
             width = max(len(s.block_table) for s in seqs)
             T = self._fill_mixed(seqs, batch.num_new_tokens, width)
         self._copy_in(T, S, width)
         return self._run_program(self._views(T, S, width))
 
+    def _tokens_from(self, handle: StepHandle | None, rows: list[int] | None, S: int) -> None:
+        """Input tokens of a step scheduled ahead: the earlier step's sampled ids, copied on the
+        device after (stream order) the host inputs landed."""
+        if handle is None:
+            return
+        src = handle.ids
+        if rows is not None:
+            idx = torch.tensor(rows, dtype=torch.int64)
+            if self.device.type == "cuda":
+                idx = idx.pin_memory().to(self.device, non_blocking=True)
+            src = src.index_select(0, idx)
+        self._dev["tok"][:S].copy_(src)
+
     def _run_program(self, batch: PackedBatch) -> Tensor:
         return self.program(self.params, batch, self.kv_cache)
 
-    def _sample(self, batch: ScheduledBatch, logits: Tensor) -> list[int]:
+    def _sample(self, batch: ScheduledBatch, logits: Tensor) -> Tensor | None:
         rows = batch.sample_rows
         if not rows:
-            return []
+            return None
         if len(rows) != len(batch.seqs):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         seqs = [batch.seqs[r] for r in rows]
@@ -159,7 +256,7 @@ class ModelRunner:
             st = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
             gens = [s.generator for s in seqs]
             ids = sample(logits, st, gens if any(g is not None for g in gens) else None)
-        return ids.tolist()
+        return ids
 
     # ---- host-side batch building -------------------------------------------------------------
 
@@ -176,13 +273,14 @@ class ModelRunner:
                 self._tables[r, k:n] = s.block_table[k:n]
                 self._row_synced[r] = n
 
-    def _fill_decode(self, seqs: list[Sequence], padded: int, width: int) -> None:
-        """One new token per sequence (its last); rows S..padded-1 are padding."""
+    def _fill_decode(self, seqs: list[Sequence], padded: int, width: int, ahead: int = 0) -> None:
+        """One new token per sequence (its last); rows S..padded-1 are padding. ``ahead`` = 1:
+        the token after the last, not sampled yet (its id is copied in on the device)."""
         S = len(seqs)
         npb = self._np
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=S)
-        pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=S)
-        npb["tok"][:S] = [s.token_ids[-1] for s in seqs]
+        pos = np.fromiter((s.num_computed_tokens + ahead for s in seqs), dtype=np.int64, count=S)
+        npb["tok"][:S] = 0 if ahead else [s.token_ids[-1] for s in seqs]
         npb["pos"][:S] = pos
         bs = self.block_size
         npb["slot"][:S] = self._tables[rows, pos // bs].astype(np.int64) * bs + pos % bs

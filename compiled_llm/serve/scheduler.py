@@ -166,6 +166,35 @@ class Scheduler:
             budget -= n
         return batch
 
+    def schedule_ahead(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int] | None] | None:
+        """The decode step after ``batch`` (a decode step whose tokens are not applied yet),
+        for the engine to queue before it waits for ``batch``: the same running sequences,
+        minus those that finish by length with ``batch``'s token. None when that step is not
+        a plain continuation: requests are waiting to be admitted (they must not wait behind a
+        chain of steps queued ahead), nothing would be left, or a block is missing (the regular
+        schedule then preempts). Also returns which rows of ``batch``'s sampled ids feed the
+        new step (None: all, in order)."""
+        if self.waiting or not batch.is_decode:
+            return None
+        limit = self.config.max_model_len
+        ahead = ScheduledBatch()
+        rows: list[int] = []
+        for i, seq in enumerate(batch.seqs):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            # batch's token makes it num_tokens + 1 long; the step ahead adds one more
+            if seq.num_output_tokens + 2 > seq.params.max_tokens or seq.num_tokens + 2 > limit:
+                continue
+            if not self.bm.allocate_slots(seq, seq.num_tokens + 1 - seq.num_computed_tokens):
+                return None
+            ahead.sample_rows.append(len(ahead.seqs))
+            ahead.seqs.append(seq)
+            ahead.num_new_tokens.append(1)
+            rows.append(i)
+        if ahead.is_empty:
+            return None
+        return ahead, (None if len(rows) == len(batch.seqs) else rows)
+
     @staticmethod
     def _add(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         if seq.num_computed_tokens + n == seq.num_tokens:
