@@ -230,7 +230,9 @@ def _load_weights(engine_dir: Path, manifest: dict, device: torch.device) -> dic
     missing = [n for n in names if n not in tensors]
     if missing:
         raise EngineError(f"{WEIGHTS_FILE} lacks {missing[0]!r} that the program reads; rebuild the engine")
-    return {n: tensors[n] for n in names}
+    # safetensors may hand out views of one shared buffer (CPU); compiled graphs would then see
+    # storage-offset symbols the build never saw and miss their cache. Own storage per weight.
+    return {n: tensors[n].clone() if tensors[n]._base is not None else tensors[n] for n in names}
 
 
 def choose_backend(manifest: dict, device: torch.device, backend: str | None) -> tuple[str, str | None]:

@@ -31,9 +31,26 @@ class PortableProgram:
     def __init__(self, gm: torch.fx.GraphModule, param_names: list[str]):
         self.module = FlatProgram(gm, param_names)
         self.param_names = list(param_names)
+        self._run = FlatProgram(with_direct_calls(gm), param_names)
 
     def __call__(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor) -> Tensor:
-        return self.module(params, *batch, kv_cache)
+        return self._run(params, *batch, kv_cache)
+
+
+def with_direct_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of gm whose kernel-provider ops call their Python functions directly (see
+    providers.direct_implementations); gm itself, which is what gets saved, is untouched."""
+    from compiled_llm.kernels.providers import direct_implementations
+
+    direct = direct_implementations()
+    if not any(n.op == "call_function" and n.target in direct for n in gm.graph.nodes):
+        return gm
+    out = copy.deepcopy(gm)
+    for node in out.graph.nodes:
+        if node.op == "call_function" and node.target in direct:
+            node.target = direct[node.target]
+    out.recompile()
+    return out
 
 
 class InductorProgram:

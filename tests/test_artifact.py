@@ -62,6 +62,25 @@ def test_loaded_engine_computes_the_spec(engine):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_saved_program_keeps_the_fused_ops_optional_arguments(engine):
+    """program.pt2 round-trips the arguments the fusions add after an op's old ones: a tensor
+    (the folded input norm's weight, the MLP's residual) and a float (its eps)."""
+    import compiled_llm.graph.fused_ops  # noqa: F401  (registers the cllm:: ops the program names)
+
+    gm = torch.export.load(str(engine / "program.pt2")).graph_module
+    eps = artifact.read_manifest(engine)["model_config"]["norm_eps"]
+
+    def calls(op):
+        return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op.default]
+
+    qkvs, mlps = calls(torch.ops.cllm.fused_qkv_rope), calls(torch.ops.cllm.fused_rms_norm_glu_mlp)
+    assert len(qkvs) == len(mlps) == len(calls(torch.ops.cllm.fused_linear_residual)) > 0
+    for i, qkv in enumerate(qkvs):
+        norm_weight, norm_eps = qkv.args[11], qkv.args[12]
+        assert norm_weight.name.endswith(f"layers_{i}_attn_norm_weight") and norm_eps == eps
+    assert all(mlp.args[5] is mlp.args[0] for mlp in mlps)  # h + mlp(norm(h))
+
+
 def test_deleted_file_is_refused(copy_of):
     (copy_of / "program.pt2").unlink()
     with pytest.raises(EngineError, match=r"engine file program.pt2 is missing"):

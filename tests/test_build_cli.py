@@ -1,6 +1,7 @@
 """`compiled-llm build` makes an engine from a transformers-written checkpoint of every family
-and from a tiny preset; `inspect --json` shows norm+MLP fused once per layer, add+norm and
-q/k/v+RoPE wherever they apply, and a smaller op count; --pass and --diff show the IR."""
+and from a tiny preset; `inspect --json` shows norm+MLP fused once per layer, both residual adds
+of every layer taken into their producers, add+norm only where an add is left (GPT-2's
+embeddings), q/k/v+RoPE once per layer, and a smaller op count; --pass and --diff show the IR."""
 
 import json
 
@@ -34,12 +35,15 @@ def test_inspect_json_shows_fusions_per_layer(engines, family, capsys):
     matches = {p["name"]: p["matches"] for p in report["passes"]}
     layers = hf_config.num_hidden_layers if family != "gpt2" else hf_config.n_layer
     assert matches["fuse_norm_mlp"] == layers
-    assert matches["fuse_add_norm"] == (layers if family == "gpt2" else layers - 1)
+    assert matches["fuse_residual"] == 2 * layers
+    assert matches["fuse_add_norm"] == (1 if family == "gpt2" else 0)
     assert matches["fuse_qkv_rope"] == layers
     assert sum(report["ops_after"].values()) < sum(report["ops_before"].values())
     assert report["kernels"]["paged_attention"] == "reference"
     fused = "cllm::fused_layer_norm_gelu_mlp" if family == "gpt2" else "cllm::fused_rms_norm_glu_mlp"
     assert report["ops_after"][fused] == layers
+    assert report["ops_after"]["cllm::fused_linear_residual"] == layers
+    assert "aten::add.Tensor" not in report["ops_after"]
 
 
 def test_build_summary_table_names_passes_and_stages(tmp_path, capsys):
@@ -60,6 +64,10 @@ def test_inspect_pass_and_diff(engines, capsys):
     assert diff.startswith("--- ir/00_captured.py")
     assert any(line.startswith("+") and "fused_rms_norm_glu_mlp" in line for line in diff.splitlines())
     assert any(line.startswith("-") and "aten.silu" in line for line in diff.splitlines())
+    assert main(["inspect", str(out), "--diff", "fuse_norm_mlp", "fuse_residual"]) == 0
+    diff = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("+") and "cllm.fused_linear_residual" in line for line in diff)
+    assert any(line.startswith("-") and "aten.add.Tensor" in line for line in diff)
     assert main(["inspect", str(out)]) == 0
     assert "cllm::fused_qkv_rope" in capsys.readouterr().out
 

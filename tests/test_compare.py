@@ -55,6 +55,7 @@ def test_planted_wrong_pass_is_named(tmp_path, capsys):
         assert lines[-1].startswith("FAIL: vs spec")
         assert lines[-1].endswith("first pass that changes the numbers: drop_q_bias")
         assert any("after fuse_norm_mlp" in line and line.endswith("ok") for line in lines)
+        assert any("after fuse_residual" in line and line.endswith("ok") for line in lines)
     finally:
         unregister_pass("drop_q_bias")
 

@@ -7,6 +7,10 @@ GPT-2 (H 768, I 3072, 12 heads); fresh random bf16 and fp16 inputs; relative err
 NaN) before each run, and cache slots outside every context hold NaN, so an element a kernel
 forgets to write or a slot it wrongly reads shows up. Decode-path providers are also captured
 in a CUDA graph and replayed on new inputs, as the runtime does.
+
+The ops' optional epilogues and prologues are checked both ways: the o projection with its
+residual add (fused_linear_residual) at decode and prefill row counts, the MLPs with and without
+a residual, and fused_qkv_rope with and without the layer's input RMSNorm folded in.
 """
 
 import pytest
@@ -36,9 +40,38 @@ def triton_op(name):
     return providers.provider_op(name, providers.TRITON)
 
 
-def _poisoned_call(fn, *args, numel=1 << 22):
+def _poisoned_call(fn, *args, numel=1 << 22, **kwargs):
     poison_allocator(DEV, numel, numel // 4, numel // 16)
-    return fn(*args)
+    return fn(*args, **kwargs)
+
+
+def _rnd(gen, *shape, dtype, scale=1.0, shift=0.0):
+    return (torch.randn(shape, generator=gen) * scale + shift).to(DEV, dtype)
+
+
+def linear_residual_inputs(T: int, K: int, N: int, dtype, seed: int, bias: bool = False):
+    """(x [T, K], weight [N, K], bias [N] or None, residual [T, N]), unit-variance activations."""
+    gen = torch.Generator().manual_seed(seed)
+    return (_rnd(gen, T, K, dtype=dtype), _rnd(gen, N, K, dtype=dtype, scale=K ** -0.5),
+            _rnd(gen, N, dtype=dtype, scale=0.1) if bias else None, _rnd(gen, T, N, dtype=dtype))
+
+
+def residual_like(out_args, seed: int):
+    """A residual stream for an MLP (shaped like its input x) in x's dtype."""
+    x = out_args[0]
+    return _rnd(torch.Generator().manual_seed(seed), *x.shape, dtype=x.dtype)
+
+
+def input_norm(args, seed: int):
+    """(norm_weight [H], norm_eps): the layer's input RMSNorm for fused_qkv_rope."""
+    x = args[0]
+    return _rnd(torch.Generator().manual_seed(seed), x.shape[-1], dtype=x.dtype, scale=0.1, shift=1.0), 1e-6
+
+
+def projection_err(out, ref, residual) -> float:
+    """rel_err of the part the op adds to the residual (the residual alone would pass rel_err
+    of the sums), in float64."""
+    return rel_err(out.double() - residual.double(), ref.double() - residual.double())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,10 +142,15 @@ def test_norms(T, H, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gpt2"])
 @pytest.mark.parametrize("T", [1, 256])
-def test_fused_qkv_rope(family, T, dtype):
+@pytest.mark.parametrize("folded_norm", [False, True], ids=["x", "rms_norm(x)"])
+def test_fused_qkv_rope(family, T, dtype, folded_norm):
+    if folded_norm and family == "gpt2":
+        pytest.skip("GPT-2's LayerNorm is never folded into fused_qkv_rope")
     m = {"qwen2": MODELS["qwen2.5-0.5b"], "qwen3": QWEN3, "llama": MODELS["llama-3.2-1b"], "gpt2": GPT2}[family]
     args = qkv_inputs(T, m["H"], m["Hq"], m["Hkv"], m["D"], dtype, DEV, seed=T,
                       bias=family in ("qwen2", "gpt2"), qk_norm=family == "qwen3", rope=family != "gpt2")
+    if folded_norm:
+        args = (*args, *input_norm(args, seed=T + 1))
     out = _poisoned_call(triton_op("fused_qkv_rope"), *args)
     ref = fused_ops.fused_qkv_rope_ref(*args)
     for o, r in zip(out, ref):
@@ -132,27 +170,77 @@ def test_rotary_embedding(dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# norm + MLP: Triton decode and prefill forms, CUDA C++
+# o projection + residual add
 # ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("T", [1, 2, 4, 16, 300])
+def test_fused_linear_residual(model, T, dtype):
+    m = MODELS[model]
+    args = linear_residual_inputs(T, m["Hq"] * m["D"], m["H"], dtype, seed=T)
+    out = _poisoned_call(triton_op("fused_linear_residual"), *args)
+    ref = fused_ops.fused_linear_residual_ref(*args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) <= TOL
+    assert projection_err(out, ref, args[3]) <= TOL
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5, 300])
+def test_fused_linear_residual_with_bias(T, dtype):
+    """GPT-2's o projection carries a bias."""
+    args = linear_residual_inputs(T, GPT2["Hq"] * GPT2["D"], GPT2["H"], dtype, seed=T, bias=True)
+    out = _poisoned_call(triton_op("fused_linear_residual"), *args)
+    ref = fused_ops.fused_linear_residual_ref(*args)
+    assert rel_err(out, ref) <= TOL and projection_err(out, ref, args[3]) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# norm + MLP: Triton decode and prefill forms, CUDA C++; with and without the residual add
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_mlp(out, ref, residual):
+    assert rel_err(out, ref) <= TOL
+    if residual is not None:
+        assert projection_err(out, ref, residual) <= TOL
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("T,form", [(1, "decode"), (4, "decode"), (16, "decode"), (64, "decode"),
                                     (1, "prefill"), (300, "prefill")])
-def test_rms_norm_glu_mlp_triton(model, T, form, dtype):
+@pytest.mark.parametrize("with_residual", [False, True], ids=["mlp", "mlp+residual"])
+def test_rms_norm_glu_mlp_triton(model, T, form, dtype, with_residual):
     m = MODELS[model]
     args = mlp_glu_inputs(T, m["H"], m["I"], dtype, DEV, seed=T)
-    out = _poisoned_call(triton_norm_mlp.fused_rms_norm_glu_mlp, *args, form)
-    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args)) <= TOL
+    r = residual_like(args, seed=T + 1) if with_residual else None
+    out = _poisoned_call(triton_norm_mlp.fused_rms_norm_glu_mlp, *args, form=form, residual=r)
+    _check_mlp(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, residual=r), r)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,form", [(1, "decode"), (9, "decode"), (200, "prefill")])
-def test_layer_norm_gelu_mlp_triton(T, form, dtype):
+@pytest.mark.parametrize("with_residual", [False, True], ids=["mlp", "mlp+residual"])
+def test_layer_norm_gelu_mlp_triton(T, form, dtype, with_residual):
     args = mlp_gelu_inputs(T, GPT2["H"], GPT2["I"], dtype, DEV, seed=T)
-    out = _poisoned_call(triton_norm_mlp.fused_layer_norm_gelu_mlp, *args, form)
-    assert rel_err(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args)) <= TOL
+    r = residual_like(args, seed=T + 1) if with_residual else None
+    out = _poisoned_call(triton_norm_mlp.fused_layer_norm_gelu_mlp, *args, form=form, residual=r)
+    _check_mlp(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args, residual=r), r)
+
+
+@pytest.mark.parametrize("name", ["fused_rms_norm_glu_mlp", "fused_layer_norm_gelu_mlp"])
+@pytest.mark.parametrize("T", [1, 300])
+def test_triton_mlp_providers_pass_the_residual(name, T):
+    """The provider ops (what the graph calls) forward their residual to the kernels."""
+    m = MODELS["qwen2.5-0.5b"] if "glu" in name else GPT2
+    inputs = mlp_glu_inputs if "glu" in name else mlp_gelu_inputs
+    args = inputs(T, m["H"], m["I"], torch.bfloat16, DEV, seed=T)
+    r = residual_like(args, seed=T + 2)
+    out = _poisoned_call(triton_op(name), *args, r)
+    _check_mlp(out, getattr(fused_ops, name + "_ref")(*args, r), r)
 
 
 def _cuda_ext():
@@ -163,21 +251,25 @@ def _cuda_ext():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("T", [1, 3, 8, 40])  # 40 rows: the provider's matmul path
-def test_rms_norm_glu_mlp_cuda(model, T, dtype):
+@pytest.mark.parametrize("with_residual", [False, True], ids=["mlp", "mlp+residual"])
+def test_rms_norm_glu_mlp_cuda(model, T, dtype, with_residual):
     _cuda_ext()
     m = MODELS[model]
     args = mlp_glu_inputs(T, m["H"], m["I"], dtype, DEV, seed=T)
-    out = _poisoned_call(providers.provider_op("fused_rms_norm_glu_mlp", providers.CUDA), *args)
-    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args)) <= TOL
+    r = residual_like(args, seed=T + 1) if with_residual else None
+    out = _poisoned_call(providers.provider_op("fused_rms_norm_glu_mlp", providers.CUDA), *args, r)
+    _check_mlp(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, r), r)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 8, 40])
-def test_layer_norm_gelu_mlp_cuda(T, dtype):
+@pytest.mark.parametrize("with_residual", [False, True], ids=["mlp", "mlp+residual"])
+def test_layer_norm_gelu_mlp_cuda(T, dtype, with_residual):
     _cuda_ext()
     args = mlp_gelu_inputs(T, GPT2["H"], GPT2["I"], dtype, DEV, seed=T)
-    out = _poisoned_call(providers.provider_op("fused_layer_norm_gelu_mlp", providers.CUDA), *args)
-    assert rel_err(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args)) <= TOL
+    r = residual_like(args, seed=T + 1) if with_residual else None
+    out = _poisoned_call(providers.provider_op("fused_layer_norm_gelu_mlp", providers.CUDA), *args, r)
+    _check_mlp(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args, r), r)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,19 +318,34 @@ def test_decode_attention_replays_in_cuda_graph():
 
 @pytest.mark.parametrize("provider", ["triton", "cuda"])
 def test_decode_mlp_replays_in_cuda_graph(provider):
+    """As the graph calls it: with the residual stream added."""
     if provider == "cuda":
         _cuda_ext()
     m = MODELS["qwen2.5-0.5b"]
-    static = list(mlp_glu_inputs(4, m["H"], m["I"], torch.bfloat16, DEV, seed=7))
-    new = mlp_glu_inputs(4, m["H"], m["I"], torch.bfloat16, DEV, seed=8)
+    first = mlp_glu_inputs(4, m["H"], m["I"], torch.bfloat16, DEV, seed=7)
+    second = mlp_glu_inputs(4, m["H"], m["I"], torch.bfloat16, DEV, seed=8)
+    static = [*first, residual_like(first, seed=70)]
+    new = [*second, residual_like(second, seed=80)]
     out = _capture_and_replay(providers.provider_op("fused_rms_norm_glu_mlp", provider), static, new)
-    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*new)) <= TOL
+    _check_mlp(out, fused_ops.fused_rms_norm_glu_mlp_ref(*new), new[-1])
+
+
+def test_decode_linear_residual_replays_in_cuda_graph():
+    m = MODELS["qwen2.5-0.5b"]
+    static = list(linear_residual_inputs(4, m["Hq"] * m["D"], m["H"], torch.bfloat16, seed=20))
+    new = linear_residual_inputs(4, m["Hq"] * m["D"], m["H"], torch.bfloat16, seed=21)
+    out = _capture_and_replay(triton_op("fused_linear_residual"), static, new)
+    ref = fused_ops.fused_linear_residual_ref(*new)
+    assert rel_err(out, ref) <= TOL and projection_err(out, ref, new[3]) <= TOL
 
 
 def test_decode_norm_and_qkv_replay_in_cuda_graph():
+    """fused_qkv_rope as the graph calls it, with the layer's input RMSNorm folded in."""
     m = QWEN3
-    static = list(qkv_inputs(8, m["H"], m["Hq"], m["Hkv"], m["D"], torch.bfloat16, DEV, 9, False, True, True))
-    new = qkv_inputs(8, m["H"], m["Hq"], m["Hkv"], m["D"], torch.bfloat16, DEV, 10, False, True, True)
+    first = qkv_inputs(8, m["H"], m["Hq"], m["Hkv"], m["D"], torch.bfloat16, DEV, 9, False, True, True)
+    second = qkv_inputs(8, m["H"], m["Hq"], m["Hkv"], m["D"], torch.bfloat16, DEV, 10, False, True, True)
+    static = [*first, *input_norm(first, seed=90)]
+    new = (*second, *input_norm(second, seed=100))
     outs = _capture_and_replay(triton_op("fused_qkv_rope"), static, new)
     for o, r in zip(outs, fused_ops.fused_qkv_rope_ref(*new)):
         assert rel_err(o, r) <= TOL
@@ -265,6 +372,8 @@ def _gpu_opcheck_cases():
     pos, cs = torch.tensor([1, 0, 5, 9, 2], device=DEV), ops.rope_cos_sin(64, 16, 10000.0).to(DEV)
     prefill = attention_case([(0, 20), (30, 9)], 4, 2, 64, 16, bf, DEV, seed=13)
     decode = attention_case([(30, 1), (0, 1)], 4, 2, 64, 16, bf, DEV, seed=14, pad_rows=1)
+    qkv_ns = qkv_inputs(1, 256, 4, 2, 64, bf, DEV, 20, False, False, True, max_pos=16)  # Llama-like decode
+    glu, gelu = mlp_glu_inputs(1, 256, 512, bf, DEV, 21), mlp_gelu_inputs(3, 256, 512, bf, DEV, 29)
     return {
         "rms_norm/triton": (x, w, 1e-6),
         "layer_norm/triton": (x, w, b, 1e-5),
@@ -272,20 +381,31 @@ def _gpu_opcheck_cases():
         "fused_add_layer_norm/triton": (x, r, w, b, 1e-5),
         "rotary_embedding/triton": (q, k, pos, cs),
         "fused_qkv_rope/triton": qkv_inputs(5, 256, 4, 2, 64, bf, DEV, 15, True, True, True, max_pos=16),
+        "fused_qkv_rope/triton/input_norm": (*qkv_ns, *input_norm(qkv_ns, seed=24)),
+        "fused_linear_residual/triton": linear_residual_inputs(5, 256, 192, bf, seed=22),
+        "fused_linear_residual/triton/bias": linear_residual_inputs(1, 256, 192, bf, seed=23, bias=True),
         "fused_rms_norm_glu_mlp/triton": mlp_glu_inputs(5, 256, 512, bf, DEV, 16),
+        "fused_rms_norm_glu_mlp/triton/residual": (*glu, residual_like(glu, seed=25)),
         "fused_layer_norm_gelu_mlp/triton": mlp_gelu_inputs(5, 256, 512, bf, DEV, 17),
+        "fused_layer_norm_gelu_mlp/triton/residual": (*gelu, residual_like(gelu, seed=26)),
         "paged_attention/triton": prefill.args(prefill.kv_cache.nan_to_num(0.0)),
         "paged_attention/triton/decode": decode.args(decode.kv_cache.nan_to_num(0.0)),
         "fused_rms_norm_glu_mlp/cuda": mlp_glu_inputs(5, 256, 512, bf, DEV, 18),
+        "fused_rms_norm_glu_mlp/cuda/residual": (*glu, residual_like(glu, seed=27)),
         "fused_layer_norm_gelu_mlp/cuda": mlp_gelu_inputs(5, 256, 512, bf, DEV, 19),
+        "fused_layer_norm_gelu_mlp/cuda/residual": (*gelu, residual_like(gelu, seed=28)),
     }
 
 
 OPCHECK_IDS = [
     "rms_norm/triton", "layer_norm/triton", "fused_add_rms_norm/triton", "fused_add_layer_norm/triton",
-    "rotary_embedding/triton", "fused_qkv_rope/triton", "fused_rms_norm_glu_mlp/triton",
-    "fused_layer_norm_gelu_mlp/triton", "paged_attention/triton", "paged_attention/triton/decode",
-    "fused_rms_norm_glu_mlp/cuda", "fused_layer_norm_gelu_mlp/cuda",
+    "rotary_embedding/triton", "fused_qkv_rope/triton", "fused_qkv_rope/triton/input_norm",
+    "fused_linear_residual/triton", "fused_linear_residual/triton/bias",
+    "fused_rms_norm_glu_mlp/triton", "fused_rms_norm_glu_mlp/triton/residual",
+    "fused_layer_norm_gelu_mlp/triton", "fused_layer_norm_gelu_mlp/triton/residual",
+    "paged_attention/triton", "paged_attention/triton/decode",
+    "fused_rms_norm_glu_mlp/cuda", "fused_rms_norm_glu_mlp/cuda/residual",
+    "fused_layer_norm_gelu_mlp/cuda", "fused_layer_norm_gelu_mlp/cuda/residual",
 ]
 
 

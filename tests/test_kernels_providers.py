@@ -1,10 +1,13 @@
-"""Provider registration, launch-config tables and opcheck of the reference ops (CPU, no kernel
-runs here: the Triton kernels are exercised by test_kernels_interpret.py and the GPU tests)."""
+"""Provider registration, launch-config tables, opcheck of the reference ops and what their
+optional epilogue/prologue arguments compute (CPU, no kernel runs here: the Triton kernels are
+exercised by test_kernels_interpret.py and the GPU tests; the providers' shape fallbacks to the
+reference do run here)."""
 
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph import fused_ops, ops
@@ -99,6 +102,27 @@ def test_invalid_launch_configs_are_refused(bad, fresh_configs):
 # ---------------------------------------------------------------------------------------------
 
 
+def _linear_residual_inputs(T, K, N, bias, seed, dtype=torch.float32):
+    """(x [T, K], weight [N, K], bias [N] or None, residual [T, N])."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(T, K, generator=g), torch.randn(N, K, generator=g) * K ** -0.5
+    b, r = torch.randn(N, generator=g), torch.randn(T, N, generator=g)
+    return x.to(dtype), w.to(dtype), b.to(dtype) if bias else None, r.to(dtype)
+
+
+def _with_residual(args, seed):
+    """MLP inputs plus a residual shaped like the MLP's output (which is shaped like x)."""
+    g = torch.Generator().manual_seed(seed)
+    return (*args, torch.randn(args[0].shape, generator=g).to(args[0].dtype))
+
+
+def _with_input_norm(args, seed):
+    """fused_qkv_rope inputs plus the layer's input RMSNorm weight and eps."""
+    g = torch.Generator().manual_seed(seed)
+    H = args[0].shape[-1]
+    return (*args, (1.0 + 0.1 * torch.randn(H, generator=g)).to(args[0].dtype), 1e-5)
+
+
 def _reference_cases():
     f32 = torch.float32
     g = torch.Generator().manual_seed(0)
@@ -113,6 +137,7 @@ def _reference_cases():
         "paged_attention": attn.args(attn.kv_cache.nan_to_num(0.0)),
         "fused_add_rms_norm": (x, r, w, 1e-6),
         "fused_add_layer_norm": (x, r, w, b, 1e-5),
+        "fused_linear_residual": _linear_residual_inputs(3, 32, 24, bias=True, seed=5),
         "fused_qkv_rope": qkv_inputs(3, 32, 4, 2, 16, f32, "cpu", 2, bias=True, qk_norm=True, rope=True, max_pos=8),
         "fused_rms_norm_glu_mlp": mlp_glu_inputs(3, 32, 24, f32, "cpu", 3),
         "fused_layer_norm_gelu_mlp": mlp_gelu_inputs(3, 32, 24, f32, "cpu", 4),
@@ -122,3 +147,106 @@ def _reference_cases():
 @pytest.mark.parametrize("name", [*ops.SEMANTIC_OPS, *fused_ops.FUSED_OPS])
 def test_opcheck_reference_op(name):
     torch.library.opcheck(getattr(torch.ops.cllm, name), _reference_cases()[name])
+
+
+def _optional_arg_cases():
+    """The reference ops again, with their optional trailing arguments given."""
+    f32 = torch.float32
+    return {
+        "fused_linear_residual": _linear_residual_inputs(3, 32, 24, bias=False, seed=6),
+        "fused_rms_norm_glu_mlp": _with_residual(mlp_glu_inputs(3, 32, 24, f32, "cpu", 7), 8),
+        "fused_layer_norm_gelu_mlp": _with_residual(mlp_gelu_inputs(3, 32, 24, f32, "cpu", 9), 10),
+        "fused_qkv_rope": _with_input_norm(
+            qkv_inputs(3, 32, 4, 2, 16, f32, "cpu", 11, bias=True, qk_norm=True, rope=True, max_pos=8), 12),
+    }
+
+
+@pytest.mark.parametrize("name", list(_optional_arg_cases()))
+def test_opcheck_reference_op_with_optional_args(name):
+    torch.library.opcheck(getattr(torch.ops.cllm, name), _optional_arg_cases()[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# what the optional arguments compute: exactly the unfused ops they replace, roundings included
+# (bf16, where an add in float32 before rounding would differ)
+# ---------------------------------------------------------------------------------------------
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_residual_is_the_rounded_linear_plus_residual(bias):
+    x, w, b, r = _linear_residual_inputs(5, 64, 48, bias, seed=13, dtype=BF16)
+    out = torch.ops.cllm.fused_linear_residual(x, w, b, r)
+    assert out.dtype == BF16 and out.shape == r.shape
+    assert torch.equal(out, r + F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("name,inputs", [("fused_rms_norm_glu_mlp", mlp_glu_inputs),
+                                         ("fused_layer_norm_gelu_mlp", mlp_gelu_inputs)])
+def test_mlp_residual_is_added_to_the_rounded_mlp_output(name, inputs):
+    args = inputs(5, 64, 96, BF16, "cpu", 14)
+    with_r = _with_residual(args, 15)
+    op = getattr(torch.ops.cllm, name)
+    assert torch.equal(op(*with_r), with_r[-1] + op(*args))
+    assert torch.equal(getattr(fused_ops, name + "_ref")(*with_r), with_r[-1] + op(*args))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_input_norm_is_the_rounded_rms_norm_of_x(qk_norm):
+    args = qkv_inputs(5, 64, 4, 2, 16, BF16, "cpu", 16, bias=True, qk_norm=qk_norm, rope=True, max_pos=32)
+    with_norm = _with_input_norm(args, 17)
+    norm_weight, norm_eps = with_norm[-2:]
+    normed_x = ops.rms_norm_ref(args[0], norm_weight, norm_eps)
+    for got, want in zip(torch.ops.cllm.fused_qkv_rope(*with_norm),
+                         torch.ops.cllm.fused_qkv_rope(normed_x, *args[1:])):
+        assert torch.equal(got, want)
+
+
+def test_optional_args_default_to_the_old_behaviour():
+    """Leaving them out (older graphs, other callers) is the same as passing None / no norm."""
+    mlp = mlp_glu_inputs(3, 32, 24, BF16, "cpu", 18)
+    assert torch.equal(torch.ops.cllm.fused_rms_norm_glu_mlp(*mlp, None), torch.ops.cllm.fused_rms_norm_glu_mlp(*mlp))
+    qkv = qkv_inputs(3, 32, 4, 2, 16, BF16, "cpu", 19, bias=False, qk_norm=False, rope=True, max_pos=8)
+    for a, b in zip(torch.ops.cllm.fused_qkv_rope(*qkv, None, 0.0), torch.ops.cllm.fused_qkv_rope(*qkv)):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton providers: shapes the kernels leave to the reference (these run on the CPU)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_triton_linear_residual_sends_a_broadcast_residual_to_the_reference():
+    x, w, b, r = _linear_residual_inputs(3, 32, 24, bias=True, seed=20)
+    row = r[0]  # [N]: broadcast over the rows, which the kernel's epilogue does not do
+    out = providers.provider_op("fused_linear_residual", "triton")(x, w, b, row)
+    assert torch.equal(out, fused_ops.fused_linear_residual_ref(x, w, b, row))
+
+
+def test_triton_qkv_fallback_keeps_the_input_norm():
+    """An odd head_dim goes to the reference, which must still apply norm_weight."""
+    args = _with_input_norm(qkv_inputs(3, 30, 2, 1, 5, torch.float32, "cpu", 21, bias=False, qk_norm=False,
+                                       rope=False), 22)
+    for got, want in zip(providers.provider_op("fused_qkv_rope", "triton")(*args), fused_ops.fused_qkv_rope_ref(*args)):
+        assert torch.equal(got, want)
+
+
+def test_runtime_program_calls_provider_functions_directly_and_keeps_the_saved_graph():
+    """The op-by-op runtime program skips the dispatcher for provider ops (host time per call);
+    the graph it was made from, which is what an engine saves, still names the ops."""
+    from compiled_llm.backend import PortableProgram
+    from compiled_llm.build import lower
+    from compiled_llm.passes import default_pass_names
+    from compiled_llm.sources import load_source_params, resolve_source
+
+    src = resolve_source("tiny-qwen2")
+    lowered = lower(src.config, load_source_params(src, torch.float32, "cpu"), default_pass_names(), "cuda", torch.float32, {})
+    program = PortableProgram(lowered.gm, lowered.param_names)
+    direct = providers.direct_implementations()
+    saved = [n.target for n in program.module.gm.graph.nodes if n.op == "call_function"]
+    run = [n.target for n in program._run.gm.graph.nodes if n.op == "call_function"]
+    assert sum(t in direct for t in saved) >= 4 * src.config.num_layers // 2
+    assert not any(t in direct for t in run)
+    assert sum(t in direct.values() for t in run) == sum(t in direct for t in saved)
+    assert "__triton" in program.module.gm.code

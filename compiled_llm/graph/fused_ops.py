@@ -5,6 +5,11 @@ built from ``ops.py``'s reference helpers, so a fused graph computes what the un
 (up to float rounding) on any device. Kernel providers (Triton, CUDA C++) register ops with the
 identical schema under ``cllm::<op>__<provider>`` (see ``kernels/registry.py``).
 
+Ops that absorb a residual add (``fused_linear_residual``, the MLPs' optional ``residual``) add
+the op's output *after* rounding it to the dtype, so they compute bit for bit what the separate
+``aten.add`` did; likewise ``fused_qkv_rope``'s optional input RMSNorm (``norm_weight``) rounds
+the normalised x before the projection, as the separate ``rms_norm`` op does.
+
 Outputs never alias inputs or each other (custom ops require it), hence the copies of the
 split q/k/v.
 """
@@ -36,12 +41,27 @@ def fused_add_layer_norm_ref(
     return layer_norm_ref(summed, weight, bias, eps), summed
 
 
+def add_residual(out: Tensor, residual: Optional[Tensor]) -> Tensor:
+    """``residual + out`` when a residual is given: the op's output is rounded to its dtype
+    first, exactly as the separate aten.add it replaces saw it."""
+    return out if residual is None else residual + out
+
+
+def fused_linear_residual_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor) -> Tensor:
+    return residual + F.linear(x, weight, bias)
+
+
 def fused_rms_norm_glu_mlp_ref(
-    x: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor, down_weight: Tensor
+    x: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    gate_up_weight: Tensor,
+    down_weight: Tensor,
+    residual: Optional[Tensor] = None,
 ) -> Tensor:
     n = rms_norm_ref(x, norm_weight, eps)
     gate, up = F.linear(n, gate_up_weight).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down_weight)
+    return add_residual(F.linear(F.silu(gate) * up, down_weight), residual)
 
 
 def fused_layer_norm_gelu_mlp_ref(
@@ -53,9 +73,11 @@ def fused_layer_norm_gelu_mlp_ref(
     fc_bias: Tensor,
     proj_weight: Tensor,
     proj_bias: Tensor,
+    residual: Optional[Tensor] = None,
 ) -> Tensor:
     n = layer_norm_ref(x, norm_weight, norm_bias, eps)
-    return F.linear(F.gelu(F.linear(n, fc_weight, fc_bias), approximate="tanh"), proj_weight, proj_bias)
+    out = F.linear(F.gelu(F.linear(n, fc_weight, fc_bias), approximate="tanh"), proj_weight, proj_bias)
+    return add_residual(out, residual)
 
 
 def fused_qkv_rope_ref(
@@ -70,8 +92,12 @@ def fused_qkv_rope_ref(
     num_kv_heads: int,
     head_dim: int,
     eps: float,
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     T = x.shape[0]
+    if norm_weight is not None:  # the layer's input RMSNorm, rounded to the dtype as the separate op does
+        x = rms_norm_ref(x, norm_weight, norm_eps)
     qkv = F.linear(x, qkv_weight, qkv_bias)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -120,15 +146,30 @@ def _(x, residual, weight, bias, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
+@torch.library.custom_op("cllm::fused_linear_residual", mutates_args=())
+def fused_linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor) -> Tensor:
+    return fused_linear_residual_ref(x, weight, bias, residual)
+
+
+@fused_linear_residual.register_fake
+def _(x, weight, bias, residual):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 @torch.library.custom_op("cllm::fused_rms_norm_glu_mlp", mutates_args=())
 def fused_rms_norm_glu_mlp(
-    x: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor, down_weight: Tensor
+    x: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    gate_up_weight: Tensor,
+    down_weight: Tensor,
+    residual: Optional[Tensor] = None,
 ) -> Tensor:
-    return fused_rms_norm_glu_mlp_ref(x, norm_weight, eps, gate_up_weight, down_weight)
+    return fused_rms_norm_glu_mlp_ref(x, norm_weight, eps, gate_up_weight, down_weight, residual)
 
 
 @fused_rms_norm_glu_mlp.register_fake
-def _(x, norm_weight, eps, gate_up_weight, down_weight):
+def _(x, norm_weight, eps, gate_up_weight, down_weight, residual=None):
     return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
 
 
@@ -142,14 +183,15 @@ def fused_layer_norm_gelu_mlp(
     fc_bias: Tensor,
     proj_weight: Tensor,
     proj_bias: Tensor,
+    residual: Optional[Tensor] = None,
 ) -> Tensor:
     return fused_layer_norm_gelu_mlp_ref(
-        x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias
+        x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias, residual
     )
 
 
 @fused_layer_norm_gelu_mlp.register_fake
-def _(x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias):
+def _(x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias, residual=None):
     return x.new_empty((*x.shape[:-1], proj_weight.shape[0]))
 
 
@@ -166,16 +208,18 @@ def fused_qkv_rope(
     num_kv_heads: int,
     head_dim: int,
     eps: float,
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return fused_qkv_rope_ref(
         x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
-        num_heads, num_kv_heads, head_dim, eps,
+        num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps,
     )
 
 
 @fused_qkv_rope.register_fake
 def _(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
-      num_heads, num_kv_heads, head_dim, eps):
+      num_heads, num_kv_heads, head_dim, eps, norm_weight=None, norm_eps=0.0):
     T = x.shape[0]
     return (
         x.new_empty((T, num_heads, head_dim)),
@@ -187,6 +231,7 @@ def _(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
 FUSED_OPS = {
     "fused_add_rms_norm": fused_add_rms_norm,
     "fused_add_layer_norm": fused_add_layer_norm,
+    "fused_linear_residual": fused_linear_residual,
     "fused_rms_norm_glu_mlp": fused_rms_norm_glu_mlp,
     "fused_layer_norm_gelu_mlp": fused_layer_norm_gelu_mlp,
     "fused_qkv_rope": fused_qkv_rope,

@@ -22,28 +22,83 @@ from compiled_llm.errors import CompiledLLMError
 # Every kernel's knobs. Values were chosen for H100/H200-class GPUs (132 SMs) and head_dim 64/128.
 DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # split-K decode attention: BLOCK_N keys per inner step; at most MAX_SPLITS splits per
-    # sequence, fewer when the batch alone fills the GPU (see triton_paged_attention).
+    # sequence, fewer when the batch alone gives PROGRAMS_PER_SM programs per SM (see
+    # triton_paged_attention; splits past a short context exit at once). LAUNCHES 1: KV store,
+    # attention and split reduce in one kernel; 2: separate reduce kernel; 3: separate kv_store,
+    # split and reduce kernels (the earlier path, for comparison). COMBINE_SPLITS: splits the
+    # fused reduce combines per step (registers: group x COMBINE_SPLITS x head_dim fp32).
+    # Batch 1 (contexts ~128-4096) gets up to 32 splits of >= 64 keys: at 4096 that is 64
+    # programs on 2 kv heads, at 384 six live splits of one tile each.
     "paged_attention_decode": {
-        "16": {"BLOCK_N": 32, "MAX_SPLITS": 16, "num_warps": 4, "num_stages": 2},
-        "inf": {"BLOCK_N": 64, "MAX_SPLITS": 8, "num_warps": 4, "num_stages": 2},
+        "1": {"BLOCK_N": 64, "MAX_SPLITS": 32, "PROGRAMS_PER_SM": 2, "LAUNCHES": 1, "COMBINE_SPLITS": 16,
+              "num_warps": 4, "num_stages": 2},
+        "16": {"BLOCK_N": 32, "MAX_SPLITS": 16, "PROGRAMS_PER_SM": 2, "LAUNCHES": 1, "COMBINE_SPLITS": 16,
+               "num_warps": 4, "num_stages": 2},
+        "inf": {"BLOCK_N": 64, "MAX_SPLITS": 8, "PROGRAMS_PER_SM": 2, "LAUNCHES": 1, "COMBINE_SPLITS": 8,
+                "num_warps": 4, "num_stages": 2},
     },
     "paged_attention_reduce": {
         "inf": {"num_warps": 2},
     },
-    # varlen causal prefill over the paged cache
+    # varlen causal prefill over the paged cache. BLOCK_M: rows of the q tile, which stacks the
+    # GQA group's heads (BLOCK_M // group query tokens per program; each K/V tile is loaded once
+    # per program, so L2 -> SM traffic scales with 1 / BLOCK_M). 128 rows (two warpgroups) from
+    # 256 tokens: Qwen2.5-0.5B at T = 1024 runs 57 x 2 programs of 18 tokens x 7 heads; shorter
+    # steps keep 64 rows for more programs. benchmarks/bench_attention.py sweeps alternatives.
     "paged_attention_prefill": {
-        "inf": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        "256": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        "inf": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
     },
-    # fused norm + MLP, weight-streaming decode form (grid over chunks of the intermediate dim)
+    # Weight-streaming GEMV kernels (triton_gemv), one table per call site because the shapes
+    # differ (o projection K = H; down K = I; gate/up and q/k/v fused with a norm). BLOCK_T rows of
+    # x share each weight tile (more rows than BLOCK_T: one more pass over W per BLOCK_T rows);
+    # BLOCK_N/BLOCK_I/BLOCK_P weight rows per program; BLOCK_K/BLOCK_H columns per step, which with
+    # the problem's N sets the bytes in flight. num_warps is a cap: the wrappers lay warps along K
+    # only (warps_along_k). num_stages does not change the generated code of these loops today
+    # (no tl.dot to pipeline for); it stays a knob for Triton versions that pipeline plain loads.
+    # Defaults are first guesses for H100/H200 at Qwen2.5-0.5B / Llama-3.2-1B shapes; tune them
+    # with benchmarks/sweep_gemv.py.
+    "gemv": {
+        "1": {"BLOCK_T": 1, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "inf": {"BLOCK_T": 8, "BLOCK_N": 1, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
+    },
+    # rows of x up to which fused_linear_residual streams W with the GEMV (cuBLAS above)
+    "gemv_dispatch": {
+        "inf": {"MAX_TOKENS": 4},
+    },
+    # fused norm + MLP decode form, first kernel: norm + gate/up (or fc) + activation, a program
+    # per BLOCK_I intermediate rows (gate rows and the matching up rows)
     "norm_mlp_decode": {
-        "1": {"BLOCK_T": 16, "BLOCK_I": 16, "BLOCK_H": 256, "num_warps": 4, "num_stages": 3},
-        "16": {"BLOCK_T": 16, "BLOCK_I": 32, "BLOCK_H": 128, "num_warps": 4, "num_stages": 3},
-        "inf": {"BLOCK_T": 32, "BLOCK_I": 64, "BLOCK_H": 64, "num_warps": 4, "num_stages": 3},
+        "1": {"BLOCK_T": 1, "BLOCK_I": 2, "BLOCK_H": 1024, "num_warps": 4, "num_stages": 1},
+        "16": {"BLOCK_T": 4, "BLOCK_I": 1, "BLOCK_H": 1024, "num_warps": 4, "num_stages": 1},
+        "inf": {"BLOCK_T": 4, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
     },
-    # above this many tokens the provider uses the prefill form (Triton norm + cuBLAS + Triton
-    # activation) instead of the weight-streaming kernel
+    # ... and its second kernel: the down (or proj) GEMV with the residual epilogue (tall K)
+    "norm_mlp_down": {
+        "1": {"BLOCK_T": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 1},
+        "2": {"BLOCK_T": 2, "BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 1},
+        "inf": {"BLOCK_T": 8, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+    },
+    # above this many tokens the MLP uses the prefill form (Triton norm + cuBLAS + Triton
+    # activation + cuBLAS) instead of the two GEMV kernels
     "norm_mlp_dispatch": {
-        "inf": {"MAX_DECODE_TOKENS": 16},
+        "inf": {"MAX_DECODE_TOKENS": 4},
+    },
+    # fused (input RMSNorm +) q/k/v projection + q/k norm + RoPE, decode form: a program per
+    # BLOCK_P rotation pairs (rows i and i + D/2) of one head; with q/k norm a program owns a whole
+    # head and walks it BLOCK_P pairs at a time
+    "qkv_decode": {
+        "1": {"BLOCK_T": 1, "BLOCK_P": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "2": {"BLOCK_T": 2, "BLOCK_P": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_P": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "inf": {"BLOCK_T": 4, "BLOCK_P": 1, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
+    },
+    # rows up to which fused_qkv_rope uses the decode kernel (cuBLAS + epilogue above)
+    "qkv_dispatch": {
+        "inf": {"MAX_TOKENS": 4},
     },
     # elementwise/row kernels: one program per row; warps scale with the row length in the
     # wrappers, these are caps

@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from compiled_llm.graph import fused_ops, ops
-from compiled_llm.kernels import cuda_norm_mlp, triton_norm, triton_norm_mlp, triton_paged_attention, triton_qkv_rope
+from compiled_llm.kernels import (
+    cuda_norm_mlp, triton_gemv, triton_norm, triton_norm_mlp, triton_paged_attention, triton_qkv_rope,
+)
 from compiled_llm.kernels.registry import Provider, register_provider
 
 TRITON = "triton"
@@ -133,17 +135,19 @@ def fused_qkv_rope_triton(
     num_kv_heads: int,
     head_dim: int,
     eps: float,
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     args = (x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
             num_heads, num_kv_heads, head_dim, eps)
     if not triton_qkv_rope.supports_shape(head_dim, q_norm_weight is not None, k_norm_weight is not None):
-        return fused_ops.fused_qkv_rope_ref(*args)
-    return triton_qkv_rope.fused_qkv_rope(*args)
+        return fused_ops.fused_qkv_rope_ref(*args, norm_weight, norm_eps)
+    return triton_qkv_rope.fused_qkv_rope(*args, norm_weight=norm_weight, norm_eps=norm_eps)
 
 
 @fused_qkv_rope_triton.register_fake
 def _(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
-      num_heads, num_kv_heads, head_dim, eps):
+      num_heads, num_kv_heads, head_dim, eps, norm_weight=None, norm_eps=0.0):
     T = x.shape[0]
     return _empty(x, T, num_heads, head_dim), _empty(x, T, num_kv_heads, head_dim), _empty(x, T, num_kv_heads, head_dim)
 
@@ -176,23 +180,46 @@ def _(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, 
 
 
 # ---------------------------------------------------------------------------------------------
+# linear + residual add (o projection)
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cllm::fused_linear_residual__triton", mutates_args=())
+def fused_linear_residual_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor) -> Tensor:
+    # the kernel adds a residual of the output's shape; a broadcasting one goes to the reference
+    if residual.shape != (*x.shape[:-1], weight.shape[0]):
+        return fused_ops.fused_linear_residual_ref(x, weight, bias, residual)
+    return triton_gemv.linear_residual(x, weight, bias, residual)
+
+
+@fused_linear_residual_triton.register_fake
+def _(x, weight, bias, residual):
+    return _empty(x, *x.shape[:-1], weight.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
 # norm + MLP (Triton and CUDA C++)
 # ---------------------------------------------------------------------------------------------
 
 
-def _glu_fake(x, norm_weight, eps, gate_up_weight, down_weight):
+def _glu_fake(x, norm_weight, eps, gate_up_weight, down_weight, residual=None):
     return _empty(x, *x.shape[:-1], down_weight.shape[0])
 
 
-def _gelu_fake(x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias):
+def _gelu_fake(x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias, residual=None):
     return _empty(x, *x.shape[:-1], proj_weight.shape[0])
 
 
 @torch.library.custom_op("cllm::fused_rms_norm_glu_mlp__triton", mutates_args=())
 def fused_rms_norm_glu_mlp_triton(
-    x: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor, down_weight: Tensor
+    x: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    gate_up_weight: Tensor,
+    down_weight: Tensor,
+    residual: Optional[Tensor] = None,
 ) -> Tensor:
-    return triton_norm_mlp.fused_rms_norm_glu_mlp(x, norm_weight, eps, gate_up_weight, down_weight)
+    return triton_norm_mlp.fused_rms_norm_glu_mlp(x, norm_weight, eps, gate_up_weight, down_weight, residual=residual)
 
 
 @torch.library.custom_op("cllm::fused_layer_norm_gelu_mlp__triton", mutates_args=())
@@ -205,17 +232,28 @@ def fused_layer_norm_gelu_mlp_triton(
     fc_bias: Tensor,
     proj_weight: Tensor,
     proj_bias: Tensor,
+    residual: Optional[Tensor] = None,
 ) -> Tensor:
     return triton_norm_mlp.fused_layer_norm_gelu_mlp(
-        x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias
+        x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias, residual=residual
     )
+
+
+# The CUDA C++ kernels have no residual epilogue: the add runs after them, on the rounded output
+# (what the reference computes), still saving the separate graph node.
 
 
 @torch.library.custom_op("cllm::fused_rms_norm_glu_mlp__cuda", mutates_args=())
 def fused_rms_norm_glu_mlp_cuda(
-    x: Tensor, norm_weight: Tensor, eps: float, gate_up_weight: Tensor, down_weight: Tensor
+    x: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    gate_up_weight: Tensor,
+    down_weight: Tensor,
+    residual: Optional[Tensor] = None,
 ) -> Tensor:
-    return cuda_norm_mlp.fused_rms_norm_glu_mlp(x, norm_weight, eps, gate_up_weight, down_weight)
+    out = cuda_norm_mlp.fused_rms_norm_glu_mlp(x, norm_weight, eps, gate_up_weight, down_weight)
+    return fused_ops.add_residual(out, residual)
 
 
 @torch.library.custom_op("cllm::fused_layer_norm_gelu_mlp__cuda", mutates_args=())
@@ -228,10 +266,12 @@ def fused_layer_norm_gelu_mlp_cuda(
     fc_bias: Tensor,
     proj_weight: Tensor,
     proj_bias: Tensor,
+    residual: Optional[Tensor] = None,
 ) -> Tensor:
-    return cuda_norm_mlp.fused_layer_norm_gelu_mlp(
+    out = cuda_norm_mlp.fused_layer_norm_gelu_mlp(
         x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias
     )
+    return fused_ops.add_residual(out, residual)
 
 
 for _op in (fused_rms_norm_glu_mlp_triton, fused_rms_norm_glu_mlp_cuda):
@@ -252,6 +292,7 @@ TRITON_OPS = {
     "fused_add_rms_norm": fused_add_rms_norm_triton,
     "fused_add_layer_norm": fused_add_layer_norm_triton,
     "fused_qkv_rope": fused_qkv_rope_triton,
+    "fused_linear_residual": fused_linear_residual_triton,
     "fused_rms_norm_glu_mlp": fused_rms_norm_glu_mlp_triton,
     "fused_layer_norm_gelu_mlp": fused_layer_norm_gelu_mlp_triton,
 }
@@ -264,6 +305,21 @@ CUDA_OPS = {
 def provider_op(op_name: str, provider: str):
     """torch.ops.cllm.<op>__<provider> (the OpOverloadPacket)."""
     return getattr(torch.ops.cllm, f"{op_name}__{provider}")
+
+
+def direct_implementations() -> dict:
+    """Provider op overload -> the Python function behind it. The op-by-op runtime program calls
+    these directly: the dispatcher and the custom-op wrapper around each call cost more host time
+    than launching the kernels (a prefill step is host-bound without it). Graphs that are saved,
+    exported or compiled keep naming the ops. ``_init_fn`` is where CustomOpDef keeps the
+    function; a torch without it keeps the dispatcher path."""
+    out = {}
+    for table, provider in ((TRITON_OPS, TRITON), (CUDA_OPS, CUDA)):
+        for name, op in table.items():
+            fn = getattr(op, "_init_fn", None)
+            if callable(fn):
+                out[provider_op(name, provider).default] = fn
+    return out
 
 
 def register_all() -> None:

@@ -3,6 +3,10 @@
 One program per token writes all of its kv heads (Hkv * head_dim elements, at most a few
 thousand). Rows whose slot is -1 (padding of a CUDA-graph bucket) write nowhere; the check is in
 the kernel, so the launch is shape-determined and capturable.
+
+``store_slot`` is the one definition of where a slot's row lives; the decode attention kernel
+(triton_paged_attention) calls it too, to store the new token's k/v in the same launch that
+attends to it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,15 @@ import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import next_pow2
+
+
+@triton.jit
+def store_slot(cache_ptr, slot, k, v, offs, mask, stride_c_kv, stride_c_blk, stride_c_off, BLOCK_SIZE: tl.constexpr):
+    """Write k and v (any shape, cast to the cache dtype) at flat cache slot ``slot`` (int64,
+    >= 0); ``offs`` are the elements' offsets inside the slot (heads * stride_h + d * stride_d)."""
+    dst = cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_off + offs
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -27,16 +40,13 @@ def _kv_store_kernel(
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
         offs_h = tl.arange(0, BLOCK_HK)[:, None]
         offs_d = tl.arange(0, BLOCK_D)[None, :]
         mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM)
-        dst = cache_ptr + blk * stride_c_blk + off * stride_c_off + offs_h * stride_c_h + offs_d * stride_c_d
         k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d * stride_kd, mask=mask)
-        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d * stride_vd, mask=mask)
-        tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+        store_slot(cache_ptr, slot, k, v, offs_h * stride_c_h + offs_d * stride_c_d, mask,
+                   stride_c_kv, stride_c_blk, stride_c_off, BLOCK_SIZE)
 
 
 def kv_store(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -1,18 +1,24 @@
-"""Triton fused norm + MLP, in two forms chosen by the number of tokens T.
+"""Triton fused norm + MLP, in two forms chosen by the number of tokens T, each with an optional
+residual added after the MLP (``h + mlp(norm(h))`` in one op).
 
-Decode form (small T): ``_norm_mlp_decode_kernel``, grid (cdiv(I, BLOCK_I), cdiv(T, BLOCK_T)).
-Decode is bound by reading the weights, so each program streams its own chunk of the
-intermediate dimension exactly once: it recomputes the norm statistics of its BLOCK_T rows of x
-(x is tiny and stays in L2), multiplies the normalised rows by its gate/up (or fc) rows,
-applies silu·mul (or bias + gelu-tanh) and writes its [T, chunk] activation; one cuBLAS GEMM
-then applies down (or proj). Deterministic: no atomics, so greedy decoding repeats exactly.
-Rows are padded to BLOCK_T >= 16 so tl.dot runs on tensor cores.
+Decode form (T <= MAX_DECODE_TOKENS): two weight-streaming launches (see triton_gemv).
+  1. ``_norm_mlp_decode_kernel``, grid (cdiv(I, BLOCK_I), cdiv(T, BLOCK_T)): a program owns
+     BLOCK_I intermediate rows, i.e. gate rows i and the matching up rows i + I of the merged
+     [2I, H] weight (or fc rows). It recomputes the norm statistics of its BLOCK_T rows of x (x is
+     tiny and stays cached), streams its weight rows once along H in 16-byte vectors, multiplies
+     them by the normalised rows with FMAs (no tl.dot: at a few rows tensor-core tiles are mostly
+     padding), and writes silu(gate) * up (or gelu-tanh(fc + b)) as act [T, I].
+  2. the down (or proj) GEMV over act with bias and residual in its epilogue
+     (``triton_gemv.gemv``, launch-config table "norm_mlp_down").
+Deterministic: no atomics, so greedy decoding repeats exactly.
 
-Prefill form (large T): Triton norm -> cuBLAS matmul -> Triton activation -> cuBLAS matmul.
-At large T the matmuls are compute-bound and cuBLAS beats a hand-written Triton GEMM.
+Prefill form (large T): Triton norm -> cuBLAS matmul -> Triton activation -> cuBLAS matmul, the
+residual folded into the last one (addmm) when there is no bias. At large T the matmuls are
+compute-bound and cuBLAS beats a hand-written Triton GEMM.
 
-Both round intermediates (the gate/up outputs, silu, the product) to the input dtype where the
-unfused graph does, so they agree with the references to within accumulation order.
+Both round intermediates (the gate/up outputs, silu, the product, the MLP output before the
+residual) to the input dtype where the unfused graph does, so they agree with the references to
+within accumulation order (the prefill addmm rounds the residual sum once instead of twice).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import triton
 import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
-from compiled_llm.kernels.triton_common import dot, is_fp32, next_pow2
+from compiled_llm.kernels.triton_common import next_pow2
+from compiled_llm.kernels.triton_gemv import dense_linear, gemv, input_chunk, norm_stats, tile_config, weight_tile
 from compiled_llm.kernels.triton_norm import layer_norm as tr_layer_norm
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
 
@@ -44,74 +51,47 @@ def _norm_mlp_decode_kernel(
     T, H, I, eps,
     stride_x, stride_w1, stride_a,
     IS_RMS: tl.constexpr, IS_GLU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    pid_i = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    dtype = x_ptr.dtype.element_ty
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    """act[t, i] for BLOCK_T rows t and BLOCK_I intermediate rows i: norm(x) against gate row i
+    and up row i + I of w1 = [gate; up] (GLU), or against fc row i (GELU), streamed along H."""
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_t = offs_t < T
     mask_i = offs_i < I
-    x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_x
+    x_rows = x_ptr + offs_t.to(tl.int64)[:, None, None] * stride_x
+    mask_t3 = mask_t[:, None, None]
+    mask_i3 = mask_i[None, :, None]
+    w1_rows = w1_ptr + offs_i.to(tl.int64)[None, :, None] * stride_w1
+    w3_rows = w1_ptr + (offs_i + I).to(tl.int64)[None, :, None] * stride_w1
 
-    # norm statistics of this program's rows (two passes for LayerNorm: exact variance)
-    mean = tl.zeros([BLOCK_T], tl.float32)
-    if not IS_RMS:
-        s1 = tl.zeros([BLOCK_T], tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            xm = mask_t[:, None] & (offs_h < H)[None, :]
-            s1 += tl.sum(tl.load(x_rows + offs_h[None, :], mask=xm, other=0.0).to(tl.float32), 1)
-        mean = s1 / H
-    s2 = tl.zeros([BLOCK_T], tl.float32)
+    # x is a few rows, kept cached (the weight loads are evict-first): every program recomputes
+    # their statistics rather than wait for another
+    mean, rstd = norm_stats(x_rows, mask_t3, H, eps, BLOCK_T, BLOCK_H, IS_RMS)
+    acc1 = tl.zeros([BLOCK_T, BLOCK_I, BLOCK_H], tl.float32)
+    acc3 = tl.zeros([BLOCK_T, BLOCK_I, BLOCK_H], tl.float32)
     for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        xm = mask_t[:, None] & (offs_h < H)[None, :]
-        xc = tl.load(x_rows + offs_h[None, :], mask=xm, other=0.0).to(tl.float32) - mean[:, None]
-        xc = tl.where(xm, xc, 0.0)
-        s2 += tl.sum(xc * xc, 1)
-    rstd = tl.rsqrt(s2 / H + eps)
-
-    # first projection(s) of the normalised rows: [BLOCK_T, BLOCK_I]
-    acc1 = tl.zeros([BLOCK_T, BLOCK_I], tl.float32)
-    acc3 = tl.zeros([BLOCK_T, BLOCK_I], tl.float32)
-    w1_rows = w1_ptr + offs_i.to(tl.int64)[None, :] * stride_w1
-    w3_rows = w1_ptr + (offs_i + I).to(tl.int64)[None, :] * stride_w1
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
+        offs_h = h0 + tl.arange(0, BLOCK_H)[None, None, :]
         mask_h = offs_h < H
-        xm = mask_t[:, None] & mask_h[None, :]
-        xf = tl.load(x_rows + offs_h[None, :], mask=xm, other=0.0).to(tl.float32)
-        nw = tl.load(nw_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-        if IS_RMS:
-            n = (xf * rstd[:, None]).to(dtype).to(tl.float32) * nw[None, :]
-        else:
-            nb = tl.load(nb_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-            n = (xf - mean[:, None]) * rstd[:, None] * nw[None, :] + nb[None, :]
-        n = tl.where(xm, n, 0.0).to(dtype)
-        wm = mask_h[:, None] & mask_i[None, :]
-        w1 = tl.load(w1_rows + offs_h[:, None], mask=wm, other=0.0)  # [BLOCK_H, BLOCK_I]
-        acc1 = acc1 + dot(n, w1, IEEE)
+        n = input_chunk(x_rows, mask_t3, offs_h, mask_h, nw_ptr, nb_ptr, mean, rstd, True, IS_RMS)
+        acc1 += n * weight_tile(w1_rows, offs_h, mask_i3 & mask_h)
         if IS_GLU:
-            w3 = tl.load(w3_rows + offs_h[:, None], mask=wm, other=0.0)
-            acc3 = acc3 + dot(n, w3, IEEE)
+            acc3 += n * weight_tile(w3_rows, offs_h, mask_i3 & mask_h)
 
+    dtype = act_ptr.dtype.element_ty
     if IS_GLU:
-        g = acc1.to(dtype).to(tl.float32)
-        u = acc3.to(dtype).to(tl.float32)
+        # F.linear rounds gate and up, F.silu rounds its output, the product rounds again
+        g = tl.sum(acc1, 2).to(dtype).to(tl.float32)
+        u = tl.sum(acc3, 2).to(dtype).to(tl.float32)
         act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
     else:
         b1 = tl.load(b1_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)
-        hdn = (acc1 + b1[None, :]).to(dtype).to(tl.float32)
-        act = _gelu_tanh(hdn)
-    act = tl.where(mask_t[:, None] & mask_i[None, :], act, 0.0).to(dtype)
-
-    # the activation chunk goes to memory ([T, I] is tiny at decode sizes); the second
-    # projection is one cuBLAS GEMM over it. Accumulating it here with atomics would save that
-    # round trip but makes the sum order (and so greedy decoding in bf16) vary run to run.
+        act = _gelu_tanh((tl.sum(acc1, 2) + b1[None, :]).to(dtype).to(tl.float32))
+    # the activation goes to memory ([T, I] is tiny at decode sizes) for the down GEMV; summing
+    # down's partial products here with atomics would save that launch but make the sum order
+    # (and so greedy decoding in bf16) vary from run to run
     act_rows = act_ptr + offs_t.to(tl.int64)[:, None] * stride_a
-    tl.store(act_rows + offs_i[None, :], act, mask=mask_t[:, None] & mask_i[None, :])
+    tl.store(act_rows + offs_i[None, :], act.to(dtype), mask=mask_t[:, None] & mask_i[None, :])
 
 
 @triton.jit
@@ -158,23 +138,36 @@ def _act(inp: torch.Tensor, is_glu: bool) -> torch.Tensor:
     return out
 
 
-def _decode(x, norm_weight, norm_bias, eps, w1, b1, w2, b2, is_rms: bool, is_glu: bool):
-    T, H = x.shape
-    inter = w2.shape[1]
-    cfg = launch_configs.get("norm_mlp_decode", T)
-    act = torch.empty((T, inter), dtype=x.dtype, device=x.device)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    grid = (triton.cdiv(inter, cfg["BLOCK_I"]), triton.cdiv(T, cfg["BLOCK_T"]))
+def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bool, is_glu: bool) -> torch.Tensor:
+    """The decode form's first kernel: act [T, I] = silu(gate(n)) * up(n) (GLU; w1 = [gate; up]
+    of [2I, H]) or gelu_tanh(fc(n) + b1) (w1 = fc [I, H]), n = norm(x2)."""
+    T, H = x2.shape
+    inter = w1.shape[0] // 2 if is_glu else w1.shape[0]
+    act = torch.empty((T, inter), dtype=x2.dtype, device=x2.device)
+    if T == 0:
+        return act
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    w1 = w1 if w1.stride(-1) == 1 else w1.contiguous()
+    tile = tile_config(launch_configs.get("norm_mlp_decode", T), T, inter, H, x2.element_size(),
+                       rows_key="BLOCK_I", k_key="BLOCK_H")
+    grid = (triton.cdiv(inter, tile["BLOCK_ROWS"]), triton.cdiv(T, tile["BLOCK_T"]))
     _norm_mlp_decode_kernel[grid](
-        x, norm_weight, norm_bias if norm_bias is not None else norm_weight,
+        x2, norm_weight, norm_bias if norm_bias is not None else norm_weight,
         w1, b1 if b1 is not None else norm_weight, act,
         T, H, inter, eps,
-        x.stride(0), w1.stride(0), act.stride(0),
+        x2.stride(0), w1.stride(0), act.stride(0),
         IS_RMS=is_rms, IS_GLU=is_glu,
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_I=cfg["BLOCK_I"], BLOCK_H=min(cfg["BLOCK_H"], max(16, next_pow2(H))),
-        IEEE=is_fp32(x), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"],
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
-    return F.linear(act, w2, b2)
+    return act
+
+
+def _decode(x2, norm_weight, norm_bias, eps, w1, b1, w2, b2, residual2, is_rms: bool, is_glu: bool):
+    """Two launches: norm + first projection + activation, then the down/proj GEMV with the
+    bias and residual in its epilogue."""
+    act = decode_activation(x2, norm_weight, norm_bias, eps, w1, b1, is_rms, is_glu)
+    return gemv(act, w2, b2, residual2, config="norm_mlp_down")
 
 
 def use_decode_form(num_tokens: int) -> bool:
@@ -185,33 +178,44 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weight, form: str | None = None):
-    """out = down(silu(gate(n)) * up(n)), n = rms_norm(x); ``form`` forces "decode"/"prefill"."""
+def _pick_form(T: int, form: str | None) -> str:
+    if form not in (None, "decode", "prefill"):
+        raise ValueError(f"form must be None, 'decode' or 'prefill', not {form!r}")
+    return form or ("decode" if use_decode_form(T) else "prefill")
+
+
+def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weight, residual=None,
+                           form: str | None = None):
+    """down(silu(gate(n)) * up(n)) (+ residual), n = rms_norm(x); ``form`` forces
+    "decode"/"prefill". The MLP output is rounded to the dtype before the residual is added."""
     x2 = _flat(x)
     T = x2.shape[0]
     out_shape = (*x.shape[:-1], down_weight.shape[0])
     if T == 0:
         return x.new_empty(out_shape)
-    if (form or ("decode" if use_decode_form(T) else "prefill")) == "decode":
-        out = _decode(x2, norm_weight, None, eps, gate_up_weight, None, down_weight, None, True, True)
+    r2 = _flat(residual) if residual is not None else None
+    if _pick_form(T, form) == "decode":
+        out = _decode(x2, norm_weight, None, eps, gate_up_weight, None, down_weight, None, r2, True, True)
     else:
         n = tr_rms_norm(x2, norm_weight, eps)
-        out = F.linear(silu_mul(F.linear(n, gate_up_weight)), down_weight)
+        out = dense_linear(silu_mul(F.linear(n, gate_up_weight)), down_weight, None, r2)
     return out.view(out_shape)
 
 
 def fused_layer_norm_gelu_mlp(x, norm_weight, norm_bias, eps: float, fc_weight, fc_bias, proj_weight, proj_bias,
-                              form: str | None = None):
-    """out = proj(gelu_tanh(fc(n))), n = layer_norm(x); ``form`` forces "decode"/"prefill"."""
+                              residual=None, form: str | None = None):
+    """proj(gelu_tanh(fc(n))) (+ residual), n = layer_norm(x); ``form`` forces
+    "decode"/"prefill". The MLP output is rounded to the dtype before the residual is added."""
     x2 = _flat(x)
     T = x2.shape[0]
     out_shape = (*x.shape[:-1], proj_weight.shape[0])
     if T == 0:
         return x.new_empty(out_shape)
-    if (form or ("decode" if use_decode_form(T) else "prefill")) == "decode":
-        out = _decode(x2, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias, False, False)
+    r2 = _flat(residual) if residual is not None else None
+    if _pick_form(T, form) == "decode":
+        out = _decode(x2, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias, r2, False, False)
     else:
         n = tr_layer_norm(x2, norm_weight, norm_bias, eps)
         # fc bias inside the cuBLAS epilogue: one rounding, as in the reference
-        out = F.linear(gelu_tanh(F.linear(n, fc_weight, fc_bias)), proj_weight, proj_bias)
+        out = dense_linear(gelu_tanh(F.linear(n, fc_weight, fc_bias)), proj_weight, proj_bias, r2)
     return out.view(out_shape)

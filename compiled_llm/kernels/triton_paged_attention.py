@@ -1,23 +1,49 @@
-"""Triton paged attention over the block-table KV cache: a split-K decode kernel and a varlen
-causal prefill kernel.
+"""Triton paged attention over the block-table KV cache: a one-launch split-K decode kernel and a
+GQA-stacked varlen causal prefill kernel.
 
 Decode (every sequence has exactly one query row, T == S, recognisable from shapes alone):
-  * ``_decode_split_kernel``, grid (S, Hkv, NUM_SPLITS). One program owns one kv head and all the
-    query heads that share it (GQA: the group is padded to >= 16 rows so tl.dot can use tensor
-    cores), and one contiguous slice of the sequence's context. It streams that slice's keys and
-    values once, runs an online softmax and writes a normalised partial output plus its
-    log-sum-exp (base 2).
-  * ``_decode_reduce_kernel``, grid (S, Hq), combines the splits weighted by exp2(lse - max).
+``_decode_kernel``, grid (S, Hkv, NUM_SPLITS), does the whole op in one launch.
+  * One program owns one kv head and all the query heads that share it (GQA: the group is padded
+    to >= 16 rows so tl.dot can use tensor cores), and one contiguous slice of the sequence's
+    context. It streams that slice's keys and values once and runs an online softmax.
+  * KV store folded in: the new token of row s sits at position seq_len - 1 and its k/v rows are
+    inputs. The split-0 program of each (s, kv head) writes them into the cache at
+    slot_mapping[s]; the program whose slice holds position seq_len - 1 takes k/v for it from the
+    inputs instead of the cache (which may not be written yet). No program reads that slot, so
+    there is no race. This needs slot_mapping[s] to be -1 (write nothing; position seq_len - 1
+    is then read from the cache, as the reference does) or the slot the block table gives
+    position seq_len - 1, which is what pack_batch and ModelRunner._fill_decode produce. Any
+    other slot is still written, and position seq_len - 1 is then read from the cache, but a
+    program attending over that other slot is not ordered against the write: callers with such
+    batches must use LAUNCHES 3.
+  * Split reduce folded in: each program writes its normalised partial output and log-sum-exp
+    (base 2), then draws a ticket from a per-(sequence, kv head) counter; the program that draws
+    the last ticket combines the live splits of its GROUP query heads in split order (so the
+    result does not depend on which program finished last), writes the output rows and puts the
+    counter back to 0. Ordering on the GPU: partial stores, CTA barrier, atomic add with
+    acq_rel semantics at gpu scope (release publishes this CTA's stores, acquire makes the other
+    programs' stores visible to the winner), and the winner reads partials with .cg (L2, not a
+    possibly stale L1). With one split there are no partials and no tickets.
+  * The counters live in a persistent zero-initialised int32 workspace per device (see
+    ``split_counters``); every launch leaves them at 0. One decode attention may be in flight
+    per device at a time (the runtime runs one stream).
   NUM_SPLITS comes from the block table's width and the batch size, never from seq_lens values,
   so the launch is the same for every step of a CUDA-graph bucket; each program derives its own
-  slice from seq_lens on the device. Splits past a short context are empty (lse = -inf, weight 0);
-  a padding row (seq_len 0) has only empty splits and its output is 0.
+  slice from seq_lens on the device. Splits past a short context are empty (lse = -inf), the
+  combiner skips them; a padding row (seq_len 0) has only empty splits and its output is 0.
+  The launch config's LAUNCHES knob keeps the earlier paths for comparison: 2 = KV store
+  folded in, separate reduce kernel; 3 = separate kv_store, split and reduce kernels.
 
-Prefill / mixed (any T): ``_prefill_kernel``, grid (cdiv(max_query_len, BLOCK_M), S, Hq). The
-query rows of sequence s are the last q_len tokens of its seq_len-token context, so row i sees
-keys 0 .. seq_len - q_len + i; earlier chunks are read from the cache through the block table
-like the new ones (the new k/v are stored first). max_query_len is read on the host: prefill
-steps run outside CUDA graphs.
+Prefill / mixed (any T): ``_prefill_kernel``, grid (cdiv(max_query_len, TOKENS), S, Hkv). One
+program takes TOKENS query tokens of one sequence for all GROUP query heads of one kv head,
+stacked into a [BLOCK_M, D] tile (row r: head r // TOKENS, token r % TOKENS; TOKENS =
+BLOCK_M // GROUP, so a group of 7 uses 63 of 64 rows), so each K/V tile is loaded once for the
+whole group. The query rows of sequence s are the last q_len tokens of its seq_len-token
+context, so row i sees keys 0 .. seq_len - q_len + i; earlier chunks are read from the cache
+through the block table like the new ones (the new k/v are stored first, by kv_store). Key
+tiles below the block's first query position are visible to every row and run without any mask;
+only the tiles on the diagonal pay for the causal mask. Programs run the heaviest query blocks
+first. max_query_len is read on the host: prefill steps run outside CUDA graphs.
 
 Softmax runs in base 2 (scores pre-multiplied by scale * log2(e)), accumulation in fp32.
 """
@@ -32,22 +58,113 @@ import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import dot, is_fp32, next_pow2, sm_count
-from compiled_llm.kernels.triton_kv_store import kv_store
+from compiled_llm.kernels.triton_kv_store import kv_store, store_slot
 
 LOG2E = 1.4426950408889634
 
+# REDUCE modes of the decode kernel (the kernel compares the constexpr with the literals):
+# 0 one split writes the output itself; 1 partials for the separate reduce kernel; 2 partials
+# and the ticket, the last program combines them
+DIRECT, PARTIALS, FUSED = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------
+
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, mid_o_ptr, mid_lse_ptr,
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split: a whole number of BLOCK_N tiles (0 for an empty context)."""
+    return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _store_new_row(
+    k_ptr, v_ptr, cache_ptr, slot_ptr, bt_row, s, kvh, split, seq_len, offs_d, mask_d,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d, stride_bt_b,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Store row s's new k/v of this kv head (split 0 only) and return (position whose k/v the
+    readers take from the inputs, or -1; the new k row; the new v row), in the cache dtype so
+    the values read are exactly the values stored."""
+    slot = tl.load(slot_ptr + s).to(tl.int64)
+    new_k = tl.load(k_ptr + s * stride_kt + kvh * stride_kh + offs_d * stride_kd, mask=mask_d, other=0.0)
+    new_v = tl.load(v_ptr + s * stride_vt + kvh * stride_vh + offs_d * stride_vd, mask=mask_d, other=0.0)
+    new_k = new_k.to(cache_ptr.dtype.element_ty)
+    new_v = new_v.to(cache_ptr.dtype.element_ty)
+    if (split == 0) & (slot >= 0):
+        store_slot(cache_ptr, slot, new_k, new_v, kvh * stride_c_h + offs_d * stride_c_d, mask_d,
+                   stride_c_kv, stride_c_blk, stride_c_off, BLOCK_SIZE)
+    # only when the slot is where the block table puts position seq_len - 1 does the new row
+    # stand in for the cache (slot -1: nothing is written, the cache holds the row)
+    last = tl.maximum(seq_len - 1, 0)
+    last_blk = tl.load(bt_row + (last // BLOCK_SIZE) * stride_bt_b).to(tl.int64)
+    fresh = (seq_len > 0) & (slot == last_blk * BLOCK_SIZE + last % BLOCK_SIZE)
+    return tl.where(fresh, seq_len - 1, -1), new_k, new_v
+
+
+@triton.jit
+def _combine_splits(
+    mid_o_ptr, mid_lse_ptr, out_ptr, s, kvh, n_live,
+    stride_mo_s, stride_mo_h, stride_mo_p, stride_ml_s, stride_ml_h,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Out rows of the GROUP heads of kv head kvh: the n_live live splits' partials weighted by
+    exp2(lse - max), BLOCK_P splits per step in split order (deterministic). Loads bypass L1
+    (.cg): the partials were written by other programs."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    lse_row = mid_lse_ptr + s * stride_ml_s + heads * stride_ml_h
+    o_row = mid_o_ptr + s * stride_mo_s + heads * stride_mo_h
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for p0 in range(0, n_live, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        mask_gp = mask_g[:, None] & (offs_p < n_live)[None, :]
+        lse = tl.load(lse_row[:, None] + offs_p[None, :], mask=mask_gp, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(
+            o_row[:, None, None] + offs_p[None, :, None] * stride_mo_p + offs_d[None, None, :],
+            mask=mask_gp[:, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # padded heads see only -inf
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(lse - m_use[:, None])
+        den = den * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        m = m_new
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]  # no live split (padding row): 0
+    tl.store(
+        out_ptr + s * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :],
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
     stride_bt_s, stride_bt_b,
+    stride_ot, stride_oh, stride_od,
     stride_mo_s, stride_mo_h, stride_mo_p,
     stride_ml_s, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    STORE_KV: tl.constexpr, REDUCE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, IEEE: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -56,34 +173,47 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + s)
     n_q = tl.load(qsl_ptr + s + 1) - tl.load(qsl_ptr + s)
     seq_len = tl.where(n_q > 0, seq_len, 0)
-    # this split's slice of the context, a whole number of BLOCK_N tiles
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
-    offs_g = tl.arange(0, BLOCK_H)
+    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + offs_g
-    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_h
+    mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
+    bt_row = bt_ptr + s * stride_bt_s
+    kv_base = cache_ptr + kvh * stride_c_h
+    if STORE_KV:
+        new_pos, new_k, new_v = _store_new_row(
+            k_ptr, v_ptr, cache_ptr, slot_ptr, bt_row, s, kvh, split, seq_len, offs_d, mask_d,
+            stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+            stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d, stride_bt_b, BLOCK_SIZE,
+        )
+
     # decode: row s of q is sequence s's only query row
     q = tl.load(
         q_ptr + s * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=mask_g[:, None] & mask_d[None, :], other=0.0,
+        mask=mask_h[:, None] & mask_d[None, :], other=0.0,
     )
-
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    k_base = cache_ptr + kvh * stride_c_h
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        blk = tl.load(bt_ptr + s * stride_bt_s + (offs_n // BLOCK_SIZE) * stride_bt_b, mask=mask_n, other=0)
+        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_b, mask=mask_n, other=0)
         row = blk.to(tl.int64) * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_off
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + row[:, None] + offs_d[None, :] * stride_c_d, mask=kv_mask, other=0.0)
-        v = tl.load(k_base + stride_c_kv + row[:, None] + offs_d[None, :] * stride_c_d, mask=kv_mask, other=0.0)
+        from_cache = mask_n
+        if STORE_KV:
+            from_cache = mask_n & (offs_n != new_pos)  # never read the slot being written
+        kv_mask = from_cache[:, None] & mask_d[None, :]
+        k = tl.load(kv_base + row[:, None] + offs_d[None, :] * stride_c_d, mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + stride_c_kv + row[:, None] + offs_d[None, :] * stride_c_d, mask=kv_mask, other=0.0)
+        if STORE_KV:
+            is_new = (offs_n == new_pos)[:, None]
+            k = tl.where(is_new, new_k[None, :], k)
+            v = tl.where(is_new, new_v[None, :], v)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         scores = dot(q, tl.trans(k), IEEE) * qk_scale
@@ -98,10 +228,35 @@ def _decode_split_kernel(
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
-    mo = mid_o_ptr + s * stride_mo_s + heads[:, None] * stride_mo_h + split * stride_mo_p + offs_d[None, :]
-    tl.store(mo, out, mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(mid_lse_ptr + s * stride_ml_s + heads * stride_ml_h + split, lse, mask=mask_g)
+    if REDUCE == 0:  # one split: its normalised output is the answer
+        tl.store(
+            out_ptr + s * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :],
+        )
+    else:
+        lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+        if REDUCE == 1:  # the reduce kernel reads every split, empty ones included
+            keep = mask_h
+        else:  # the fused combiner reads live splits only (the condition is broadcast to the
+            # head axis first: the interpreter refuses a tensor & scalar mask)
+            keep = mask_h & (offs_h * 0 + start < end)
+        mo = mid_o_ptr + s * stride_mo_s + heads[:, None] * stride_mo_h + split * stride_mo_p + offs_d[None, :]
+        tl.store(mo, out, mask=keep[:, None] & mask_d[None, :])
+        tl.store(mid_lse_ptr + s * stride_ml_s + heads * stride_ml_h + split, lse, mask=keep)
+        if REDUCE == 2:
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            counter = counter_ptr + s * tl.num_programs(1) + kvh
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == NUM_SPLITS - 1:  # the last program of (s, kvh): all partials are in
+                tl.debug_barrier()
+                n_live = tl.cdiv(seq_len, tl.maximum(per_split, 1))
+                _combine_splits(
+                    mid_o_ptr, mid_lse_ptr, out_ptr, s, kvh, n_live,
+                    stride_mo_s, stride_mo_h, stride_mo_p, stride_ml_s, stride_ml_h,
+                    stride_ot, stride_oh, stride_od,
+                    GROUP, HEAD_DIM, BLOCK_G, BLOCK_P, BLOCK_D,
+                )
+                tl.store(counter, 0)  # zero for the next launch (kernel boundaries order it)
 
 
 @triton.jit
@@ -112,6 +267,7 @@ def _decode_reduce_kernel(
     stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """The separate reduce of LAUNCHES 2/3, grid (S, Hq): combines every split."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     offs_p = tl.arange(0, BLOCK_P)
@@ -132,6 +288,52 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + s * stride_ot + h * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
+# ---------------------------------------------------------------------------------------------
+# prefill / mixed
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_tile(
+    q, acc, m_i, l_i, kv_base, bt_row, n0, q_pos, end, offs_d, mask_d, qk_scale,
+    stride_bt_b, stride_c_kv, stride_c_blk, stride_c_off, stride_c_d,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One BLOCK_N-key step of the online softmax. MASKED: a diagonal tile (causal limit and the
+    end of the keys apply); otherwise every key is visible to every row and nothing is masked.
+    The first tile a program runs holds key 0, visible to all rows, so m_i is finite after it."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        mask_n = offs_n < end
+        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_b, mask=mask_n, other=0)
+    else:
+        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_b)
+    ptrs = kv_base + (blk.to(tl.int64) * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_off)[:, None] \
+        + offs_d[None, :] * stride_c_d
+    if MASKED:
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(ptrs + stride_c_kv, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(ptrs)
+        v = tl.load(ptrs + stride_c_kv)
+    else:
+        k = tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+        v = tl.load(ptrs + stride_c_kv, mask=mask_d[None, :], other=0.0)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    scores = dot(q, tl.trans(k), IEEE) * qk_scale
+    if MASKED:
+        scores = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+    return acc, m_new, l_i
+
+
 @triton.jit
 def _prefill_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
@@ -140,58 +342,62 @@ def _prefill_kernel(
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
     stride_bt_s, stride_bt_b,
     stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
-    mb = tl.program_id(0)
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) query blocks start first
     s = tl.program_id(1)
-    h = tl.program_id(2)
+    kvh = tl.program_id(2)
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
-    if mb * BLOCK_M < q_len:
+    if mb * TOKENS < q_len:
         seq_len = tl.load(seq_lens_ptr + s)
         ctx_before = seq_len - q_len  # tokens cached before this step's rows
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        # stacked rows: the GROUP heads of kv head kvh x TOKENS query tokens
+        offs_r = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        mask_m = offs_m < q_len
+        g = offs_r // TOKENS
+        i = mb * TOKENS + offs_r % TOKENS
+        mask_r = (g < GROUP) & (i < q_len)
         mask_d = offs_d < HEAD_DIM
-        rows = (q_start + offs_m).to(tl.int64)
+        tok = (q_start + i).to(tl.int64)
+        head = kvh * GROUP + g
         q = tl.load(
-            q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
-            mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=mask_r[:, None] & mask_d[None, :], other=0.0,
         )
-        q_pos = ctx_before + offs_m  # causal limit of each row (inclusive)
+        q_pos = ctx_before + i  # causal limit of each row (inclusive)
+        first = ctx_before + mb * TOKENS  # the block's smallest query position
+        end = ctx_before + tl.minimum((mb + 1) * TOKENS, q_len)  # one past its largest
+        full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys below: visible to every row
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        kv_base = cache_ptr + (h // GROUP) * stride_c_h
-        end = tl.minimum(seq_len, ctx_before + (mb + 1) * BLOCK_M)
-        for n0 in range(0, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            blk = tl.load(bt_ptr + s * stride_bt_s + (offs_n // BLOCK_SIZE) * stride_bt_b, mask=mask_n, other=0)
-            row = blk.to(tl.int64) * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_off
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(kv_base + row[:, None] + offs_d[None, :] * stride_c_d, mask=kv_mask, other=0.0)
-            v = tl.load(kv_base + stride_c_kv + row[:, None] + offs_d[None, :] * stride_c_d, mask=kv_mask, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-            scores = dot(q, tl.trans(k), IEEE) * qk_scale
-            valid = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
-            scores = tl.where(valid, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows that see nothing yet
-            p = tl.exp2(scores - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
-            m_i = m_new
+        kv_base = cache_ptr + kvh * stride_c_h
+        bt_row = bt_ptr + s * stride_bt_s
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(
+                q, acc, m_i, l_i, kv_base, bt_row, n0, q_pos, end, offs_d, mask_d, qk_scale,
+                stride_bt_b, stride_c_kv, stride_c_blk, stride_c_off, stride_c_d,
+                BLOCK_SIZE, BLOCK_N, False, HEAD_DIM == BLOCK_D, IEEE,
+            )
+        for n0 in range(full_end, end, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(
+                q, acc, m_i, l_i, kv_base, bt_row, n0, q_pos, end, offs_d, mask_d, qk_scale,
+                stride_bt_b, stride_c_kv, stride_c_blk, stride_c_off, stride_c_d,
+                BLOCK_SIZE, BLOCK_N, True, HEAD_DIM == BLOCK_D, IEEE,
+            )
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
-            out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :],
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
 
 
 def is_decode_batch(q: torch.Tensor, query_start_loc: torch.Tensor) -> bool:
@@ -200,50 +406,121 @@ def is_decode_batch(q: torch.Tensor, query_start_loc: torch.Tensor) -> bool:
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, max_splits: int,
-                      device: torch.device) -> int:
-    """Splits of each sequence's context so that the grid has ~2 programs per SM; a function of
-    shapes and the device only (never of seq_lens values), so CUDA graphs can capture it."""
-    want = math.ceil(2 * sm_count(device) / max(num_seqs * num_kv_heads, 1))
+                      device: torch.device, programs_per_sm: int = 2) -> int:
+    """Splits of each sequence's context so that the grid has ~programs_per_sm programs per SM;
+    a function of shapes and the device only (never of seq_lens values), so CUDA graphs can
+    capture it. Each program sizes its slice from its own seq_len, so at a short context the
+    extra splits are empty programs that exit after a few loads, not wasted bandwidth."""
+    want = math.ceil(programs_per_sm * sm_count(device) / max(num_seqs * num_kv_heads, 1))
     return max(1, min(want, max_splits, math.ceil(max_context / block_n)))
 
 
-def paged_attention_decode(q, kv_cache, query_start_loc, seq_lens, block_tables, scale: float) -> torch.Tensor:
+# Ticket counters of the fused split reduce, one zeroed int32 buffer per device. Every launch
+# leaves them at 0, so one buffer serves every layer and every step. It is allocated (and, when a
+# batch needs more counters than it has, replaced) on an eager call: CUDA graphs replay the
+# address they captured, so replaced buffers are kept alive in _RETIRED, and growing inside a
+# capture is refused (the runtime runs every bucket eagerly before capturing).
+MIN_COUNTERS = 1 << 16  # 256 KiB: 4096 sequences x 16 kv heads before any growth
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The device's counter buffer, with at least n counters."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"paged attention needs {n} split counters on {device} but has "
+                f"{0 if buf is None else buf.numel()}; run the decode step once before capturing CUDA graphs"
+            )
+        if buf is not None:
+            _RETIRED.append(buf)  # captured graphs may still use it
+        size = max(n, MIN_COUNTERS, 2 * (0 if buf is None else buf.numel()))
+        buf = torch.zeros(size, dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def decode_plan(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> dict[str, int]:
+    """The decode launch for these shapes: the config plus NUM_SPLITS and the reduce mode."""
+    cfg = launch_configs.get("paged_attention_decode", num_seqs)
+    launches = cfg.get("LAUNCHES", 1)
+    if launches not in (1, 2, 3):
+        raise ValueError(f"paged_attention_decode LAUNCHES must be 1, 2 or 3, not {launches}")
+    splits = num_decode_splits(num_seqs, num_kv_heads, max_context, cfg["BLOCK_N"], cfg["MAX_SPLITS"], device,
+                               cfg.get("PROGRAMS_PER_SM", 2))
+    if launches > 1:
+        reduce = PARTIALS  # the earlier paths, kept as they were (reduce kernel even for one split)
+    else:
+        reduce = DIRECT if splits == 1 else FUSED
+    return dict(cfg, LAUNCHES=launches, NUM_SPLITS=splits, REDUCE=reduce)
+
+
+def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables,
+                           scale: float) -> torch.Tensor:
+    """cllm::paged_attention of a decode batch (row s = sequence s's new token): one launch by
+    default; no host syncs, shapes-only launch (CUDA-graph capturable)."""
     T, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     block_size = kv_cache.shape[2]
-    cfg = launch_configs.get("paged_attention_decode", T)
-    block_n = cfg["BLOCK_N"]
-    splits = num_decode_splits(T, num_kv_heads, block_tables.shape[1] * block_size, block_n, cfg["MAX_SPLITS"], q.device)
-    mid_o = torch.empty((T, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((T, num_heads, splits), dtype=torch.float32, device=q.device)
     out = torch.empty((T, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    _decode_split_kernel[(T, num_kv_heads, splits)](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, mid_o, mid_lse,
+    plan = decode_plan(T, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    splits, reduce = plan["NUM_SPLITS"], plan["REDUCE"]
+    if plan["LAUNCHES"] == 3:
+        kv_store(k, v, kv_cache, slot_mapping)
+    if reduce == DIRECT:
+        mid_o = mid_lse = out  # not read
+        mo_strides, ml_strides = (0, 0, 0), (0, 0)
+    else:
+        mid_o = torch.empty((T, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((T, num_heads, splits), dtype=torch.float32, device=q.device)
+        mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
+    counters = split_counters(q.device, T * num_kv_heads) if reduce == FUSED else seq_lens
+    block_d = max(16, next_pow2(head_dim))
+    block_g = next_pow2(group)
+    _decode_kernel[(T, num_kv_heads, splits)](
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+        out, mid_o, mid_lse, counters,
         scale * LOG2E,
-        *q.stride(), *kv_cache.stride(), *block_tables.stride(),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
+        *q.stride(), *k.stride(), *v.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
+        *mo_strides, *ml_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-        BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(head_dim)),
-        IEEE=is_fp32(q), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        STORE_KV=plan["LAUNCHES"] < 3, REDUCE=reduce,
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_N=plan["BLOCK_N"], BLOCK_D=block_d,
+        BLOCK_G=block_g, BLOCK_P=min(next_pow2(splits), next_pow2(plan.get("COMBINE_SPLITS", 16))),
+        IEEE=is_fp32(q), num_warps=plan["num_warps"], num_stages=plan["num_stages"],
     )
-    rcfg = launch_configs.get("paged_attention_reduce", T)
-    _decode_reduce_kernel[(T, num_heads)](
-        mid_o, mid_lse, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        *out.stride(),
-        HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_P=max(2, next_pow2(splits)), BLOCK_D=next_pow2(head_dim),
-        num_warps=rcfg["num_warps"],
-    )
+    if reduce == PARTIALS:
+        rcfg = launch_configs.get("paged_attention_reduce", T)
+        _decode_reduce_kernel[(T, num_heads)](
+            mid_o, mid_lse, out,
+            *mo_strides, *ml_strides, *out.stride(),
+            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_P=max(2, next_pow2(splits)), BLOCK_D=next_pow2(head_dim),
+            num_warps=rcfg["num_warps"],
+        )
     return out
+
+
+def prefill_tile(num_heads: int, num_kv_heads: int, block_m: int) -> tuple[int, int]:
+    """(tile rows, query tokens per program) of the GQA-stacked prefill tile: at least
+    ``block_m`` rows (a power of two >= 16 that holds one token of every head of the group),
+    filled with as many tokens of the whole group as fit."""
+    group = num_heads // num_kv_heads
+    rows = max(16, next_pow2(block_m), next_pow2(group))
+    return rows, rows // group
 
 
 def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables, scale: float,
                             max_query_len: int | None = None) -> torch.Tensor:
+    """Causal attention of packed query rows over the paged cache (their k/v already stored)."""
     T, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     S = seq_lens.shape[0]
@@ -252,17 +529,24 @@ def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables
     if T == 0 or S == 0:
         return out
     if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # host sync: prefill only
+        if S == 1 or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # shapes bound it: one sequence has at most T rows (padding rows past
+            # query_start_loc[-1] make the surplus programs exit); inside a graph capture a host
+            # read is impossible, so surplus programs it is
+            max_query_len = T
+        else:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # host sync: mixed prefill
     if max_query_len <= 0:
         return out
     cfg = launch_configs.get("paged_attention_prefill", T)
-    grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), S, num_heads)
+    block_m, tokens = prefill_tile(num_heads, num_kv_heads, cfg["BLOCK_M"])
+    grid = (triton.cdiv(max_query_len, tokens), S, num_kv_heads)
     _prefill_kernel[grid](
         q, kv_cache, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E,
         *q.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=max(16, next_pow2(head_dim)),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2], TOKENS=tokens,
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=max(16, next_pow2(head_dim)),
         IEEE=is_fp32(q), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -270,9 +554,10 @@ def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables
 
 def paged_attention(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, scale: float):
     """cllm::paged_attention: store k/v at slot_mapping, then causal attention of each
-    sequence's rows over its paged context. Decode-shaped batches take the split-K path (no host
-    sync, capturable); others the prefill kernel."""
-    kv_store(k, v, kv_cache, slot_mapping)
+    sequence's rows over its paged context. Decode-shaped batches take the one-launch split-K
+    path (no host sync, capturable; it stores k/v itself); others kv_store + the prefill kernel."""
     if is_decode_batch(q, query_start_loc):
-        return paged_attention_decode(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+        return paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables,
+                                      scale)
+    kv_store(k, v, kv_cache, slot_mapping)
     return paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)

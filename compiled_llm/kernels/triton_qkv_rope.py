@@ -1,13 +1,24 @@
-"""Triton QKV epilogue: per-head q/k RMSNorm (Qwen3) + neox RoPE, and the q/k/v split, in one
-launch after the QKV projection.
+"""Triton fused q/k/v projection: optional input RMSNorm, projection + bias, per-head q/k RMSNorm
+(Qwen3), neox RoPE, and the q/k/v split into fresh contiguous outputs.
 
-The projection itself is ``F.linear(x, qkv_weight, qkv_bias)``: cuBLAS adds the bias in its own
-epilogue with one rounding, exactly as the reference does, so the Triton kernel starts from the
-biased [T, (Hq + 2 Hkv) * D] rows. Grid (T, Hq + 2 Hkv): a program owns one head of one token,
-holds its two halves (rotate-halves RoPE pairs x[i] with x[i + D/2]) in registers, normalises,
-rotates and writes it to its own contiguous q/k/v output. v heads are copied.
+Decode form (T <= MAX_TOKENS of "qkv_dispatch"): one weight-streaming launch,
+``_qkv_decode_kernel``, grid (heads * SPLITS, cdiv(T, BLOCK_T)) over the Hq + 2 Hkv heads. A
+program owns BLOCK_P rotation pairs of one head: rows i and i + D/2, which RoPE mixes, so the pair
+stays in one program's registers. It computes the input-norm statistics of its x rows itself (x is
+tiny), streams its weight rows once along H as triton_gemv does, adds the bias, rounds to the dtype
+(the reference rounds the F.linear output), rotates and stores. Splitting heads into pairs keeps
+enough programs to fill the GPU (Qwen2.5-0.5B has 18 heads). With q/k norm the statistics need the
+whole head, so a program owns a whole head (SPLITS = 1): it walks the head BLOCK_P pairs at a time,
+stores the rounded projection, and once its head is complete (a CTA barrier makes its own stores
+visible to all its threads) normalises and rotates it in place.
 
-The same kernel serves ``cllm::rotary_embedding`` (q and k given as separate tensors, no v).
+Prefill form (large T): Triton rms_norm when there is an input norm, the projection in cuBLAS
+(which adds the bias in its own epilogue with one rounding, as the reference does), then
+``_qkv_epilogue_kernel``, grid (T, Hq + 2 Hkv): one head of one token per program, normalised,
+rotated and written to its own contiguous q/k/v output; v heads are copied.
+
+The epilogue kernel also serves ``cllm::rotary_embedding`` (q and k given as separate tensors,
+no v).
 """
 
 from __future__ import annotations
@@ -19,6 +30,176 @@ import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import next_pow2
+from compiled_llm.kernels.triton_gemv import input_chunk, norm_stats, tile_config, weight_tile
+from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
+
+
+@triton.jit
+def _norm_rope(x1, x2, w1, w2, cos, sin, eps,
+               HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr):
+    """Rows of a head as halves x1 = x[..., :D/2], x2 = x[..., D/2:] ([R, C] in the storage
+    dtype; a row's masked lanes hold 0) -> fp32 (y1, y2): the per-head RMSNorm with weight halves
+    w1, w2, then the rotate-halves RoPE with cos, sin ([R, C] fp32)."""
+    dtype = x1.dtype
+    y1 = x1.to(tl.float32)
+    y2 = x2.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(y1 * y1, 1) + tl.sum(y2 * y2, 1)) / HEAD_DIM + eps)[:, None]
+        # the reference rounds the normalised row, then the weight product, to the input dtype
+        y1 = ((y1 * rstd).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
+        y2 = ((y2 * rstd).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
+    if HAS_ROPE:
+        r1 = y1 * cos - y2 * sin
+        r2 = y2 * cos + y1 * sin
+        y1 = r1
+        y2 = r2
+    return y1, y2
+
+
+# ---------------------------------------------------------------------------------------------
+# decode form: one launch from x to q/k/v
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _qkv_decode_kernel(
+    x_ptr, w_ptr, b_ptr, nw_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, cs_ptr,
+    q_out, k_out, v_out,
+    T, K, stride_x, stride_w, stride_cs, stride_qt, stride_kt, stride_vt,
+    eps, norm_eps,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INPUT_NORM: tl.constexpr, HAS_QK_NORM: tl.constexpr, HAS_ROPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = pid // SPLITS
+    p_lo = (pid % SPLITS) * BLOCK_P
+    p_hi = tl.minimum(p_lo + BLOCK_P, HALF)
+    if HAS_QK_NORM:  # SPLITS == 1: the whole head, BLOCK_P pairs at a time
+        p_hi = HALF
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    dtype = x_ptr.dtype.element_ty
+
+    # where this head goes: rows of qkv_weight are [q heads | k heads | v heads] x HEAD_DIM
+    is_qk = head < NUM_HEADS + NUM_KV_HEADS
+    dst = q_out + head * HEAD_DIM
+    stride_dt = stride_qt
+    head_norm = q_norm_ptr
+    if head >= NUM_HEADS + NUM_KV_HEADS:
+        dst = v_out + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
+        stride_dt = stride_vt
+    elif head >= NUM_HEADS:
+        dst = k_out + (head - NUM_HEADS) * HEAD_DIM
+        stride_dt = stride_kt
+        head_norm = k_norm_ptr
+    dst_rows = dst + offs_t.to(tl.int64)[:, None] * stride_dt  # [BLOCK_T, 1]
+    cs_rows = cs_ptr
+    if HAS_ROPE:
+        pos = tl.load(pos_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        cs_rows = cs_ptr + pos[:, None] * stride_cs  # [BLOCK_T, 1]
+
+    x_rows = x_ptr + offs_t.to(tl.int64)[:, None, None] * stride_x
+    mask_t3 = mask_t[:, None, None]
+    mean = tl.zeros([BLOCK_T, 1, 1], tl.float32)
+    rstd = mean
+    if HAS_INPUT_NORM:
+        mean, rstd = norm_stats(x_rows, mask_t3, K, norm_eps, BLOCK_T, BLOCK_K, True)
+
+    for p0 in range(p_lo, p_hi, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        mask_p = offs_p < p_hi
+        rows1 = head * HEAD_DIM + offs_p
+        w1_rows = w_ptr + rows1.to(tl.int64)[None, :, None] * stride_w
+        w2_rows = w_ptr + (rows1 + HALF).to(tl.int64)[None, :, None] * stride_w
+        acc1 = tl.zeros([BLOCK_T, BLOCK_P, BLOCK_K], tl.float32)
+        acc2 = tl.zeros([BLOCK_T, BLOCK_P, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
+            mask_k = offs_k < K
+            xk = input_chunk(x_rows, mask_t3, offs_k, mask_k, nw_ptr, nw_ptr, mean, rstd, HAS_INPUT_NORM, True)
+            mask_w = mask_p[None, :, None] & mask_k
+            acc1 += xk * weight_tile(w1_rows, offs_k, mask_w)
+            acc2 += xk * weight_tile(w2_rows, offs_k, mask_w)
+        y1 = tl.sum(acc1, 2)
+        y2 = tl.sum(acc2, 2)
+        if HAS_BIAS:
+            y1 += tl.load(b_ptr + rows1, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+            y2 += tl.load(b_ptr + rows1 + HALF, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+        # the reference rounds the projection (F.linear's output) before anything else
+        y1 = y1.to(dtype)
+        y2 = y2.to(dtype)
+        if HAS_ROPE and not HAS_QK_NORM:  # the pair is complete here: rotate q/k in registers
+            cos = tl.load(cs_rows + offs_p[None, :], mask=mask_p[None, :], other=0.0)
+            sin = tl.load(cs_rows + HALF + offs_p[None, :], mask=mask_p[None, :], other=0.0)
+            r1, r2 = _norm_rope(y1, y2, y1, y2, cos, sin, eps, HEAD_DIM, False, True)
+            y1 = tl.where(is_qk, r1, y1.to(tl.float32)).to(dtype)
+            y2 = tl.where(is_qk, r2, y2.to(tl.float32)).to(dtype)
+        mask = mask_t[:, None] & mask_p[None, :]
+        tl.store(dst_rows + offs_p[None, :], y1, mask=mask)
+        tl.store(dst_rows + HALF + offs_p[None, :], y2, mask=mask)
+
+    if HAS_QK_NORM:
+        # the head is complete in memory: normalise (and rotate) q/k heads in place
+        tl.debug_barrier()
+        if is_qk:
+            offs_h = tl.arange(0, BLOCK_HALF)
+            mask_h = offs_h < HALF
+            mask = mask_t[:, None] & mask_h[None, :]
+            x1 = tl.load(dst_rows + offs_h[None, :], mask=mask, other=0.0)
+            x2 = tl.load(dst_rows + HALF + offs_h[None, :], mask=mask, other=0.0)
+            w1 = tl.load(head_norm + offs_h, mask=mask_h, other=0.0)[None, :]
+            w2 = tl.load(head_norm + HALF + offs_h, mask=mask_h, other=0.0)[None, :]
+            cos = w1.to(tl.float32)  # placeholders, unused without RoPE
+            sin = w2.to(tl.float32)
+            if HAS_ROPE:
+                cos = tl.load(cs_rows + offs_h[None, :], mask=mask_h[None, :], other=0.0)
+                sin = tl.load(cs_rows + HALF + offs_h[None, :], mask=mask_h[None, :], other=0.0)
+            y1, y2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, True, HAS_ROPE)
+            tl.store(dst_rows + offs_h[None, :], y1.to(dtype), mask=mask)
+            tl.store(dst_rows + HALF + offs_h[None, :], y2.to(dtype), mask=mask)
+
+
+def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
+            num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps):
+    T, H = x.shape
+    q = torch.empty((T, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    k = torch.empty((T, num_kv_heads, head_dim), dtype=x.dtype, device=x.device)
+    v = torch.empty((T, num_kv_heads, head_dim), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return q, k, v
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = qkv_weight if qkv_weight.stride(-1) == 1 else qkv_weight.contiguous()
+    half = head_dim // 2
+    has_qk_norm = q_norm_weight is not None
+    has_rope = cos_sin is not None
+    tile = tile_config(launch_configs.get("qkv_decode", T), T, half, H, x.element_size(), rows_key="BLOCK_P")
+    splits = 1 if has_qk_norm else triton.cdiv(half, tile["BLOCK_ROWS"])
+    heads = num_heads + 2 * num_kv_heads
+    grid = (heads * splits, triton.cdiv(T, tile["BLOCK_T"]))
+    _qkv_decode_kernel[grid](
+        x, w, qkv_bias if qkv_bias is not None else w,
+        norm_weight if norm_weight is not None else w,
+        q_norm_weight if has_qk_norm else w, k_norm_weight if has_qk_norm else w,
+        positions, cos_sin if has_rope else w,
+        q, k, v,
+        T, H, x.stride(0), w.stride(0), cos_sin.stride(0) if has_rope else 0,
+        q.stride(0), k.stride(0), v.stride(0),
+        eps, norm_eps,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        SPLITS=splits, BLOCK_T=tile["BLOCK_T"], BLOCK_P=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"],
+        BLOCK_HALF=next_pow2(half),
+        HAS_BIAS=qkv_bias is not None, HAS_INPUT_NORM=norm_weight is not None,
+        HAS_QK_NORM=has_qk_norm, HAS_ROPE=has_rope,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+    )
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill form: epilogue after the cuBLAS projection (also rotary_embedding)
+# ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -27,28 +208,21 @@ def _head_epilogue(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr,
 ):
-    offs = tl.arange(0, BLOCK_HALF)
+    offs = tl.arange(0, BLOCK_HALF)[None, :]  # one row: [1, BLOCK_HALF]
     mask = offs < HALF
     x1 = tl.load(src + offs * stride_d, mask=mask, other=0.0)
     x2 = tl.load(src + (offs + HALF) * stride_d, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
+    w1 = x1  # placeholders, unused without the norm
+    w2 = x2
     if HAS_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        # the reference rounds the normalised row, then the weight product, to the input dtype
-        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0)
+    cos = x1.to(tl.float32)  # placeholders, unused without RoPE
+    sin = x2.to(tl.float32)
     if HAS_ROPE:
         cos = tl.load(cs_row + offs, mask=mask, other=0.0)
         sin = tl.load(cs_row + HALF + offs, mask=mask, other=0.0)
-        y1 = x1 * cos - x2 * sin
-        y2 = x2 * cos + x1 * sin
-    else:
-        y1 = x1
-        y2 = x2
+    y1, y2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM, HAS_ROPE)
     tl.store(dst + offs, y1.to(dst.dtype.element_ty), mask=mask)
     tl.store(dst + HALF + offs, y2.to(dst.dtype.element_ty), mask=mask)
 
@@ -119,14 +293,35 @@ def _epilogue(q_src, k_src, v_src, q_norm_weight, k_norm_weight, positions, cos_
     return q, k, v
 
 
+# ---------------------------------------------------------------------------------------------
+# the ops
+# ---------------------------------------------------------------------------------------------
+
+
 def supports_shape(head_dim: int, has_q_norm: bool, has_k_norm: bool) -> bool:
-    """The kernel pairs halves of a head and normalises q and k together or not at all."""
+    """The kernels pair halves of a head and normalise q and k together or not at all."""
     return head_dim % 2 == 0 and has_q_norm == has_k_norm
 
 
+def use_decode_form(num_tokens: int) -> bool:
+    return num_tokens <= launch_configs.get("qkv_dispatch", num_tokens)["MAX_TOKENS"]
+
+
 def fused_qkv_rope(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
-                   num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+                   num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                   norm_weight=None, norm_eps: float = 0.0, form: str | None = None):
+    """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) of x [T, H], as fused_ops.fused_qkv_rope_ref:
+    x RMS-normalised first when ``norm_weight`` is given (eps ``norm_eps``), then projected, q/k
+    normalised per head when q/k norm weights are given (eps ``eps``), q/k rotated when
+    ``cos_sin`` is given. ``form`` forces "decode" (one GEMV kernel) or "prefill" (cuBLAS)."""
     T = x.shape[0]
+    if form not in (None, "decode", "prefill"):
+        raise ValueError(f"form must be None, 'decode' or 'prefill', not {form!r}")
+    if (form or ("decode" if use_decode_form(T) else "prefill")) == "decode":
+        return _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
+                       num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps)
+    if norm_weight is not None:
+        x = tr_rms_norm(x, norm_weight, norm_eps)
     qkv = F.linear(x, qkv_weight, qkv_bias)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q_src = qkv[:, :q_size].view(T, num_heads, head_dim)

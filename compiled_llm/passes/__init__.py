@@ -8,12 +8,15 @@ plant a wrong rewrite and check that ``compare`` names it). The manifest records
 from __future__ import annotations
 
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.passes import cleanup, cleanup_noop, fuse_add_norm, fuse_norm_mlp, fuse_qkv_rope, select_kernels
+from compiled_llm.passes import (
+    cleanup, cleanup_noop, fuse_add_norm, fuse_norm_mlp, fuse_qkv_rope, fuse_residual, select_kernels,
+)
 from compiled_llm.passes.base import Pass, PassContext
 
 DEFAULT_PASSES: tuple[Pass, ...] = (
     cleanup_noop.PASS,
     fuse_norm_mlp.PASS,
+    fuse_residual.PASS,
     fuse_add_norm.PASS,
     fuse_qkv_rope.PASS,
     select_kernels.PASS,

@@ -104,6 +104,22 @@ def shape_str(node: Any) -> str | None:
     return None
 
 
+def linear_parts(node: Node) -> tuple[Any, Any, Any]:
+    """(input, weight, bias or None) of an aten.linear node (bias positional or keyword)."""
+    x, w = node.args[0], node.args[1]
+    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return x, w, b
+
+
+def same_tensor_type(*nodes: Any) -> bool:
+    """Whether all nodes are known (export's metadata) to be tensors of one shape and dtype: an
+    elementwise op between them does not broadcast or promote."""
+    vals = [n.meta.get("val") if isinstance(n, Node) else None for n in nodes]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return False
+    return len({shape_str(n) for n in nodes}) == 1 and len({v.dtype for v in vals}) == 1
+
+
 def finish(gm: GraphModule) -> None:
     gm.graph.lint()
     gm.recompile()

@@ -15,15 +15,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from compiled_llm.passes.base import (
-    Pass, PassContext, add_param, aten, cllm, erase_dead, finish, is_call, param_name, single_user,
+    Pass, PassContext, add_param, aten, cllm, erase_dead, finish, is_call, linear_parts, param_name, single_user,
 )
-
-
-def _linear_parts(node: Node):
-    """(input, weight node, bias node or None) of an aten.linear node."""
-    x, w = node.args[0], node.args[1]
-    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    return x, w, b
 
 
 def _merged_name(weight_name: str, part: str, merged: str) -> str:
@@ -33,7 +26,7 @@ def _merged_name(weight_name: str, part: str, merged: str) -> str:
 
 def _fuse_glu(gm: GraphModule, ctx: PassContext, down: Node) -> bool:
     mul = down.args[0]
-    if not (is_call(mul, aten.mul.Tensor) and single_user(mul)) or _linear_parts(down)[2] is not None:
+    if not (is_call(mul, aten.mul.Tensor) and single_user(mul)) or linear_parts(down)[2] is not None:
         return False
     silu, up = mul.args
     if not is_call(silu, aten.silu.default):
@@ -43,8 +36,8 @@ def _fuse_glu(gm: GraphModule, ctx: PassContext, down: Node) -> bool:
     gate = silu.args[0]
     if not (is_call(gate, aten.linear.default) and single_user(gate)):
         return False
-    n, wg, bg = _linear_parts(gate)
-    n2, wu, bu = _linear_parts(up)
+    n, wg, bg = linear_parts(gate)
+    n2, wu, bu = linear_parts(up)
     if n is not n2 or bg is not None or bu is not None or not is_call(n, cllm.rms_norm.default):
         return False
     if set(n.users) != {gate, up}:
@@ -70,8 +63,8 @@ def _fuse_gelu(gm: GraphModule, ctx: PassContext, proj: Node) -> bool:
     fc = gelu.args[0]
     if not (is_call(fc, aten.linear.default) and single_user(fc)):
         return False
-    n, wf, bf = _linear_parts(fc)
-    _, wp, bp = _linear_parts(proj)
+    n, wf, bf = linear_parts(fc)
+    _, wp, bp = linear_parts(proj)
     if bf is None or bp is None or not is_call(n, cllm.layer_norm.default) or set(n.users) != {fc}:
         return False
     x, nw, nb, eps = n.args

@@ -9,6 +9,11 @@ Anchored on each paged_attention call, walking back from its q, k, v arguments:
 
   => q, k, v = fused_qkv_rope(x, Wqkv, bqkv, Wqn, Wkn, positions, cos_sin, Hq, Hkv, D, eps)
 
+When x is an ``rms_norm(h, Wn, eps_n)`` that nothing else reads (the layer's input norm), it is
+folded in too: ``fused_qkv_rope(h, ..., eps, norm_weight=Wn, norm_eps=eps_n)``, so the norm is the
+projection's prologue rather than its own launch. A LayerNorm (GPT-2) is not folded: the op has
+no LayerNorm prologue.
+
 Head counts come from the views in the graph, not from the config.
 """
 
@@ -91,6 +96,18 @@ def _merged(name: str, part: str) -> str:
     return f"{prefix}qkv.{leaf}"
 
 
+def _fold_input_norm(gm: GraphModule, fused: Node) -> None:
+    """x = rms_norm(h, w, eps) read only by ``fused`` -> fused normalises h itself."""
+    norm = fused.args[0]
+    if not (is_call(norm, cllm.rms_norm.default) and len(norm.args) == 3 and not norm.kwargs):
+        return
+    if set(norm.users) != {fused}:
+        return
+    h, weight, eps = norm.args
+    fused.args = (h, *fused.args[1:], weight, eps)
+    gm.graph.erase_node(norm)
+
+
 def _fuse(gm: GraphModule, ctx: PassContext, attn: Node) -> bool:
     try:
         m = _match(attn)
@@ -113,7 +130,8 @@ def _fuse(gm: GraphModule, ctx: PassContext, attn: Node) -> bool:
     for out, old in zip(outs, attn.args[:3]):
         out.meta["val"] = old.meta.get("val")
     attn.args = (*outs, *attn.args[3:])
-    erase_dead(gm, m["chain"])
+    erase_dead(gm, m["chain"])  # the q/k/v linears go: the norm's only reader is now the fused op
+    _fold_input_norm(gm, fused)
     return True
 
 

@@ -233,11 +233,16 @@ class ModelRunner:
             return
         src = handle.ids
         if rows is not None:
-            idx = torch.tensor(rows, dtype=torch.int64)
-            if self.device.type == "cuda":
-                idx = idx.pin_memory().to(self.device, non_blocking=True)
-            src = src.index_select(0, idx)
+            src = src.index_select(0, self._to_device(rows))
         self._dev["tok"][:S].copy_(src)
+
+    def _to_device(self, values: list[int]) -> Tensor:
+        """A small index list on the device without a host sync (pinned, non-blocking copy; a
+        plain torch.tensor(..., device=cuda) waits for the stream)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _run_program(self, batch: PackedBatch) -> Tensor:
         return self.program(self.params, batch, self.kv_cache)
@@ -247,7 +252,7 @@ class ModelRunner:
         if not rows:
             return None
         if len(rows) != len(batch.seqs):
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            logits = logits.index_select(0, self._to_device(rows))
         seqs = [batch.seqs[r] for r in rows]
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):

@@ -1,0 +1,87 @@
+"""fuse_residual: a residual add into the op that produces one of its operands, so the add runs
+as that op's epilogue instead of as a launch of its own.
+
+  h = r + linear(x, W, b)                     => h = fused_linear_residual(x, W, b, r)
+  h = r + fused_rms_norm_glu_mlp(x, ...)      => h = fused_rms_norm_glu_mlp(x, ..., residual=r)
+  h = r + fused_layer_norm_gelu_mlp(x, ...)   => h = fused_layer_norm_gelu_mlp(x, ..., residual=r)
+
+Either operand order matches (float addition commutes bit for bit). The producer must have no
+other user (its output before the add is needed nowhere else), and the add must neither
+broadcast nor promote: both operands and the sum have one shape and dtype.
+
+It runs after fuse_norm_mlp (whose MLPs are producers here) and before fuse_add_norm: once the
+residual adds are epilogues, the norms read the fused ops' outputs and fuse_add_norm finds no
+add left to take on Llama/Qwen/GPT-2 graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.fx import GraphModule, Node
+
+from compiled_llm.passes.base import (
+    Pass, PassContext, aten, cllm, finish, is_call, linear_parts, same_tensor_type, single_user,
+)
+
+# fused MLP -> how many arguments precede its optional trailing ``residual``
+_MLP_ARITY = {
+    cllm.fused_rms_norm_glu_mlp.default: 5,
+    cllm.fused_layer_norm_gelu_mlp.default: 8,
+}
+
+
+def _plain_add(node: Node) -> bool:
+    """aten.add.Tensor of two tensors with alpha 1."""
+    return (
+        is_call(node, aten.add.Tensor) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1
+        and all(isinstance(a, Node) for a in node.args)
+    )
+
+
+def _mlp_without_residual(node: Node) -> bool:
+    """A fused MLP called positionally (as fuse_norm_mlp emits it) that adds no residual yet."""
+    if not is_call(node, *_MLP_ARITY) or node.kwargs:
+        return False
+    n = _MLP_ARITY[node.target]
+    return len(node.args) == n or (len(node.args) == n + 1 and node.args[n] is None)
+
+
+def _with_residual(producer: Node, residual: Node) -> tuple[Any, tuple] | None:
+    """(target, args) of the op computing ``residual + producer``, or None if there is none."""
+    if is_call(producer, aten.linear.default):
+        x, w, b = linear_parts(producer)
+        return cllm.fused_linear_residual.default, (x, w, b, residual)
+    if _mlp_without_residual(producer):
+        return producer.target, (*producer.args[: _MLP_ARITY[producer.target]], residual)
+    return None
+
+
+def _fuse(gm: GraphModule, add: Node) -> bool:
+    a, b = add.args
+    for producer, residual in ((a, b), (b, a)):
+        if producer is residual or not single_user(producer) or not same_tensor_type(producer, residual, add):
+            continue
+        call = _with_residual(producer, residual)
+        if call is None:
+            continue
+        with gm.graph.inserting_before(add):
+            fused = gm.graph.call_function(*call)
+        fused.meta["val"] = add.meta["val"]
+        add.replace_all_uses_with(fused)
+        gm.graph.erase_node(add)
+        gm.graph.erase_node(producer)
+        return True
+    return False
+
+
+def run(gm: GraphModule, ctx: PassContext) -> int:
+    count = 0
+    for node in list(gm.graph.nodes):
+        if _plain_add(node) and _fuse(gm, node):
+            count += 1
+    finish(gm)
+    return count
+
+
+PASS = Pass("fuse_residual", run, "residual add into the linear or fused MLP producing one operand")

@@ -1,0 +1,249 @@
+"""The weight-streaming GEMV kernels against their references on the CPU, through the Triton
+interpreter: triton_gemv (o projection + residual), the norm + MLP decode form (gate/up kernel +
+down GEMV), and the one-launch q/k/v decode kernel.
+
+Not collected by itself: tests/test_gemv_interpret.py runs this file in a subprocess with
+TRITON_INTERPRET=1 (see tests/test_kernels_interpret.py for why). Shapes are small, fp32 and
+awkward on purpose: N and K not multiples of the blocks, half-heads that are not powers of two,
+GQA groups of 3, more rows than BLOCK_T, launch configs with tiny blocks so every loop runs
+several steps and every edge tile is partial.
+"""
+
+import os
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_gemv_interpret.py"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from compiled_llm.graph import fused_ops, ops  # noqa: E402
+from compiled_llm.kernels import launch_configs, triton_gemv, triton_norm_mlp, triton_qkv_rope  # noqa: E402
+from kernel_inputs import mlp_gelu_inputs, mlp_glu_inputs, qkv_inputs, rel_err  # noqa: E402
+
+F32 = torch.float32
+TOL = 1e-5
+MAX_TOKENS = launch_configs.DEFAULT_CONFIGS["gemv_dispatch"]["inf"]["MAX_TOKENS"]
+
+# every loop several steps deep and every edge tile partial at the shapes below
+TINY_GEMV = {"BLOCK_T": 2, "BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1}
+TINY_MLP = {"BLOCK_T": 2, "BLOCK_I": 4, "BLOCK_H": 16, "num_warps": 1, "num_stages": 1}
+TINY_QKV = {"BLOCK_T": 2, "BLOCK_P": 4, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1}
+
+
+@pytest.fixture(autouse=True)
+def _default_configs():
+    launch_configs.use_configs(None)
+    yield
+    launch_configs.use_configs(None)
+
+
+def _rand(gen, *shape, scale=1.0):
+    return torch.randn(shape, generator=gen) * scale
+
+
+def _linear_case(T, N, K, bias, seed, lead=()):
+    gen = torch.Generator().manual_seed(seed)
+    x = _rand(gen, *lead, T, K)
+    w = _rand(gen, N, K, scale=K ** -0.5)
+    b = _rand(gen, N, scale=0.5) if bias else None
+    r = _rand(gen, *lead, T, N)
+    return x, w, b, r
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV: linear + residual
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("T", [*range(1, MAX_TOKENS + 1), MAX_TOKENS + 5])
+def test_linear_residual_matches_reference(T, bias):
+    x, w, b, r = _linear_case(T, 37, 50, bias, seed=T)
+    before = [t.clone() for t in (x, w, r)]
+    out = triton_gemv.linear_residual(x, w, b, r)
+    ref = fused_ops.fused_linear_residual_ref(x, w, b, r)
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
+    assert rel_err(out, ref) <= TOL
+    assert all(torch.equal(a, c) for a, c in zip((x, w, r), before))  # inputs untouched
+    assert out.data_ptr() != r.data_ptr()  # a fresh output, never the residual updated in place
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("T", [1, 5])
+def test_gemv_with_tiny_blocks_covers_partial_tiles(T, bias):
+    # 5 rows = 3 row blocks, 37 outputs = 10 row tiles (last has 1 row), 50 columns = 4 chunks
+    launch_configs.use_configs({"gemv": {"inf": TINY_GEMV}})
+    x, w, b, r = _linear_case(T, 37, 50, bias, seed=10 + T)
+    assert rel_err(triton_gemv.gemv(x, w, b, r), r + F.linear(x, w, b)) <= TOL
+    assert rel_err(triton_gemv.gemv(x, w, b), F.linear(x, w, b)) <= TOL
+
+
+def test_gemv_takes_leading_dims_and_strided_rows():
+    gen = torch.Generator().manual_seed(3)
+    wide = _rand(gen, 2, 3, 80)
+    x = wide[..., 5:55]  # rows with a stride wider than the row
+    w, r = _rand(gen, 37, 50), _rand(gen, 2, 3, 37)
+    out = triton_gemv.linear_residual(x, w, None, r)
+    assert out.shape == (2, 3, 37)
+    assert rel_err(out, fused_ops.fused_linear_residual_ref(x, w, None, r)) <= TOL
+    w_t = _rand(gen, 50, 37).t()  # a weight whose rows are not contiguous
+    assert rel_err(triton_gemv.gemv(x, w_t), F.linear(x, w_t)) <= TOL
+
+
+def test_gemv_of_no_rows_is_empty():
+    x, w, b, r = _linear_case(0, 37, 50, True, seed=4)
+    assert triton_gemv.linear_residual(x, w, b, r).shape == (0, 37)
+
+
+def test_linear_residual_switches_to_cublas_above_max_tokens():
+    assert triton_gemv.use_gemv(MAX_TOKENS) and not triton_gemv.use_gemv(MAX_TOKENS + 1)
+    launch_configs.use_configs({"gemv_dispatch": {"inf": {"MAX_TOKENS": 2}}})
+    assert triton_gemv.use_gemv(2) and not triton_gemv.use_gemv(3)
+
+
+def test_warps_lie_along_k_in_whole_vectors():
+    # bf16: 8 elements a 16-byte vector, so 1024 columns hold 128 vectors = 4 warps
+    assert triton_gemv.warps_along_k(1024, 2, 8) == 4
+    assert triton_gemv.warps_along_k(1024, 4, 8) == 8  # fp32: 4 elements a vector
+    assert triton_gemv.warps_along_k(4096, 2, 8) == 8  # capped by the config
+    assert triton_gemv.warps_along_k(64, 2, 4) == 1  # never fewer than one
+    assert triton_gemv.warps_along_k(1536, 2, 8) == 4  # a power of two
+
+
+def test_tile_config_caps_blocks_at_the_problem_size():
+    cfg = {"BLOCK_T": 8, "BLOCK_N": 16, "BLOCK_K": 4096, "num_warps": 8}
+    tile = triton_gemv.tile_config(cfg, T=3, rows=5, K=50, itemsize=2)
+    assert tile == {"BLOCK_T": 4, "BLOCK_ROWS": 8, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1}
+    # a hand-written table with values that are not powers of two still launches
+    odd = {"BLOCK_T": 3, "BLOCK_N": 3, "BLOCK_K": 1000, "num_warps": 3, "num_stages": 2}
+    tile = triton_gemv.tile_config(odd, T=3, rows=100, K=4096, itemsize=2)
+    assert tile == {"BLOCK_T": 4, "BLOCK_ROWS": 4, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# norm + MLP: decode form (two GEMV launches) and prefill form, with and without residual
+# ---------------------------------------------------------------------------------------------
+
+
+def _residual(T, H, seed):
+    return torch.randn((T, H), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("form,T", [("decode", 1), ("decode", 3), ("decode", 7), ("prefill", 2), ("prefill", 9)])
+def test_rms_norm_glu_mlp_matches_reference(form, T, with_residual):
+    args = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=20 + T)
+    r = _residual(T, 40, T) if with_residual else None
+    out = triton_norm_mlp.fused_rms_norm_glu_mlp(*args, residual=r, form=form)
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, residual=r)) <= TOL
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("form,T", [("decode", 1), ("decode", 3), ("decode", 7), ("prefill", 2), ("prefill", 9)])
+def test_layer_norm_gelu_mlp_matches_reference(form, T, with_residual):
+    args = mlp_gelu_inputs(T, 48, 72, F32, "cpu", seed=30 + T)
+    r = _residual(T, 48, T) if with_residual else None
+    before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+    out = triton_norm_mlp.fused_layer_norm_gelu_mlp(*args, residual=r, form=form)
+    assert all(torch.equal(a, b) for a, b in zip([a for a in args if isinstance(a, torch.Tensor)], before))
+    assert rel_err(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args, residual=r)) <= TOL
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_norm_mlp_decode_with_tiny_blocks(gelu):
+    # 5 rows in blocks of 2, 56/72 intermediate rows in blocks of 4, H in chunks of 16 (last partial)
+    launch_configs.use_configs({"norm_mlp_decode": {"inf": TINY_MLP}, "norm_mlp_down": {"inf": TINY_GEMV}})
+    T = 5
+    if gelu:
+        args = mlp_gelu_inputs(T, 40, 72, F32, "cpu", seed=40)
+        fn, ref_fn = triton_norm_mlp.fused_layer_norm_gelu_mlp, fused_ops.fused_layer_norm_gelu_mlp_ref
+    else:
+        args = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=41)
+        fn, ref_fn = triton_norm_mlp.fused_rms_norm_glu_mlp, fused_ops.fused_rms_norm_glu_mlp_ref
+    r = _residual(T, 40, 42)
+    assert rel_err(fn(*args, residual=r, form="decode"), ref_fn(*args, residual=r)) <= TOL
+
+
+def test_norm_mlp_decode_activation_is_silu_gate_times_up():
+    x, nw, eps, gate_up, _ = mlp_glu_inputs(3, 40, 56, F32, "cpu", seed=43)
+    act = triton_norm_mlp.decode_activation(x, nw, None, eps, gate_up, None, True, True)
+    gate, up = F.linear(ops.rms_norm_ref(x, nw, eps), gate_up).chunk(2, -1)
+    assert act.shape == (3, 56) and rel_err(act, F.silu(gate) * up) <= TOL
+
+
+def test_norm_mlp_takes_leading_dims():
+    x, *rest = mlp_glu_inputs(6, 40, 56, F32, "cpu", seed=44)
+    x3, r3 = x.view(2, 3, 40), _residual(6, 40, 45).view(2, 3, 40)
+    out = triton_norm_mlp.fused_rms_norm_glu_mlp(x3, *rest, residual=r3, form="decode")
+    assert out.shape == (2, 3, 40)
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(x3, *rest, residual=r3)) <= TOL
+
+
+def test_norm_mlp_form_follows_launch_config():
+    limit = launch_configs.DEFAULT_CONFIGS["norm_mlp_dispatch"]["inf"]["MAX_DECODE_TOKENS"]
+    assert triton_norm_mlp.use_decode_form(limit) and not triton_norm_mlp.use_decode_form(limit + 1)
+    with pytest.raises(ValueError):
+        triton_norm_mlp.fused_rms_norm_glu_mlp(*mlp_glu_inputs(1, 40, 56, F32, "cpu", 0), form="fast")
+
+
+# ---------------------------------------------------------------------------------------------
+# q/k/v: one decode launch from x (optionally RMS-normalised) to q, k, v
+# ---------------------------------------------------------------------------------------------
+
+POSITIONS = [7, 0, 63, 5, 33, 1, 40]  # out of order, odd, the table's first and last row
+
+# (bias, q/k norm, rope, head_dim): Qwen2 (bias, rope), Qwen3 (q/k norm), half-heads of 12 that
+# are not a power of two, no rope
+QKV_KINDS = [(True, False, True, 24), (False, True, True, 32), (False, True, False, 16),
+             (True, False, False, 24), (False, False, True, 24)]
+
+
+def _qkv_args(T, bias, qk_norm, rope, head_dim, seed):
+    args = list(qkv_inputs(T, 40, 6, 2, head_dim, F32, "cpu", seed=seed, bias=bias, qk_norm=qk_norm, rope=rope,
+                           max_pos=64))
+    args[5] = torch.tensor(POSITIONS[:T])
+    norm_weight = torch.randn(40, generator=torch.Generator().manual_seed(seed)) * 0.1 + 1.0
+    return args, norm_weight
+
+
+def _check_qkv(out, ref):
+    assert len(out) == 3
+    for o, r in zip(out, ref):
+        assert o.shape == r.shape and o.is_contiguous()
+        assert rel_err(o, r) <= TOL, rel_err(o, r)
+    assert len({o.data_ptr() for o in out}) == 3  # fresh outputs that never alias
+
+
+@pytest.mark.parametrize("input_norm", [False, True])
+@pytest.mark.parametrize("bias,qk_norm,rope,head_dim", QKV_KINDS)
+@pytest.mark.parametrize("form,T", [("decode", 1), ("decode", 3), ("prefill", 5)])
+def test_qkv_rope_matches_reference(form, T, bias, qk_norm, rope, head_dim, input_norm):
+    args, nw = _qkv_args(T, bias, qk_norm, rope, head_dim, seed=50 + T)
+    nw = nw if input_norm else None
+    out = triton_qkv_rope.fused_qkv_rope(*args, norm_weight=nw, norm_eps=1e-5, form=form)
+    _check_qkv(out, fused_ops.fused_qkv_rope_ref(*args, nw, 1e-5))
+
+
+@pytest.mark.parametrize("bias,qk_norm,rope,head_dim", QKV_KINDS)
+def test_qkv_decode_with_tiny_blocks(bias, qk_norm, rope, head_dim):
+    # 7 rows in blocks of 2; 4 pairs a program (a head split in 3-4 programs, or walked in 3-4
+    # steps with q/k norm); K = 40 in chunks of 16
+    launch_configs.use_configs({"qkv_decode": {"inf": TINY_QKV}})
+    args, nw = _qkv_args(7, bias, qk_norm, rope, head_dim, seed=60)
+    out = triton_qkv_rope.fused_qkv_rope(*args, norm_weight=nw, norm_eps=1e-5, form="decode")
+    _check_qkv(out, fused_ops.fused_qkv_rope_ref(*args, nw, 1e-5))
+
+
+def test_qkv_positional_call_keeps_the_old_meaning():
+    args, _ = _qkv_args(2, True, False, True, 24, seed=61)
+    _check_qkv(triton_qkv_rope.fused_qkv_rope(*args), fused_ops.fused_qkv_rope_ref(*args))
+
+
+def test_qkv_form_follows_launch_config():
+    limit = launch_configs.DEFAULT_CONFIGS["qkv_dispatch"]["inf"]["MAX_TOKENS"]
+    assert triton_qkv_rope.use_decode_form(limit) and not triton_qkv_rope.use_decode_form(limit + 1)
+    launch_configs.use_configs({"qkv_dispatch": {"inf": {"MAX_TOKENS": 1}}})
+    assert not triton_qkv_rope.use_decode_form(2)
+    assert triton_qkv_rope.supports_shape(64, True, True) and not triton_qkv_rope.supports_shape(64, True, False)
+    assert not triton_qkv_rope.supports_shape(63, False, False)

@@ -1,0 +1,144 @@
+"""The paged attention kernels: what they compute (Triton interpreter, CPU, fp32) and that they
+compile for Hopper.
+
+The cases live in attention_interpret_cases.py and run in a child pytest with
+TRITON_INTERPRET=1: Triton decides at decoration time whether a kernel is interpreted, so the
+variable has to be set before compiled_llm.kernels is imported, and setting it in this process
+would turn every later test file's (and the GPU tests') kernels into interpreted ones.
+
+The interpreter runs programs one after another, so it cannot show races between programs; the
+compile test checks the memory-ordering instructions the fused decode reduce relies on instead,
+and tests/test_attention_gpu.py runs the kernels concurrently.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+CASES = Path(__file__).with_name("attention_interpret_cases.py")
+
+
+def test_attention_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", str(CASES)],
+        cwd=CASES.parent.parent, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= 30, proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# compile for sm_90 with the specialisations a real launch gets
+# ---------------------------------------------------------------------------------------------
+
+MAX_SHARED = 227 * 1024  # H100/H200 per-block limit
+UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_c_d", "stride_bt_b", "stride_od")
+INDEX_PTRS = {"slot_ptr": "*i64", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
+              "counter_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"}
+
+
+def _compile(kernel, consts, dtype, num_warps, num_stages):
+    """triton.compile for sm_90 as a launch would specialise it: unit strides constant, other
+    strides and pointers 16-divisible (without those hints loads are not vectorised and not
+    pipelined, and the PTX would not be what runs)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = dict(consts, **{n: 1 for n in UNIT_STRIDES if n in kernel.arg_names})
+    sig = {}
+    for n in kernel.arg_names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            sig[n] = INDEX_PTRS.get(n, f"*{dtype}")
+        else:
+            sig[n] = "fp32" if n == "qk_scale" else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if sig[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride_"))}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _stack_bytes(compiled) -> int | None:
+    """Per-thread stack frame of the cubin (> 0: registers spilled), or None without cuobjdump."""
+    import shutil
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if tool is None or "cubin" not in compiled.asm:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+    found = re.search(r"STACK:(\d+)", res.stdout)
+    return int(found.group(1)) if found else None
+
+
+def _decode_variants():
+    from compiled_llm.kernels import triton_paged_attention as pa
+
+    for group, head_dim in ((7, 64), (4, 64), (2, 128), (1, 64)):
+        for reduce, store in ((pa.DIRECT, True), (pa.PARTIALS, True), (pa.PARTIALS, False), (pa.FUSED, True)):
+            yield f"decode G{group} D{head_dim} reduce={reduce} store={store}", dict(
+                GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, NUM_SPLITS=1 if reduce == pa.DIRECT else 32,
+                STORE_KV=store, REDUCE=reduce, BLOCK_H=16, BLOCK_N=64, BLOCK_D=head_dim,
+                BLOCK_G=triton.next_power_of_2(group), BLOCK_P=16, IEEE=False)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="kernels are interpreted in this process")
+def test_attention_kernels_compile_for_sm90_with_default_configs():
+    pytest.importorskip("triton.compiler")
+    from compiled_llm.kernels import launch_configs
+    from compiled_llm.kernels import triton_paged_attention as pa
+
+    failures = []
+    for label, consts in _decode_variants():
+        cfg = launch_configs.DEFAULT_CONFIGS["paged_attention_decode"]["1"]
+        try:
+            c = _compile(pa._decode_kernel, consts, "bf16", cfg["num_warps"], cfg["num_stages"])
+        except Exception as e:
+            failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        ptx = c.asm["ptx"]
+        if c.metadata.shared > MAX_SHARED:
+            failures.append(f"{label}: {c.metadata.shared} bytes of shared memory")
+        if _stack_bytes(c):
+            failures.append(f"{label}: registers spill ({_stack_bytes(c)} bytes of stack)")
+        if consts["REDUCE"] == pa.FUSED:
+            # the ticket publishes this CTA's partials and acquires the others' (gpu scope);
+            # the winner reads them from L2, past a possibly stale L1
+            if not re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx):
+                failures.append(f"{label}: no acq_rel gpu-scope atomic add")
+            if "ld.global.cg" not in ptx:
+                failures.append(f"{label}: partials not read with .cg")
+        elif "atom." in ptx:
+            failures.append(f"{label}: an atomic outside the fused reduce")
+    for bucket, cfg in launch_configs.DEFAULT_CONFIGS["paged_attention_prefill"].items():
+        for heads, kv_heads, head_dim in ((14, 2, 64), (32, 8, 64), (16, 8, 128)):
+            block_m, tokens = pa.prefill_tile(heads, kv_heads, cfg["BLOCK_M"])
+            consts = dict(GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=16, TOKENS=tokens, BLOCK_M=block_m,
+                          BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_dim, IEEE=False)
+            label = f"prefill[{bucket}] {heads}/{kv_heads} D{head_dim}"
+            try:
+                c = _compile(pa._prefill_kernel, consts, "bf16", cfg["num_warps"], cfg["num_stages"])
+            except Exception as e:
+                failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            if c.metadata.shared > MAX_SHARED:
+                failures.append(f"{label}: {c.metadata.shared} bytes of shared memory")
+            if _stack_bytes(c):
+                failures.append(f"{label}: registers spill ({_stack_bytes(c)} bytes of stack)")
+            if cfg["num_stages"] > 1 and "cp.async" not in c.asm["ptx"]:
+                failures.append(f"{label}: K/V loads not pipelined (no cp.async)")
+    assert not failures, "\n".join(failures)
