@@ -5,6 +5,12 @@
 #   bash benchmarks/gpu_suite.sh kernels  # kernel microbenchmarks
 #   bash benchmarks/gpu_suite.sh build    # Inductor build, reload without recompiling, compare
 #   bash benchmarks/gpu_suite.sh bench    # PERF.md workloads, compiled_llm vs HF transformers
+#   bash benchmarks/gpu_suite.sh kernel-tests  # GPU tests of the kernels only (fast)
+#   bash benchmarks/gpu_suite.sh runtime-tests # GPU tests of the runtime (builds Qwen2.5 shapes)
+#   bash benchmarks/gpu_suite.sh profile  # decode graph time vs step wall, per-kernel times
+#   bash benchmarks/gpu_suite.sh sweep    # GEMV launch-config sweep (JSON for launch_configs.py)
+#   bash benchmarks/gpu_suite.sh attn     # attention kernels vs the old path and SDPA
+#   bash benchmarks/gpu_suite.sh agree    # fused kernels + graphs vs eager spec, 16 x 64 bf16
 # Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +27,15 @@ for phase in "$@"; do
     tests)
       python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests 2>&1 | tee "$LOG/gpu_tests.log" | tail -40 ;;
     kernels) python3 benchmarks/microbench_kernels.py 2>&1 | tee "$LOG/microbench.log" ;;
+    kernel-tests)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/test_kernels_gpu.py tests/test_attention_gpu.py 2>&1 \
+        | tee "$LOG/kernel_tests.log" | tail -25 ;;
+    runtime-tests)
+      timeout 400 python3 -m pytest -q -s -p no:cacheprovider -rfE tests/test_runtime_gpu.py 2>&1 | tee "$LOG/runtime_tests.log" | tail -30 ;;
+    profile) timeout 200 python3 benchmarks/profile_steps.py ${PROFILE_ARGS:-} 2>&1 | grep -v Warning | tee "$LOG/profile.log" | tail -80 ;;
+    sweep) timeout 240 python3 benchmarks/sweep_gemv.py 2>&1 | tee "$LOG/sweep.log" | tail -60 ;;
+    attn) timeout 120 python3 benchmarks/bench_attention.py 2>&1 | tee "$LOG/attn.log" | tail -40 ;;
+    agree) timeout 300 python3 benchmarks/agreement_check.py ${AGREE_ARGS:-} 2>&1 | tee "$LOG/agree.log" | tail -5 ;;
     build) python3 benchmarks/gpu_build_check.py ${BUILD_ARGS:-} 2>&1 | tee "$LOG/build_check.log" | tail -30 ;;
     bench) python3 benchmarks/bench_all.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench.log" | tail -40 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
