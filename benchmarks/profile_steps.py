@@ -63,11 +63,11 @@ def main(argv=None) -> int:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for b in [b for b in (1, 2, 4, 8, 32, 64, 128, 256) if b in runner.graphs.graphs]:
         for _ in range(5):
-            runner.graphs.replay(b)
+            runner.graphs.replay(b, b)
         torch.cuda.synchronize()
         start.record()
         for _ in range(50):
-            runner.graphs.replay(b)
+            runner.graphs.replay(b, b)
         end.record()
         torch.cuda.synchronize()
         print(f"  graph bucket {b:4d}: {start.elapsed_time(end) / 50:.3f} ms device per replay")
