@@ -69,10 +69,12 @@ def fresh_configs():
 
 def test_launch_config_buckets_pick_the_smallest_bucket_holding_T(fresh_configs):
     table = launch_configs.DEFAULT_CONFIGS["norm_mlp_decode"]
+    assert set(table) == {"1", "2", "4", "8", "inf"}
     assert launch_configs.get("norm_mlp_decode", 1) == table["1"]
-    assert launch_configs.get("norm_mlp_decode", 2) == table["16"]
-    assert launch_configs.get("norm_mlp_decode", 16) == table["16"]
-    assert launch_configs.get("norm_mlp_decode", 17) == table["inf"]
+    assert launch_configs.get("norm_mlp_decode", 3) == table["4"]
+    assert launch_configs.get("norm_mlp_decode", 4) == table["4"]
+    assert launch_configs.get("norm_mlp_decode", 5) == table["8"]
+    assert launch_configs.get("norm_mlp_decode", 9) == table["inf"]
 
 
 def test_launch_configs_round_trip_through_json_and_override(fresh_configs):

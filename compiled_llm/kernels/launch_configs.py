@@ -42,12 +42,11 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     # varlen causal prefill over the paged cache. BLOCK_M: rows of the q tile, which stacks the
     # GQA group's heads (BLOCK_M // group query tokens per program; each K/V tile is loaded once
-    # per program, so L2 -> SM traffic scales with 1 / BLOCK_M). 128 rows (two warpgroups) from
-    # 256 tokens: Qwen2.5-0.5B at T = 1024 runs 57 x 2 programs of 18 tokens x 7 heads; shorter
-    # steps keep 64 rows for more programs. benchmarks/bench_attention.py sweeps alternatives.
+    # per program, so L2 -> SM traffic scales with 1 / BLOCK_M). 64 rows: on an H200 at
+    # Qwen2.5-0.5B heads and T = 1,024 it ran in 19.7 us against 22.3 us for 128 rows (SDPA:
+    # 14.3 us); benchmarks/bench_attention.py sweeps alternatives.
     "paged_attention_prefill": {
-        "256": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-        "inf": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        "inf": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     },
     # Weight-streaming GEMV kernels (triton_gemv), one table per call site because the shapes
     # differ (o projection K = H; down K = I; gate/up and q/k/v fused with a norm). BLOCK_T rows of
@@ -56,13 +55,15 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # the problem's N sets the bytes in flight. num_warps is a cap: the wrappers lay warps along K
     # only (warps_along_k). num_stages does not change the generated code of these loops today
     # (no tl.dot to pipeline for); it stays a knob for Triton versions that pipeline plain loads.
-    # Defaults are first guesses for H100/H200 at Qwen2.5-0.5B / Llama-3.2-1B shapes; tune them
-    # with benchmarks/sweep_gemv.py.
+    # Values: the best of benchmarks/sweep_gemv.py on an H200 (2026-11-22) over the Qwen2.5-0.5B
+    # and Llama-3.2-1B shapes, as were the dispatch limits below (the token counts up to which
+    # the GEMV forms beat cuBLAS).
     "gemv": {
         "1": {"BLOCK_T": 1, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
-        "4": {"BLOCK_T": 4, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
-        "inf": {"BLOCK_T": 8, "BLOCK_N": 1, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
+        "8": {"BLOCK_T": 8, "BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
+        "inf": {"BLOCK_T": 8, "BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
     },
     # rows of x up to which fused_linear_residual streams W with the GEMV (cuBLAS above)
     "gemv_dispatch": {
@@ -71,34 +72,38 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # fused norm + MLP decode form, first kernel: norm + gate/up (or fc) + activation, a program
     # per BLOCK_I intermediate rows (gate rows and the matching up rows)
     "norm_mlp_decode": {
-        "1": {"BLOCK_T": 1, "BLOCK_I": 2, "BLOCK_H": 1024, "num_warps": 4, "num_stages": 1},
-        "16": {"BLOCK_T": 4, "BLOCK_I": 1, "BLOCK_H": 1024, "num_warps": 4, "num_stages": 1},
-        "inf": {"BLOCK_T": 4, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
+        "1": {"BLOCK_T": 1, "BLOCK_I": 4, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
+        "2": {"BLOCK_T": 2, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_I": 2, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
+        "8": {"BLOCK_T": 8, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
+        "inf": {"BLOCK_T": 8, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
     },
     # ... and its second kernel: the down (or proj) GEMV with the residual epilogue (tall K)
     "norm_mlp_down": {
         "1": {"BLOCK_T": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 1},
-        "2": {"BLOCK_T": 2, "BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 1},
-        "4": {"BLOCK_T": 4, "BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 1},
+        "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "8": {"BLOCK_T": 8, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
         "inf": {"BLOCK_T": 8, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
     },
     # above this many tokens the MLP uses the prefill form (Triton norm + cuBLAS + Triton
     # activation + cuBLAS) instead of the two GEMV kernels
     "norm_mlp_dispatch": {
-        "inf": {"MAX_DECODE_TOKENS": 4},
+        "inf": {"MAX_DECODE_TOKENS": 1},
     },
     # fused (input RMSNorm +) q/k/v projection + q/k norm + RoPE, decode form: a program per
     # BLOCK_P rotation pairs (rows i and i + D/2) of one head; with q/k norm a program owns a whole
     # head and walks it BLOCK_P pairs at a time
     "qkv_decode": {
-        "1": {"BLOCK_T": 1, "BLOCK_P": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
-        "2": {"BLOCK_T": 2, "BLOCK_P": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
-        "4": {"BLOCK_T": 4, "BLOCK_P": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
-        "inf": {"BLOCK_T": 4, "BLOCK_P": 1, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
+        "1": {"BLOCK_T": 1, "BLOCK_P": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "2": {"BLOCK_T": 2, "BLOCK_P": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_P": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
+        "8": {"BLOCK_T": 8, "BLOCK_P": 1, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
+        "inf": {"BLOCK_T": 8, "BLOCK_P": 1, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
     },
     # rows up to which fused_qkv_rope uses the decode kernel (cuBLAS + epilogue above)
     "qkv_dispatch": {
-        "inf": {"MAX_TOKENS": 4},
+        "inf": {"MAX_TOKENS": 2},
     },
     # elementwise/row kernels: one program per row; warps scale with the row length in the
     # wrappers, these are caps
