@@ -72,6 +72,32 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         print(f"  graph bucket {b:4d}: {start.elapsed_time(end) / 50:.3f} ms device per replay")
 
+    # 1b. the same graphs captured without programmatic dependent launch (A/B in one run)
+    from compiled_llm.kernels import triton_common
+    from compiled_llm.serve.cuda_graphs import StepGraphs
+
+    def replay_ms(b: int) -> float:
+        for _ in range(5):
+            runner.graphs.replay(b, b)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(50):
+            runner.graphs.replay(b, b)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 50
+
+    with_pdl = {b: replay_ms(b) for b in (1, 64) if b in runner.graphs.graphs}
+    triton_common.PDL_ENABLED = False
+    runner.graphs = StepGraphs()
+    runner.graphs.buckets = runner.decode_buckets
+    runner.capture_decode_graphs()
+    without = {b: replay_ms(b) for b in with_pdl}
+    triton_common.PDL_ENABLED = True
+    for b in with_pdl:
+        print(f"  graph bucket {b:4d}: {with_pdl[b]:.3f} ms with PDL, {without[b]:.3f} ms without "
+              f"({without[b] / with_pdl[b]:.2f}x)")
+
     # 2. host side of one step without the device: schedule + fill + copy, timed on the host
     t = time.perf_counter()
     n = 0

@@ -97,19 +97,20 @@ def _kernels_at_default_configs(dt):
             tile = tg.tile_config(launch_configs.get(table, T), T, H, K, itemsize)
             yield f"{table} T={T}", tg._gemv_kernel, tile["num_warps"], dict(
                 HAS_BIAS=True, HAS_RESIDUAL=True, BLOCK_T=tile["BLOCK_T"], BLOCK_N=tile["BLOCK_ROWS"],
-                BLOCK_K=tile["BLOCK_K"])
+                BLOCK_K=tile["BLOCK_K"], PDL=True)
         tile = tg.tile_config(launch_configs.get("norm_mlp_decode", T), T, I, H, itemsize,
                               rows_key="BLOCK_I", k_key="BLOCK_H")
         for glu in (True, False):
             yield f"norm_mlp_decode glu={glu} T={T}", tm._norm_mlp_decode_kernel, tile["num_warps"], dict(
-                IS_RMS=glu, IS_GLU=glu, BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"])
+                IS_RMS=glu, IS_GLU=glu, BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"],
+                PDL=True)
         tile = tg.tile_config(launch_configs.get("qkv_decode", T), T, D // 2, H, itemsize, rows_key="BLOCK_P")
         for qk_norm in (False, True):
             yield f"qkv_decode qk_norm={qk_norm} T={T}", tq._qkv_decode_kernel, tile["num_warps"], dict(
                 NUM_HEADS=QWEN["Hq"], NUM_KV_HEADS=QWEN["Hkv"], HEAD_DIM=D, HALF=D // 2,
                 SPLITS=1 if qk_norm else D // 2 // tile["BLOCK_ROWS"], BLOCK_T=tile["BLOCK_T"],
                 BLOCK_P=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"], BLOCK_HALF=D // 2,
-                HAS_BIAS=True, HAS_INPUT_NORM=True, HAS_QK_NORM=qk_norm, HAS_ROPE=True)
+                HAS_BIAS=True, HAS_INPUT_NORM=True, HAS_QK_NORM=qk_norm, HAS_ROPE=True, PDL=True)
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp32"])

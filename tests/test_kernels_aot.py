@@ -58,7 +58,7 @@ def _cases(dt):
                                "stride_ml_s", "stride_ml_h"),
             }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, NUM_SPLITS=1 if reduce == 0 else 16,
                     STORE_KV=store, REDUCE=reduce, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=head_dim,
-                    BLOCK_G=triton.next_power_of_2(group), BLOCK_P=16, IEEE=ieee)
+                    BLOCK_G=triton.next_power_of_2(group), BLOCK_P=16, IEEE=ieee, PDL=reduce == 2)
         tokens = 64 // group
         yield f"prefill D{head_dim}", pa._prefill_kernel, 4, {
             **ptr("q_ptr", "cache_ptr", "out_ptr"), **idx, **cache_strides,
@@ -79,7 +79,7 @@ def _cases(dt):
         yield f"norm_mlp_decode rms={rms}", tm._norm_mlp_decode_kernel, 4, {
             **ptr("x_ptr", "nw_ptr", "nb_ptr", "w1_ptr", "b1_ptr", "act_ptr"), "eps": 1.0,
             **_stride_args("T", "H", "I", "stride_x", "stride_w1", "stride_a"),
-        }, dict(IS_RMS=rms, IS_GLU=rms, BLOCK_T=4, BLOCK_I=2, BLOCK_H=1024)
+        }, dict(IS_RMS=rms, IS_GLU=rms, BLOCK_T=4, BLOCK_I=2, BLOCK_H=1024, PDL=rms)
         yield f"act glu={rms}", tm._act_kernel, 4, {
             **ptr("in_ptr", "out_ptr"), **_stride_args("I", "stride_in", "stride_out"),
         }, dict(IS_GLU=rms, BLOCK=1024)

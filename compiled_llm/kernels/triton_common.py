@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -44,3 +45,63 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# ---------------------------------------------------------------------------------------------
+# programmatic dependent launch (Hopper+): a decode kernel is launched while its predecessor
+# still runs, streams the weights it does not need the predecessor for, and waits (griddepcontrol
+# .wait) only before it reads activations or writes anything. Within a decode CUDA graph that
+# hides most of each kernel boundary's launch gap and ramp-up.
+# ---------------------------------------------------------------------------------------------
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
+except ImportError:  # a Triton without grid dependency control
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+PDL_ENABLED = os.environ.get("CLLM_PDL", "1") != "0"  # process-wide switch (A/B measurements)
+
+
+@triton.jit
+def pdl_open(PDL: tl.constexpr):
+    """Let the next kernel in the stream launch now (it waits on its own before reading our
+    output). Safe first thing in a kernel: it only schedules, it orders nothing."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Block until the previous kernel in the stream has finished and its writes are visible.
+    Every read of a predecessor's output and every store must come after this."""
+    if PDL:
+        gdc_wait()
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Launch with programmatic dependent launch: a Hopper-or-newer GPU running compiled Triton
+    (not the interpreter) with grid dependency control, unless CLLM_PDL=0."""
+    if not (PDL_ENABLED and _HAS_GDC and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+def pdl_launch(on: bool) -> dict:
+    """Launch keyword for a kernel launched with PDL (nothing otherwise)."""
+    return {"launch_pdl": True} if on else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)

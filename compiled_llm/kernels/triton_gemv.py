@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
-from compiled_llm.kernels.triton_common import next_pow2
+from compiled_llm.kernels.triton_common import next_pow2, pdl_launch, pdl_open, pdl_wait, use_pdl
 
 VECTOR_BYTES = 16  # one 128-bit load per thread and step along K
 
@@ -148,8 +148,9 @@ def _gemv_kernel(
     T, N, K,
     stride_x, stride_w, stride_r, stride_o,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_open(PDL)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_t = offs_t < T
@@ -157,8 +158,15 @@ def _gemv_kernel(
     x_rows = x_ptr + offs_t.to(tl.int64)[:, None, None] * stride_x
     w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_w
 
-    acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first weight tile needs nothing from the previous kernel: stream it while that kernel
+    # finishes (PDL), then wait before touching x
+    offs_k = tl.arange(0, BLOCK_K)[None, None, :]
+    mask_k = offs_k < K
+    w_first = weight_tile(w_rows, offs_k, mask_n[None, :, None] & mask_k)
+    pdl_wait(PDL)
+    xk = tl.load(x_rows + offs_k, mask=mask_t[:, None, None] & mask_k, other=0.0).to(tl.float32)
+    acc = xk * w_first
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
         mask_k = offs_k < K
         xk = tl.load(x_rows + offs_k, mask=mask_t[:, None, None] & mask_k, other=0.0).to(tl.float32)
@@ -192,13 +200,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     o2 = out.view(T, N)
     tile = tile_config(launch_configs.get(config, T), T, N, K, x.element_size())
     grid = (triton.cdiv(N, tile["BLOCK_ROWS"]), triton.cdiv(T, tile["BLOCK_T"]))
+    pdl = use_pdl(x)
     _gemv_kernel[grid](
         x2, w, bias if bias is not None else w, r2, o2,
         T, N, K,
         x2.stride(0), w.stride(0), r2.stride(0), o2.stride(0),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_T=tile["BLOCK_T"], BLOCK_N=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"],
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        BLOCK_T=tile["BLOCK_T"], BLOCK_N=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"], PDL=pdl,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
     )
     return out
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
+from compiled_llm.kernels.triton_common import pdl_launch, pdl_open, pdl_wait, use_pdl
 from compiled_llm.kernels.triton_common import next_pow2
 from compiled_llm.kernels.triton_gemv import dense_linear, gemv, input_chunk, norm_stats, tile_config, weight_tile
 from compiled_llm.kernels.triton_norm import layer_norm as tr_layer_norm
@@ -51,10 +52,11 @@ def _norm_mlp_decode_kernel(
     T, H, I, eps,
     stride_x, stride_w1, stride_a,
     IS_RMS: tl.constexpr, IS_GLU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """act[t, i] for BLOCK_T rows t and BLOCK_I intermediate rows i: norm(x) against gate row i
     and up row i + I of w1 = [gate; up] (GLU), or against fc row i (GELU), streamed along H."""
+    pdl_open(PDL)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_t = offs_t < T
@@ -65,12 +67,25 @@ def _norm_mlp_decode_kernel(
     w1_rows = w1_ptr + offs_i.to(tl.int64)[None, :, None] * stride_w1
     w3_rows = w1_ptr + (offs_i + I).to(tl.int64)[None, :, None] * stride_w1
 
+    # the first weight tiles need nothing from the previous kernel: stream them while it
+    # finishes (PDL), then wait before touching x
+    offs_h = tl.arange(0, BLOCK_H)[None, None, :]
+    mask_h = offs_h < H
+    w1_first = weight_tile(w1_rows, offs_h, mask_i3 & mask_h)
+    w3_first = w1_first
+    if IS_GLU:
+        w3_first = weight_tile(w3_rows, offs_h, mask_i3 & mask_h)
+    pdl_wait(PDL)
+
     # x is a few rows, kept cached (the weight loads are evict-first): every program recomputes
     # their statistics rather than wait for another
     mean, rstd = norm_stats(x_rows, mask_t3, H, eps, BLOCK_T, BLOCK_H, IS_RMS)
-    acc1 = tl.zeros([BLOCK_T, BLOCK_I, BLOCK_H], tl.float32)
+    n = input_chunk(x_rows, mask_t3, offs_h, mask_h, nw_ptr, nb_ptr, mean, rstd, True, IS_RMS)
+    acc1 = n * w1_first
     acc3 = tl.zeros([BLOCK_T, BLOCK_I, BLOCK_H], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    if IS_GLU:
+        acc3 = n * w3_first
+    for h0 in range(BLOCK_H, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)[None, None, :]
         mask_h = offs_h < H
         n = input_chunk(x_rows, mask_t3, offs_h, mask_h, nw_ptr, nb_ptr, mean, rstd, True, IS_RMS)
@@ -151,14 +166,15 @@ def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bo
     tile = tile_config(launch_configs.get("norm_mlp_decode", T), T, inter, H, x2.element_size(),
                        rows_key="BLOCK_I", k_key="BLOCK_H")
     grid = (triton.cdiv(inter, tile["BLOCK_ROWS"]), triton.cdiv(T, tile["BLOCK_T"]))
+    pdl = use_pdl(x2)
     _norm_mlp_decode_kernel[grid](
         x2, norm_weight, norm_bias if norm_bias is not None else norm_weight,
         w1, b1 if b1 is not None else norm_weight, act,
         T, H, inter, eps,
         x2.stride(0), w1.stride(0), act.stride(0),
         IS_RMS=is_rms, IS_GLU=is_glu,
-        BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"],
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"], PDL=pdl,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
     )
     return act
 

@@ -57,7 +57,9 @@ import triton
 import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
-from compiled_llm.kernels.triton_common import dot, is_fp32, next_pow2, sm_count
+from compiled_llm.kernels.triton_common import (
+    dot, is_fp32, next_pow2, pdl_launch, pdl_open, pdl_wait, sm_count, use_pdl,
+)
 from compiled_llm.kernels.triton_kv_store import kv_store, store_slot
 
 LOG2E = 1.4426950408889634
@@ -164,8 +166,12 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     STORE_KV: tl.constexpr, REDUCE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    # PDL: launched while the previous kernel (q/k/v) runs; everything below reads its output,
+    # reads the step's inputs or writes
+    pdl_open(PDL)
+    pdl_wait(PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -486,6 +492,7 @@ def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq
     counters = split_counters(q.device, T * num_kv_heads) if reduce == FUSED else seq_lens
     block_d = max(16, next_pow2(head_dim))
     block_g = next_pow2(group)
+    pdl = use_pdl(q) and plan["LAUNCHES"] == 1
     _decode_kernel[(T, num_kv_heads, splits)](
         q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
         out, mid_o, mid_lse, counters,
@@ -496,7 +503,7 @@ def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq
         STORE_KV=plan["LAUNCHES"] < 3, REDUCE=reduce,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_N=plan["BLOCK_N"], BLOCK_D=block_d,
         BLOCK_G=block_g, BLOCK_P=min(next_pow2(splits), next_pow2(plan.get("COMBINE_SPLITS", 16))),
-        IEEE=is_fp32(q), num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+        IEEE=is_fp32(q), PDL=pdl, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_launch(pdl),
     )
     if reduce == PARTIALS:
         rcfg = launch_configs.get("paged_attention_reduce", T)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
-from compiled_llm.kernels.triton_common import next_pow2
+from compiled_llm.kernels.triton_common import next_pow2, pdl_launch, pdl_open, pdl_wait, use_pdl
 from compiled_llm.kernels.triton_gemv import input_chunk, norm_stats, tile_config, weight_tile
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
 
@@ -71,7 +71,11 @@ def _qkv_decode_kernel(
     SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INPUT_NORM: tl.constexpr, HAS_QK_NORM: tl.constexpr, HAS_ROPE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    # PDL: launched while the previous kernel runs; everything below reads its output or writes
+    pdl_open(PDL)
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     head = pid // SPLITS
     p_lo = (pid % SPLITS) * BLOCK_P
@@ -191,8 +195,8 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
         SPLITS=splits, BLOCK_T=tile["BLOCK_T"], BLOCK_P=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"],
         BLOCK_HALF=next_pow2(half),
         HAS_BIAS=qkv_bias is not None, HAS_INPUT_NORM=norm_weight is not None,
-        HAS_QK_NORM=has_qk_norm, HAS_ROPE=has_rope,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        HAS_QK_NORM=has_qk_norm, HAS_ROPE=has_rope, PDL=use_pdl(x),
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(use_pdl(x)),
     )
     return q, k, v
 
