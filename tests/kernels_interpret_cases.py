@@ -157,12 +157,14 @@ def test_rms_norm_of_3d_heads_and_strided_rows():
 @pytest.mark.parametrize("bias,qk_norm,rope", [(True, False, True), (False, True, True), (False, False, True),
                                                (True, False, False)])
 def test_qkv_rope_matches_reference(bias, qk_norm, rope):
-    args = qkv_inputs(6, 40, 6, 2, 24, F32, "cpu", seed=6, bias=bias, qk_norm=qk_norm, rope=rope, max_pos=64)
-    out = triton_qkv_rope.fused_qkv_rope(*args)
-    ref = fused_ops.fused_qkv_rope_ref(*args)
-    for o, r in zip(out, ref):
-        assert o.shape == r.shape and o.is_contiguous()
-        assert rel_err(o, r) <= TOL
+    # 6 tokens: one token per epilogue program; 37: 16-token programs with a ragged last one
+    for T in (6, 37):
+        args = qkv_inputs(T, 40, 6, 2, 24, F32, "cpu", seed=6, bias=bias, qk_norm=qk_norm, rope=rope, max_pos=64)
+        out = triton_qkv_rope.fused_qkv_rope(*args, form="prefill")
+        ref = fused_ops.fused_qkv_rope_ref(*args)
+        for o, r in zip(out, ref):
+            assert o.shape == r.shape and o.is_contiguous()
+            assert rel_err(o, r) <= TOL
 
 
 def test_rotary_embedding_matches_reference():

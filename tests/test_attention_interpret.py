@@ -128,7 +128,7 @@ def test_attention_kernels_compile_for_sm90_with_default_configs():
         for heads, kv_heads, head_dim in ((14, 2, 64), (32, 8, 64), (16, 8, 128)):
             block_m, tokens = pa.prefill_tile(heads, kv_heads, cfg["BLOCK_M"])
             consts = dict(GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=16, TOKENS=tokens, BLOCK_M=block_m,
-                          BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_dim, IEEE=False)
+                          BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_dim, IEEE=False, FLAT=True)
             label = f"prefill[{bucket}] {heads}/{kv_heads} D{head_dim}"
             try:
                 c = _compile(pa._prefill_kernel, consts, "bf16", cfg["num_warps"], cfg["num_stages"])

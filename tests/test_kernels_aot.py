@@ -60,12 +60,13 @@ def _cases(dt):
                     STORE_KV=store, REDUCE=reduce, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=head_dim,
                     BLOCK_G=triton.next_power_of_2(group), BLOCK_P=16, IEEE=ieee, PDL=reduce == 2)
         tokens = 64 // group
-        yield f"prefill D{head_dim}", pa._prefill_kernel, 4, {
-            **ptr("q_ptr", "cache_ptr", "out_ptr"), **idx, **cache_strides,
-            **_stride_args("stride_qt", "stride_qh", "stride_qd", "stride_bt_s", "stride_bt_b", "stride_ot",
-                           "stride_oh", "stride_od"),
-        }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, TOKENS=tokens, BLOCK_M=64, BLOCK_N=64,
-                BLOCK_D=head_dim, IEEE=ieee)
+        for flat in (False, True):
+            yield f"prefill D{head_dim} flat={flat}", pa._prefill_kernel, 4, {
+                **ptr("q_ptr", "cache_ptr", "out_ptr"), **idx, **cache_strides,
+                **_stride_args("stride_qt", "stride_qh", "stride_qd", "stride_bt_s", "stride_bt_b", "stride_ot",
+                               "stride_oh", "stride_od", "NUM_SEQS"),
+            }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, TOKENS=tokens, BLOCK_M=64, BLOCK_N=64,
+                    BLOCK_D=head_dim, IEEE=ieee, FLAT=flat)
     yield "decode_reduce", pa._decode_reduce_kernel, 2, {
         "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", **ptr("out_ptr"),
         **_stride_args("stride_mo_s", "stride_mo_h", "stride_mo_p", "stride_ml_s", "stride_ml_h", "stride_ot",
@@ -86,10 +87,10 @@ def _cases(dt):
     yield "qkv_epilogue", tq._qkv_epilogue_kernel, 1, {
         **ptr("q_src", "k_src", "v_src", "q_out", "k_out", "v_out", "q_norm_ptr", "k_norm_ptr"),
         "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": 1.0,
-        **_stride_args("stride_qt", "stride_qh", "stride_qd", "stride_kt", "stride_kh", "stride_kd", "stride_vt",
-                       "stride_vh", "stride_vd", "stride_cs"),
+        **_stride_args("T", "stride_qt", "stride_qh", "stride_qd", "stride_kt", "stride_kh", "stride_kd",
+                       "stride_vt", "stride_vh", "stride_vd", "stride_cs"),
     }, dict(NUM_HEADS=14, NUM_KV_HEADS=2, HAS_V=True, HEAD_DIM=64, HALF=32, BLOCK_HALF=32, HAS_NORM=True,
-            HAS_ROPE=True)
+            HAS_ROPE=True, BLOCK_T=16)
 
 
 def _signature(kernel, args, consts):

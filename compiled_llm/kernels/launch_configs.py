@@ -109,7 +109,8 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # wrappers, these are caps
     "norm": {"inf": {"MAX_WARPS": 16}},
     "act": {"inf": {"BLOCK": 1024, "num_warps": 4}},
-    "qkv_epilogue": {"inf": {"num_warps": 1}},
+    # q/k/v epilogue after the cuBLAS projection: BLOCK_T tokens of one head per program
+    "qkv_epilogue": {"4": {"BLOCK_T": 1, "num_warps": 1}, "inf": {"BLOCK_T": 16, "num_warps": 4}},
     "kv_store": {"inf": {"num_warps": 1}},
 }
 

@@ -34,7 +34,9 @@ Decode (every sequence has exactly one query row, T == S, recognisable from shap
   The launch config's LAUNCHES knob keeps the earlier paths for comparison: 2 = KV store
   folded in, separate reduce kernel; 3 = separate kv_store, split and reduce kernels.
 
-Prefill / mixed (any T): ``_prefill_kernel``, grid (cdiv(max_query_len, TOKENS), S, Hkv). One
+Prefill / mixed (any T): ``_prefill_kernel``, grid (T // TOKENS + S + 1, Hkv): tiles over every
+sequence's rows, each program finding its sequence by a binary search over query_start_loc, so
+the grid comes from shapes alone (no host read: capturable, and the host never waits). One
 program takes TOKENS query tokens of one sequence for all GROUP query heads of one kv head,
 stacked into a [BLOCK_M, D] tile (row r: head r // TOKENS, token r % TOKENS; TOKENS =
 BLOCK_M // GROUP, so a group of 7 uses 63 of 64 rows), so each K/V tile is loaded once for the
@@ -42,8 +44,8 @@ whole group. The query rows of sequence s are the last q_len tokens of its seq_l
 context, so row i sees keys 0 .. seq_len - q_len + i; earlier chunks are read from the cache
 through the block table like the new ones (the new k/v are stored first, by kv_store). Key
 tiles below the block's first query position are visible to every row and run without any mask;
-only the tiles on the diagonal pay for the causal mask. Programs run the heaviest query blocks
-first. max_query_len is read on the host: prefill steps run outside CUDA graphs.
+only the tiles on the diagonal pay for the causal mask. With a max_query_len from the caller the
+older grid (cdiv(max_query_len, TOKENS), S, Hkv) runs instead, heaviest query blocks first.
 
 Softmax runs in base 2 (scores pre-multiplied by scale * log2(e)), accumulation in fp32.
 """
@@ -350,10 +352,29 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SEQS=1, FLAT: tl.constexpr = False,
 ):
-    mb = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) query blocks start first
-    s = tl.program_id(1)
-    kvh = tl.program_id(2)
+    if FLAT:
+        # grid (T // TOKENS + S + 1, Hkv), sized from shapes alone (no host read of the longest
+        # query): sequence s owns tiles [first(s), first(s + 1)) with
+        # first(s) = query_start_loc[s] // TOKENS + s, which is at least cdiv(q_len, TOKENS)
+        # tiles; a program binary-searches its sequence and surplus tiles exit
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        lo = 0
+        hi = NUM_SEQS
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if tl.load(qsl_ptr + mid) // TOKENS + mid <= tile:
+                lo = mid
+            else:
+                hi = mid
+        s = lo
+        mb = tile - (tl.load(qsl_ptr + s) // TOKENS + s)
+    else:
+        mb = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) query blocks start first
+        s = tl.program_id(1)
+        kvh = tl.program_id(2)
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
     if mb * TOKENS < q_len:
@@ -492,7 +513,9 @@ def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq
     counters = split_counters(q.device, T * num_kv_heads) if reduce == FUSED else seq_lens
     block_d = max(16, next_pow2(head_dim))
     block_g = next_pow2(group)
-    pdl = use_pdl(q) and plan["LAUNCHES"] == 1
+    # PDL pays where the neighbours are PDL kernels too (the GEMV forms, a few rows); next to
+    # cuBLAS (larger batches) it measured 6% slower on an H200
+    pdl = use_pdl(q) and plan["LAUNCHES"] == 1 and T <= 4
     _decode_kernel[(T, num_kv_heads, splits)](
         q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
         out, mid_o, mid_lse, counters,
@@ -535,26 +558,24 @@ def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables
     out = torch.zeros((T, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if T == 0 or S == 0:
         return out
-    if max_query_len is None:
-        if S == 1 or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # shapes bound it: one sequence has at most T rows (padding rows past
-            # query_start_loc[-1] make the surplus programs exit); inside a graph capture a host
-            # read is impossible, so surplus programs it is
-            max_query_len = T
-        else:
-            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # host sync: mixed prefill
-    if max_query_len <= 0:
-        return out
     cfg = launch_configs.get("paged_attention_prefill", T)
     block_m, tokens = prefill_tile(num_heads, num_kv_heads, cfg["BLOCK_M"])
-    grid = (triton.cdiv(max_query_len, tokens), S, num_kv_heads)
+    if max_query_len is None:
+        # no host sync (prefill steps run on while the host prepares the next; graphs capture
+        # it): tiles over all sequences' rows, found by the programs themselves
+        grid = (T // tokens + S + 1, num_kv_heads)
+    elif max_query_len <= 0:
+        return out
+    else:
+        grid = (triton.cdiv(max_query_len, tokens), S, num_kv_heads)
     _prefill_kernel[grid](
         q, kv_cache, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E,
         *q.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2], TOKENS=tokens,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=max(16, next_pow2(head_dim)),
-        IEEE=is_fp32(q), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=is_fp32(q), NUM_SEQS=S, FLAT=max_query_len is None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

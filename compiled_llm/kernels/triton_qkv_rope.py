@@ -14,7 +14,7 @@ visible to all its threads) normalises and rotates it in place.
 
 Prefill form (large T): Triton rms_norm when there is an input norm, the projection in cuBLAS
 (which adds the bias in its own epilogue with one rounding, as the reference does), then
-``_qkv_epilogue_kernel``, grid (T, Hq + 2 Hkv): one head of one token per program, normalised,
+``_qkv_epilogue_kernel``, grid (T / BLOCK_T, Hq + 2 Hkv): one head of BLOCK_T tokens per program, normalised,
 rotated and written to its own contiguous q/k/v output; v heads are copied.
 
 The epilogue kernel also serves ``cllm::rotary_embedding`` (q and k given as separate tensors,
@@ -208,24 +208,26 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
 
 @triton.jit
 def _head_epilogue(
-    src, dst, w_ptr, cs_row, stride_d, eps,
+    src, dst, mask_t, w_ptr, cs_rows, stride_d, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr,
 ):
-    offs = tl.arange(0, BLOCK_HALF)[None, :]  # one row: [1, BLOCK_HALF]
-    mask = offs < HALF
+    """One head of BLOCK_T tokens: src/dst/cs_rows are [BLOCK_T, 1] row pointers, mask_t
+    [BLOCK_T, 1] the rows that exist."""
+    offs = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
+    mask = mask_t & (offs < HALF)
     x1 = tl.load(src + offs * stride_d, mask=mask, other=0.0)
     x2 = tl.load(src + (offs + HALF) * stride_d, mask=mask, other=0.0)
     w1 = x1  # placeholders, unused without the norm
     w2 = x2
     if HAS_NORM:
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0)
+        w1 = tl.load(w_ptr + offs, mask=offs < HALF, other=0.0)
+        w2 = tl.load(w_ptr + HALF + offs, mask=offs < HALF, other=0.0)
     cos = x1.to(tl.float32)  # placeholders, unused without RoPE
     sin = x2.to(tl.float32)
     if HAS_ROPE:
-        cos = tl.load(cs_row + offs, mask=mask, other=0.0)
-        sin = tl.load(cs_row + HALF + offs, mask=mask, other=0.0)
+        cos = tl.load(cs_rows + offs, mask=mask, other=0.0)
+        sin = tl.load(cs_rows + HALF + offs, mask=mask, other=0.0)
     y1, y2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM, HAS_ROPE)
     tl.store(dst + offs, y1.to(dst.dtype.element_ty), mask=mask)
     tl.store(dst + HALF + offs, y2.to(dst.dtype.element_ty), mask=mask)
@@ -235,36 +237,42 @@ def _head_epilogue(
 def _qkv_epilogue_kernel(
     q_src, k_src, v_src, q_out, k_out, v_out,
     q_norm_ptr, k_norm_ptr, pos_ptr, cs_ptr,
+    T,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_cs, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HAS_V: tl.constexpr,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    # one head of BLOCK_T tokens per program: a program per (token, head) at prefill sizes
+    # was thousands of one-warp programs doing 64 elements each
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = (offs_t < T)[:, None]
+    t = offs_t.to(tl.int64)[:, None]
     h = tl.program_id(1)
-    cs_row = cs_ptr
+    cs_rows = cs_ptr + t * 0
     if HAS_ROPE:
-        cs_row = cs_ptr + tl.load(pos_ptr + t).to(tl.int64) * stride_cs
+        pos = tl.load(pos_ptr + t, mask=mask_t, other=0).to(tl.int64)
+        cs_rows = cs_ptr + pos * stride_cs
     if h < NUM_HEADS:
         _head_epilogue(
-            q_src + t * stride_qt + h * stride_qh, q_out + (t * NUM_HEADS + h) * HEAD_DIM,
-            q_norm_ptr, cs_row, stride_qd, eps, HEAD_DIM, HALF, BLOCK_HALF, HAS_NORM, HAS_ROPE,
+            q_src + t * stride_qt + h * stride_qh, q_out + (t * NUM_HEADS + h) * HEAD_DIM, mask_t,
+            q_norm_ptr, cs_rows, stride_qd, eps, HEAD_DIM, HALF, BLOCK_HALF, HAS_NORM, HAS_ROPE,
         )
     elif h < NUM_HEADS + NUM_KV_HEADS:
         hk = h - NUM_HEADS
         _head_epilogue(
-            k_src + t * stride_kt + hk * stride_kh, k_out + (t * NUM_KV_HEADS + hk) * HEAD_DIM,
-            k_norm_ptr, cs_row, stride_kd, eps, HEAD_DIM, HALF, BLOCK_HALF, HAS_NORM, HAS_ROPE,
+            k_src + t * stride_kt + hk * stride_kh, k_out + (t * NUM_KV_HEADS + hk) * HEAD_DIM, mask_t,
+            k_norm_ptr, cs_rows, stride_kd, eps, HEAD_DIM, HALF, BLOCK_HALF, HAS_NORM, HAS_ROPE,
         )
     else:
         if HAS_V:
             hv = h - NUM_HEADS - NUM_KV_HEADS
             _head_epilogue(
-                v_src + t * stride_vt + hv * stride_vh, v_out + (t * NUM_KV_HEADS + hv) * HEAD_DIM,
-                k_norm_ptr, cs_row, stride_vd, eps, HEAD_DIM, HALF, BLOCK_HALF, False, False,
+                v_src + t * stride_vt + hv * stride_vh, v_out + (t * NUM_KV_HEADS + hv) * HEAD_DIM, mask_t,
+                k_norm_ptr, cs_rows, stride_vd, eps, HEAD_DIM, HALF, BLOCK_HALF, False, False,
             )
 
 
@@ -284,15 +292,17 @@ def _epilogue(q_src, k_src, v_src, q_norm_weight, k_norm_weight, positions, cos_
     heads = num_heads + num_kv_heads + (num_kv_heads if v_src is not None else 0)
     half = head_dim // 2
     cfg = launch_configs.get("qkv_epilogue", T)
-    _qkv_epilogue_kernel[(T, heads)](
+    block_t = min(next_pow2(cfg.get("BLOCK_T", 1)), next_pow2(T))
+    _qkv_epilogue_kernel[(triton.cdiv(T, block_t), heads)](
         q_src, k_src, v_in, q, k, v if v is not None else k,
         q_norm_weight if has_norm else q_src, k_norm_weight if has_norm else q_src,
         positions, cos_sin if has_rope else q_src,
+        T,
         *q_src.stride(), *k_src.stride(), *v_in.stride(),
         cos_sin.stride(0) if has_rope else 0, eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HAS_V=v_src is not None,
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=next_pow2(half),
-        HAS_NORM=has_norm, HAS_ROPE=has_rope, num_warps=cfg["num_warps"],
+        HAS_NORM=has_norm, HAS_ROPE=has_rope, BLOCK_T=block_t, num_warps=cfg["num_warps"],
     )
     return q, k, v
 
