@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     workloads = tuple(args.workload or wl.WORKLOADS)
     info = [f"torch {torch.__version__}", f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"]
 
+    ceilings = wl.measure_ceilings(device) if device.type == "cuda" else None
+    if ceilings:
+        info.append(f"copy {ceilings['copy_gb_s']:,.0f} GB/s, bf16 matmul {ceilings['matmul_tflop_s']:,.0f} TFLOP/s")
     tmp = None
     engine = args.engine
     if engine is None:
@@ -74,6 +77,7 @@ def main(argv=None) -> int:
         results.extend(wl.run_compiled(llm, (w,)))
         print(f"compiled_llm {w} ({time.perf_counter() - t0:.1f} s): {results[-1].metrics} {results[-1].note}", flush=True)
     hf_cfg = hf_config_of(llm)
+    config = llm.model.config
     dtype = llm.model.dtype
     del llm
     gc.collect()
@@ -87,9 +91,29 @@ def main(argv=None) -> int:
             print(f"hf {w} ({time.perf_counter() - t0:.1f} s): {results[-1].metrics} {results[-1].note}", flush=True)
 
     print(wl.format_table(results))
+    if ceilings:
+        print(derived_lines(results, config, ceilings))
     if tmp is not None:
         tmp.cleanup()
     return 0
+
+
+def derived_lines(results, config, ceilings) -> str:
+    """What the workloads reach of the ceilings measured in this run."""
+    lines = []
+    ours = {r.workload: r for r in results if r.system == "compiled_llm"}
+    if "latency" in ours:
+        roof = ceilings["copy_gb_s"] * 1e9 / wl.weight_bytes(config)
+        tok_s = ours["latency"].metrics["decode_tok_s"]
+        lines.append(f"latency: {tok_s:,.0f} tok/s = {tok_s / roof:.1%} of the weight-bytes roofline "
+                     f"({wl.weight_bytes(config) / 1e9:.3f} GB per token at {ceilings['copy_gb_s']:,.0f} GB/s: {roof:,.0f} tok/s)")
+    if "prefill" in ours:
+        ttft = ours["prefill"].metrics["ttft_ms"] * 1e-3
+        rate = ceilings["matmul_tflop_s"]
+        for kind, flops in wl.prefill_flops(config, 1024).items():
+            lines.append(f"prefill: {flops / 1e12:.3f} TFLOP ({kind}) in {1e3 * ttft:.2f} ms = {flops / ttft / 1e12:,.0f} TFLOP/s "
+                         f"= {flops / ttft / 1e12 / rate:.1%} of the {rate:,.0f} TFLOP/s bf16 matmul rate")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

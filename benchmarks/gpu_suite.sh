@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_suite.sh sweep    # GEMV launch-config sweep (JSON for launch_configs.py)
 #   bash benchmarks/gpu_suite.sh attn     # attention kernels vs the old path and SDPA
 #   bash benchmarks/gpu_suite.sh agree    # fused kernels + graphs vs eager spec, 16 x 64 bf16
+#   bash benchmarks/gpu_suite.sh tune     # batch-1 decode launch configs, tuned on the whole graph
 # Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,13 +29,14 @@ for phase in "$@"; do
       python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests 2>&1 | tee "$LOG/gpu_tests.log" | tail -40 ;;
     kernels) python3 benchmarks/microbench_kernels.py 2>&1 | tee "$LOG/microbench.log" ;;
     kernel-tests)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/test_kernels_gpu.py tests/test_attention_gpu.py 2>&1 \
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/test_kernels_gpu.py tests/test_attention_gpu.py tests/test_sampling_gpu.py 2>&1 \
         | tee "$LOG/kernel_tests.log" | tail -25 ;;
     runtime-tests)
       timeout 400 python3 -m pytest -q -s -p no:cacheprovider -rfE tests/test_runtime_gpu.py 2>&1 | tee "$LOG/runtime_tests.log" | tail -30 ;;
     profile) timeout 200 python3 benchmarks/profile_steps.py ${PROFILE_ARGS:-} 2>&1 | grep -v Warning | tee "$LOG/profile.log" | tail -80 ;;
     sweep) timeout 240 python3 benchmarks/sweep_gemv.py 2>&1 | tee "$LOG/sweep.log" | tail -60 ;;
     attn) timeout 120 python3 benchmarks/bench_attention.py 2>&1 | tee "$LOG/attn.log" | tail -40 ;;
+    tune) timeout 300 python3 benchmarks/tune_decode.py ${TUNE_ARGS:-} 2>&1 | tee "$LOG/tune.log" | tail -60 ;;
     agree) timeout 300 python3 benchmarks/agreement_check.py ${AGREE_ARGS:-} 2>&1 | tee "$LOG/agree.log" | tail -5 ;;
     build) python3 benchmarks/gpu_build_check.py ${BUILD_ARGS:-} 2>&1 | tee "$LOG/build_check.log" | tail -30 ;;
     bench) python3 benchmarks/bench_all.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench.log" | tail -40 ;;

@@ -249,3 +249,25 @@ def test_opcheck_triton_provider(name):
     args = _opcheck_cases()[name]
     torch.library.opcheck(providers.provider_op(op_name, providers.TRITON), args)
     torch.library.opcheck(getattr(torch.ops.cllm, op_name), _opcheck_cases()[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gumbel_sampling_draws_from_softmax_and_takes_argmax_at_temperature_0():
+    from compiled_llm.kernels.triton_sampling import gumbel_sample
+
+    logits = torch.tensor([1.0, 2.5, -1.0, 0.3, 2.0, -3.0, 0.0])
+    rows = 2000
+    temps = torch.full((rows,), 0.7)
+    temps[0] = 0.0
+    ids = gumbel_sample(logits.expand(rows, -1), temps, torch.Generator().manual_seed(1))
+    assert ids.dtype == torch.int64 and ids.shape == (rows,)
+    assert ids[0].item() == int(logits.argmax())
+    freq = torch.bincount(ids[1:], minlength=7).float() / (rows - 1)
+    expect = torch.softmax(logits / 0.7, dim=0)
+    assert (freq - expect).abs().max() < 0.04, (freq, expect)
+    again = gumbel_sample(logits.expand(rows, -1), temps, torch.Generator().manual_seed(2))
+    assert not torch.equal(ids, again)
