@@ -30,7 +30,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # Batch 1 (contexts ~128-4096) gets up to 32 splits of >= 64 keys: at 4096 that is 64
     # programs on 2 kv heads, at 384 six live splits of one tile each.
     "paged_attention_decode": {
-        "1": {"BLOCK_N": 64, "MAX_SPLITS": 32, "PROGRAMS_PER_SM": 2, "LAUNCHES": 1, "COMBINE_SPLITS": 16,
+        "1": {"BLOCK_N": 32, "MAX_SPLITS": 32, "PROGRAMS_PER_SM": 2, "LAUNCHES": 1, "COMBINE_SPLITS": 16,
               "num_warps": 4, "num_stages": 2},
         "16": {"BLOCK_N": 32, "MAX_SPLITS": 16, "PROGRAMS_PER_SM": 2, "LAUNCHES": 1, "COMBINE_SPLITS": 16,
                "num_warps": 4, "num_stages": 2},
@@ -57,7 +57,8 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # (no tl.dot to pipeline for); it stays a knob for Triton versions that pipeline plain loads.
     # Values: the best of benchmarks/sweep_gemv.py on an H200 (2026-11-22) over the Qwen2.5-0.5B
     # and Llama-3.2-1B shapes, as were the dispatch limits below (the token counts up to which
-    # the GEMV forms beat cuBLAS).
+    # the GEMV forms beat cuBLAS); the T = 1 buckets then by benchmarks/tune_decode.py on the whole
+    # batch-1 decode graph (norm_mlp_decode BLOCK_I 8, attention BLOCK_N 32: 608 -> 556 us).
     "gemv": {
         "1": {"BLOCK_T": 1, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
@@ -72,7 +73,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # fused norm + MLP decode form, first kernel: norm + gate/up (or fc) + activation, a program
     # per BLOCK_I intermediate rows (gate rows and the matching up rows)
     "norm_mlp_decode": {
-        "1": {"BLOCK_T": 1, "BLOCK_I": 4, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
+        "1": {"BLOCK_T": 1, "BLOCK_I": 8, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_I": 2, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
         "8": {"BLOCK_T": 8, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
