@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_suite.sh attn     # attention kernels vs the old path and SDPA
 #   bash benchmarks/gpu_suite.sh agree    # fused kernels + graphs vs eager spec, 16 x 64 bf16
 #   bash benchmarks/gpu_suite.sh tune     # batch-1 decode launch configs, tuned on the whole graph
+#   bash benchmarks/gpu_suite.sh ab       # throughput workload with single changes reverted
 # Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +37,7 @@ for phase in "$@"; do
     profile) timeout 200 python3 benchmarks/profile_steps.py ${PROFILE_ARGS:-} 2>&1 | grep -v Warning | tee "$LOG/profile.log" | tail -80 ;;
     sweep) timeout 240 python3 benchmarks/sweep_gemv.py 2>&1 | tee "$LOG/sweep.log" | tail -60 ;;
     attn) timeout 120 python3 benchmarks/bench_attention.py 2>&1 | tee "$LOG/attn.log" | tail -40 ;;
+    ab) timeout 200 python3 benchmarks/ab_throughput.py 2>&1 | grep -v Warning | tee "$LOG/ab.log" | tail -40 ;;
     tune) timeout 300 python3 benchmarks/tune_decode.py ${TUNE_ARGS:-} 2>&1 | tee "$LOG/tune.log" | tail -60 ;;
     agree) timeout 300 python3 benchmarks/agreement_check.py ${AGREE_ARGS:-} 2>&1 | tee "$LOG/agree.log" | tail -5 ;;
     build) python3 benchmarks/gpu_build_check.py ${BUILD_ARGS:-} 2>&1 | tee "$LOG/build_check.log" | tail -30 ;;
