@@ -93,8 +93,12 @@ def compiled_throughput(llm, num_requests: int = 256, max_input_len: int = 1024,
 
     prompts, max_tokens = throughput_requests(num_requests, max_input_len, max_output_len, llm.model.config.vocab_size)
     params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, detokenize=False) for n in max_tokens]
-    warm = [{"prompt_token_ids": p[:100]} for p in prompts[:8]]
-    llm.generate(warm, SamplingParams(max_tokens=16, temperature=0.6, ignore_eos=True, detokenize=False), use_tqdm=False)
+    # Warm-up with the workload's own shapes: full-budget mixed prefill steps and decode batches
+    # of every size, so no kernel variant is first compiled inside the timed run. The prompts
+    # are shifted by one id: the measured run must not find them in the prefix cache.
+    vocab = min(llm.model.config.vocab_size, 10_001)
+    warm = [{"prompt_token_ids": [(t + 1) % vocab for t in p]} for p in prompts[:64]]
+    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True, detokenize=False), use_tqdm=False)
     preempt0 = llm.engine.scheduler.num_preemptions
     st = llm.stats
     before = (st.prefill_steps, st.prefill_s, st.decode_steps, st.decode_s)

@@ -342,7 +342,9 @@ def _prefill_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# NUM_SEQS and the block-table row stride (the step's widest table) change from step to step:
+# left unspecialised, so a new value never costs a compile in the middle of serving
+@triton.jit(do_not_specialize=["NUM_SEQS", "stride_bt_s"])
 def _prefill_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     qk_scale,

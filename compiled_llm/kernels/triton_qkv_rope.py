@@ -233,7 +233,7 @@ def _head_epilogue(
     tl.store(dst + HALF + offs, y2.to(dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the step's token count: no compile per new value
 def _qkv_epilogue_kernel(
     q_src, k_src, v_src, q_out, k_out, v_out,
     q_norm_ptr, k_norm_ptr, pos_ptr, cs_ptr,
