@@ -13,12 +13,10 @@ kernel): what they compute, and how they compile.
 """
 
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from interpret_child import assert_cases_pass
 
 triton = pytest.importorskip("triton")
 
@@ -26,14 +24,7 @@ CASES = Path(__file__).with_name("gemv_interpret_cases.py")
 
 
 def test_gemv_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", str(CASES)],
-        cwd=CASES.parent.parent, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 80, proc.stdout[-2000:]
+    assert_cases_pass(CASES, 80)
 
 
 # ---------------------------------------------------------------------------------------------
