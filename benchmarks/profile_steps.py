@@ -76,6 +76,17 @@ def main(argv=None) -> int:
     for b in [b for b in (1, 2, 4, 8, 32, 64, 128, 256) if b in runner.graphs.graphs]:
         print(f"  graph bucket {b:4d}: {replay_ms(b):.3f} ms device per replay")
 
+    # 1a. what a decode step runs on the device besides its graph: the engine loop under the
+    # profiler, device time per step by op name (graph kernels included), against the step wall
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        s1, t1 = st.decode_steps, st.decode_s
+        llm.generate({"prompt_token_ids": latency_prompt(vocab, seed=4)}, greedy, use_tqdm=False)
+        torch.cuda.synchronize()
+    n_steps = st.decode_steps - s1
+    print(f"engine decode loop under the profiler: {n_steps} steps, wall {1e3 * (st.decode_s - t1) / n_steps:.3f} ms/step; "
+          f"device time per step by op:")
+    print(_kernel_table(prof, 12, per=n_steps))
+
     # 1b. the same graphs captured without programmatic dependent launch (A/B in one run)
     from compiled_llm.kernels import triton_common
     from compiled_llm.serve.cuda_graphs import StepGraphs

@@ -108,6 +108,17 @@ def truncate_logits(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def greedy_ids(logits: Tensor) -> Tensor:
+    """logits.argmax(-1): on CUDA the one-pass Triton kernel (split over the vocabulary; ~2 µs
+    at one row against ~8 µs for torch.argmax on an H200), torch elsewhere. Ties go to the lowest
+    index either way."""
+    if logits.is_cuda:
+        from compiled_llm.kernels.triton_sampling import greedy_argmax
+
+        return greedy_argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample(
     logits: Tensor,
     st: SamplingTensors,
@@ -115,7 +126,7 @@ def sample(
 ) -> Tensor:
     """Sampled token ids [S] (int64, on the logits' device)."""
     if st.all_greedy:
-        return logits.argmax(dim=-1)
+        return greedy_ids(logits)
     no_seeds = generators is None or all(g is None for g in generators)
     if logits.is_cuda and no_seeds and not st.needs_truncation:
         # one pass over the logits instead of ~8 over an fp32 copy (see triton_sampling)
@@ -123,7 +134,7 @@ def sample(
 
         return gumbel_sample(logits, st.temperature)
     logits = logits.float()
-    greedy_ids = logits.argmax(dim=-1)
+    argmax_ids = logits.argmax(dim=-1)
     temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
     scaled = logits / temp[:, None]
     if st.needs_truncation:
@@ -142,7 +153,7 @@ def sample(
             if g is not None:
                 noise[i].exponential_(generator=g)
     sampled_ids = (probs / noise).argmax(dim=-1)
-    return torch.where(st.temperature > 0, sampled_ids, greedy_ids)
+    return torch.where(st.temperature > 0, sampled_ids, argmax_ids)
 
 
 def make_generator(seed: int | None, device) -> torch.Generator | None:

@@ -271,3 +271,30 @@ def test_gumbel_sampling_draws_from_softmax_and_takes_argmax_at_temperature_0():
     assert (freq - expect).abs().max() < 0.04, (freq, expect)
     again = gumbel_sample(logits.expand(rows, -1), temps, torch.Generator().manual_seed(2))
     assert not torch.equal(ids, again)
+
+
+def test_greedy_argmax_split_over_the_vocabulary_matches_torch_and_breaks_ties_low():
+    from compiled_llm.kernels.triton_sampling import greedy_argmax
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 5000, generator=gen)
+    logits[1, 4999] = 9.0  # in the last, partial chunk
+    logits[2, [10, 2100, 4500]] = 7.0  # a tie across chunks: the lowest index wins
+    logits[3, :] = 0.5  # all equal: index 0
+    logits[4, 1023:1025] = 8.0  # a tie across a block boundary inside one chunk
+    for splits in (1, 3, 4):
+        ids = greedy_argmax(logits, splits=splits)
+        assert ids.dtype == torch.int64
+        assert ids.tolist() == logits.argmax(-1).tolist(), splits
+    assert greedy_argmax(logits, splits=4)[2].item() == 10
+
+
+def test_gumbel_sampling_does_not_depend_on_the_split_count():
+    from compiled_llm.kernels.triton_sampling import gumbel_sample
+
+    logits = torch.randn(3, 3000, generator=torch.Generator().manual_seed(4))
+    temps = torch.tensor([0.8, 0.0, 1.3])
+    one = gumbel_sample(logits, temps, torch.Generator().manual_seed(5), splits=1)
+    four = gumbel_sample(logits, temps, torch.Generator().manual_seed(5), splits=4)
+    assert one.tolist() == four.tolist()
+    assert one[1].item() == int(logits[1].argmax())

@@ -344,10 +344,10 @@ def _prefill_tile(
 
 # NUM_SEQS and the block-table row stride (the step's widest table) change from step to step:
 # left unspecialised, so a new value never costs a compile in the middle of serving
-@triton.jit(do_not_specialize=["NUM_SEQS", "stride_bt_s"])
+@triton.jit(do_not_specialize=["NUM_SEQS", "stride_bt_s", "T"])
 def _prefill_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    qk_scale,
+    qk_scale, T,
     stride_qt, stride_qh, stride_qd,
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
     stride_bt_s, stride_bt_b,
@@ -379,6 +379,23 @@ def _prefill_kernel(
         kvh = tl.program_id(2)
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
+    if FLAT:
+        n_tiles = tl.cdiv(q_len, TOKENS)
+        if (s == NUM_SEQS - 1) & (mb >= n_tiles):
+            # a surplus tile of the last sequence: zero (its kv head's share of) the rows past
+            # the batch, which belong to no sequence (a CUDA-graph bucket's padding), so `out`
+            # needs no separate fill. The last sequence has at least one surplus tile (the
+            # grid's last), and about one per TOKENS padding rows; they stride over the rows.
+            helpers = tl.num_programs(0) - (q_start // TOKENS + s) - n_tiles
+            offs_r = tl.arange(0, BLOCK_M)
+            offs_d = tl.arange(0, BLOCK_D)
+            head = kvh * GROUP + offs_r // TOKENS
+            zeros = tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty)
+            for r0 in range(q_start + q_len + (mb - n_tiles) * TOKENS, T, helpers * TOKENS):
+                rows = r0 + offs_r % TOKENS
+                mask = ((offs_r // TOKENS < GROUP) & (rows < T))[:, None] & (offs_d < HEAD_DIM)[None, :]
+                tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+                         + offs_d[None, :] * stride_od, zeros, mask=mask)
     if mb * TOKENS < q_len:
         seq_len = tl.load(seq_lens_ptr + s)
         ctx_before = seq_len - q_len  # tokens cached before this step's rows
@@ -556,8 +573,10 @@ def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables
     T, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     S = seq_lens.shape[0]
-    # rows past query_start_loc[-1] belong to no sequence and stay 0, as in the reference
-    out = torch.zeros((T, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    # rows past query_start_loc[-1] belong to no sequence and are 0, as in the reference: the
+    # flat grid's surplus tiles write them (no fill launch), the per-sequence grid needs a fill
+    flat = max_query_len is None
+    out = (torch.empty if flat and S > 0 else torch.zeros)((T, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if T == 0 or S == 0:
         return out
     cfg = launch_configs.get("paged_attention_prefill", T)
@@ -572,7 +591,7 @@ def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables
         grid = (triton.cdiv(max_query_len, tokens), S, num_kv_heads)
     _prefill_kernel[grid](
         q, kv_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2E,
+        scale * LOG2E, T,
         *q.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2], TOKENS=tokens,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=max(16, next_pow2(head_dim)),
