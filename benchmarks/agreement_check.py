@@ -7,15 +7,33 @@ ops on the source's original weights, fed the engine's tokens (teacher forcing),
 compares logits for the same context. Verdict as in ``compiled-llm compare``: bf16 needs >= 99%
 greedy agreement and every flip inside the other side's top 5.
 
-    python benchmarks/agreement_check.py [--source qwen2.5-0.5b] [--prompts 16] [--tokens 64]
+With ``--prompts-file`` (a JSON list of token-id lists, such as the prompts.json that
+benchmarks/train_synthetic_lm.py writes next to its checkpoint) the first ``--prompts`` of those
+prompts replace the random ones: a trained model's margins show only on text like its own.
+
+    python benchmarks/agreement_check.py [--source qwen2.5-0.5b] [--prompts 16] [--tokens 64] [--prompts-file F]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
+
+
+def read_prompts(path: Path, num_prompts: int) -> list[list[int]]:
+    """The first ``num_prompts`` prompts of a JSON list of token-id lists, checked before the
+    (slow) build, so a bad file fails at once."""
+    prompts = json.loads(Path(path).read_text())
+    if not isinstance(prompts, list) or len(prompts) < num_prompts:
+        raise SystemExit(f"{path}: need a JSON list of at least {num_prompts} prompts")
+    prompts = prompts[:num_prompts]
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, list) and p and all(isinstance(t, int) and t >= 0 for t in p)):
+            raise SystemExit(f"{path}: prompt {i} is not a non-empty list of token ids")
+    return prompts
 
 
 def main(argv=None) -> int:
@@ -23,11 +41,13 @@ def main(argv=None) -> int:
     ap.add_argument("--source", default="qwen2.5-0.5b")
     ap.add_argument("--engine", default=None, help="an engine built beforehand (default: build the source)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=16, help="how many prompts (the first N of --prompts-file)")
+    ap.add_argument("--prompts-file", type=Path, default=None, help="a JSON list of token-id lists to use as prompts")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args(argv)
+    file_prompts = read_prompts(args.prompts_file, args.prompts) if args.prompts_file is not None else None
 
     import torch
 
@@ -65,7 +85,10 @@ def main(argv=None) -> int:
 
     runner._sample = recording_sample
     runner.launch = recording_launch
-    prompts = cmp.random_prompts(llm.model.config.vocab_size, args.prompts, args.seed)
+    vocab = llm.model.config.vocab_size
+    prompts = file_prompts or cmp.random_prompts(vocab, args.prompts, args.seed)
+    if max(max(p) for p in prompts) >= vocab:
+        raise SystemExit(f"{args.prompts_file}: token ids must be below the model's vocab size {vocab}")
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     st = llm.stats

@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_suite.sh sweep    # GEMV launch-config sweep (JSON for launch_configs.py)
 #   bash benchmarks/gpu_suite.sh attn     # attention kernels vs the old path and SDPA
 #   bash benchmarks/gpu_suite.sh agree    # fused kernels + graphs vs eager spec, 16 x 64 bf16
+#   bash benchmarks/gpu_suite.sh agree-trained  # the same on Qwen2.5 shapes briefly trained to real
+#                                         # logit margins (train_synthetic_lm.py; TRAIN_ARGS, AGREE_ARGS)
 #   bash benchmarks/gpu_suite.sh tune     # batch-1 decode launch configs, tuned on the whole graph
 #   bash benchmarks/gpu_suite.sh ab       # throughput workload with single changes reverted
 # Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
@@ -39,6 +41,13 @@ for phase in "$@"; do
     attn) timeout 120 python3 benchmarks/bench_attention.py 2>&1 | tee "$LOG/attn.log" | tail -40 ;;
     ab) timeout 200 python3 benchmarks/ab_throughput.py 2>&1 | grep -v Warning | tee "$LOG/ab.log" | tail -40 ;;
     tune) timeout 300 python3 benchmarks/tune_decode.py ${TUNE_ARGS:-} 2>&1 | tee "$LOG/tune.log" | tail -60 ;;
+    agree-trained)
+      # random weights have top-1/top-2 gaps of a few bf16 ulps; train a checkpoint with real margins
+      # first, in a temp dir of its own (0.5B in bf16 is 1 GB, not a log), then check on its prompts
+      T=${TRAINED_DIR:-/tmp/cllm_trained}; rm -rf "$T"
+      { timeout 200 python3 benchmarks/train_synthetic_lm.py --out "$T" ${TRAIN_ARGS:-} \
+          && timeout 280 python3 benchmarks/agreement_check.py --source "$T" --prompts-file "$T/prompts.json" ${AGREE_ARGS:-}
+      } 2>&1 | grep -v -e Warning -e "Writing model shards" | tee "$LOG/agree_trained.log" | tail -25 ;;
     agree) timeout 300 python3 benchmarks/agreement_check.py ${AGREE_ARGS:-} 2>&1 | tee "$LOG/agree.log" | tail -5 ;;
     build) python3 benchmarks/gpu_build_check.py ${BUILD_ARGS:-} 2>&1 | tee "$LOG/build_check.log" | tail -30 ;;
     bench) python3 benchmarks/bench_all.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench.log" | tail -40 ;;
