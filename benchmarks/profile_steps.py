@@ -111,8 +111,9 @@ def main(argv=None) -> int:
     print(f"  host fill of an empty decode batch: {1e6 * (time.perf_counter() - t) / n:.1f} us")
 
     # 3. kernels of one eager decode step (bucket 1) and of one bucket-64 step
+    staging = runner.idle_decode_inputs()
     for b in (1, 64):
-        views = runner._views(b, b, runner.width)
+        views = runner._views(b, b, runner.width, staging.dev)
         with torch.inference_mode():
             for _ in range(3):
                 runner._run_program(views)

@@ -157,7 +157,13 @@ class ModelRunner:
         buckets = self.decode_buckets
         if not buckets:
             return False
-        # capture-time inputs: every row attends to one token of block 0 and writes nowhere
+        st = self.idle_decode_inputs()
+        return self.graphs.capture(buckets, lambda b: self._run_program(self._views(b, b, self.width, st.dev)),
+                                   self.device)
+
+    def idle_decode_inputs(self) -> DecodeStaging:
+        """The bucketed decode inputs set so that every row attends to one token of block 0 and
+        writes nowhere (what graphs are captured with; profiling replays them too)."""
         st = self._decode_staging()
         st.np["tok"][:] = 0
         st.np["pos"][:] = 0
@@ -166,8 +172,7 @@ class ModelRunner:
         st.np["qsl"][:] = self._arange[: st.np["qsl"].shape[0]]
         st.np["bt"][:] = 0
         st.copy_in(st.max_rows)
-        return self.graphs.capture(buckets, lambda b: self._run_program(self._views(b, b, self.width, st.dev)),
-                                   self.device)
+        return st
 
     def capture_prefill_graphs(self, max_tokens: int) -> bool:
         """Graphs of one sequence's prefill of up to max_tokens tokens (CUDA only), in the decode
