@@ -28,6 +28,7 @@ from compiled_llm.kernels import (  # noqa: E402
     triton_norm_mlp as tm,
     triton_paged_attention as pa,
     triton_qkv_rope as tq,
+    triton_sampling as ts,
 )
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -64,7 +65,7 @@ def _cases(dt):
             yield f"prefill D{head_dim} flat={flat}", pa._prefill_kernel, 4, {
                 **ptr("q_ptr", "cache_ptr", "out_ptr"), **idx, **cache_strides,
                 **_stride_args("stride_qt", "stride_qh", "stride_qd", "stride_bt_s", "stride_bt_b", "stride_ot",
-                               "stride_oh", "stride_od", "NUM_SEQS"),
+                               "stride_oh", "stride_od", "NUM_SEQS", "T"),
             }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, TOKENS=tokens, BLOCK_M=64, BLOCK_N=64,
                     BLOCK_D=head_dim, IEEE=ieee, FLAT=flat)
     yield "decode_reduce", pa._decode_reduce_kernel, 2, {
@@ -84,6 +85,13 @@ def _cases(dt):
         yield f"act glu={rms}", tm._act_kernel, 4, {
             **ptr("in_ptr", "out_ptr"), **_stride_args("I", "stride_in", "stride_out"),
         }, dict(IS_GLU=rms, BLOCK=1024)
+    for greedy in (True, False):
+        for splits in (1, 16):
+            yield f"sample greedy={greedy} splits={splits}", ts._sample_kernel, 4, {
+                **ptr("logits_ptr"), "temp_ptr": "*fp32", "seed_ptr": "*i32", "part_val_ptr": "*fp32",
+                "part_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
+                **_stride_args("V", "stride_l", "CHUNK"),
+            }, dict(SPLITS=splits, GREEDY=greedy, BLOCK=1024, BLOCK_S=16)
     yield "qkv_epilogue", tq._qkv_epilogue_kernel, 1, {
         **ptr("q_src", "k_src", "v_src", "q_out", "k_out", "v_out", "q_norm_ptr", "k_norm_ptr"),
         "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": 1.0,
