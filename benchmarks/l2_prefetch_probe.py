@@ -103,13 +103,18 @@ def _load_lines_kernel(p0, n0, p1, n1, p2, n2, p3, n3, sink_ptr, LINES: tl.const
         tl.store(sink_ptr, s, mask=s == -12345)
 
 
-def load_l2(tensors, sink):
+def _byte_args(tensors) -> tuple[list, tuple[int, int]]:
+    """The kernels' (pointer, bytes) pairs, padded to MAX_TENSORS, and their grid."""
     views = [t.view(-1).view(torch.uint8) for t in tensors]
     args = []
     for v in views + [views[0]] * (MAX_TENSORS - len(views)):
         args += [v, v.numel()]
     lines = max(triton.cdiv(v.numel(), LINE_BYTES) for v in views)
-    grid = (triton.cdiv(lines, LINES_PER_PROGRAM), len(views))
+    return args, (triton.cdiv(lines, LINES_PER_PROGRAM), len(views))
+
+
+def load_l2(tensors, sink):
+    args, grid = _byte_args(tensors)
     _load_lines_kernel[grid](*args, sink, LINES=LINES_PER_PROGRAM, num_warps=8)
 
 
@@ -130,16 +135,10 @@ def prefetch_l2(tensors: Sequence[torch.Tensor], evict_last: bool = True):
         return None
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"prefetch_l2 takes at most {MAX_TENSORS} tensors, got {len(tensors)}")
-    views = [t.view(-1).view(torch.uint8) for t in tensors]
-    args = []
-    for v in views + [views[0]] * (MAX_TENSORS - len(views)):
-        args += [v, v.numel()]
-    lines = max(triton.cdiv(v.numel(), LINE_BYTES) for v in views)
-    grid = (triton.cdiv(lines, LINES_PER_PROGRAM), len(views))
+    args, grid = _byte_args(tensors)
     pdl = use_pdl(tensors[0])
     return _prefetch_l2_kernel[grid](*args, LINES=LINES_PER_PROGRAM, EVICT_LAST=evict_last, PDL=pdl,
-                              num_warps=4, **pdl_launch(pdl))
-
+                                     num_warps=4, **pdl_launch(pdl))
 
 
 def main(argv=None) -> int:
