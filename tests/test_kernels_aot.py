@@ -86,12 +86,11 @@ def _cases(dt):
             **ptr("in_ptr", "out_ptr"), **_stride_args("I", "stride_in", "stride_out"),
         }, dict(IS_GLU=rms, BLOCK=1024)
     for greedy in (True, False):
-        for splits in (1, 16):
-            yield f"sample greedy={greedy} splits={splits}", ts._sample_kernel, 4, {
-                **ptr("logits_ptr"), "temp_ptr": "*fp32", "seed_ptr": "*i32", "part_val_ptr": "*fp32",
-                "part_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
-                **_stride_args("V", "stride_l", "CHUNK"),
-            }, dict(SPLITS=splits, GREEDY=greedy, BLOCK=1024, BLOCK_S=16)
+        yield f"sample greedy={greedy}", ts._sample_kernel, 4, {
+            **ptr("logits_ptr"), "temp_ptr": "*fp32", "seed_ptr": "*i32", "part_val_ptr": "*fp32",
+            "part_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
+            **_stride_args("V", "stride_l", "CHUNK", "SPLITS"),
+        }, dict(GREEDY=greedy, BLOCK=1024, BLOCK_S=ts.MAX_SPLITS)
     yield "qkv_epilogue", tq._qkv_epilogue_kernel, 1, {
         **ptr("q_src", "k_src", "v_src", "q_out", "k_out", "v_out", "q_norm_ptr", "k_norm_ptr"),
         "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": 1.0,

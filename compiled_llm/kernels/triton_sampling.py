@@ -35,10 +35,13 @@ PROGRAMS_PER_SM = 4
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
-@triton.jit
+# The split count and chunk length follow the batch size, which changes from step to step: left
+# unspecialised (and BLOCK_S fixed at MAX_SPLITS), so serving never compiles a new variant in the
+# middle of a run; only GREEDY picks one of two compiled kernels.
+@triton.jit(do_not_specialize=["CHUNK", "SPLITS"])
 def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr, counter_ptr, out_ptr,
-                   V, stride_l, CHUNK,
-                   SPLITS: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+                   V, stride_l, CHUNK, SPLITS,
+                   GREEDY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_l
@@ -114,7 +117,7 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, generator: t
         return out
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     greedy = temperature is None
-    splits = splits or num_splits(S, V, logits.device)
+    splits = min(splits or num_splits(S, V, logits.device), MAX_SPLITS)
     chunk = triton.cdiv(triton.cdiv(V, splits), BLOCK_V) * BLOCK_V
     splits = triton.cdiv(V, chunk)  # no empty chunk
     seed = out if greedy else torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=logits.device,
@@ -125,7 +128,7 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, generator: t
     _sample_kernel[(S, splits)](
         logits, temperature if not greedy else out, seed, part_val, part_idx, counters, out,
         V, logits.stride(0), chunk,
-        SPLITS=splits, GREEDY=greedy, BLOCK=BLOCK_V, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+        splits, GREEDY=greedy, BLOCK=BLOCK_V, BLOCK_S=MAX_SPLITS, num_warps=4,
     )
     return out
 
