@@ -3,7 +3,7 @@ the T = 1 bucket of each decode kernel's table, judged by the device time of the
 CUDA graph (so programmatic dependent launch and the neighbouring kernels count, which a kernel
 timed alone misses). Prints each trial and the winning table as JSON for launch_configs.py.
 
-    python benchmarks/tune_decode.py [--source qwen2.5-0.5b] [--rounds 2]
+    python benchmarks/tune_decode.py [--source qwen2.5-0.5b] [--rounds 2] [--tables gemv norm_mlp_down]
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 # candidate values per (table, knob) of the "1" bucket
 SPACE = {
-    "norm_mlp_decode": {"BLOCK_I": [1, 2, 4, 8], "BLOCK_H": [512, 1024], "num_warps": [2, 4, 8]},
+    "norm_mlp_decode": {"BLOCK_I": [1, 2, 4, 8], "BLOCK_H": [256, 512, 1024], "num_warps": [1, 2, 4]},
     "norm_mlp_down": {"BLOCK_N": [1, 2, 4], "BLOCK_K": [1024, 2048, 4096], "num_warps": [4, 8]},
-    "gemv": {"BLOCK_N": [1, 2, 4], "BLOCK_K": [512, 1024], "num_warps": [2, 4]},
+    "gemv": {"BLOCK_N": [1, 2, 4], "BLOCK_K": [512, 1024], "num_warps": [1, 2, 4]},
     "qkv_decode": {"BLOCK_P": [1, 2, 4], "BLOCK_K": [512, 1024], "num_warps": [2, 4]},
     "paged_attention_decode": {"BLOCK_N": [32, 64], "MAX_SPLITS": [4, 8, 16, 32], "num_warps": [2, 4]},
 }
@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", default="qwen2.5-0.5b")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--tables", nargs="+", choices=sorted(SPACE), default=sorted(SPACE),
+                    help="tune only these tables (default: all)")
     args = ap.parse_args(argv)
 
     import torch
@@ -70,6 +72,8 @@ def main(argv=None) -> int:
     print(f"start: {best_us:.1f} us per batch-1 decode step", flush=True)
     for r in range(args.rounds):
         for table, knobs in SPACE.items():
+            if table not in args.tables:
+                continue
             for knob, values in knobs.items():
                 for v in values:
                     if best[table]["1"].get(knob) == v:

@@ -150,11 +150,12 @@ def test_layer_norm_gelu_mlp_matches_reference(form, T, with_residual):
     assert rel_err(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args, residual=r)) <= TOL
 
 
+@pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("gelu", [False, True])
-def test_norm_mlp_decode_with_tiny_blocks(gelu):
-    # 5 rows in blocks of 2, 56/72 intermediate rows in blocks of 4, H in chunks of 16 (last partial)
+def test_norm_mlp_decode_with_tiny_blocks(gelu, T):
+    # 5 rows in blocks of 2 (1 row: the one-row kernels), 56/72 intermediate rows in blocks of 4,
+    # H in chunks of 16 (last partial)
     launch_configs.use_configs({"norm_mlp_decode": {"inf": TINY_MLP}, "norm_mlp_down": {"inf": TINY_GEMV}})
-    T = 5
     if gelu:
         args = mlp_gelu_inputs(T, 40, 72, F32, "cpu", seed=40)
         fn, ref_fn = triton_norm_mlp.fused_layer_norm_gelu_mlp, fused_ops.fused_layer_norm_gelu_mlp_ref
@@ -226,11 +227,12 @@ def test_qkv_rope_matches_reference(form, T, bias, qk_norm, rope, head_dim, inpu
 
 
 @pytest.mark.parametrize("bias,qk_norm,rope,head_dim", QKV_KINDS)
-def test_qkv_decode_with_tiny_blocks(bias, qk_norm, rope, head_dim):
-    # 7 rows in blocks of 2; 4 pairs a program (a head split in 3-4 programs, or walked in 3-4
+@pytest.mark.parametrize("T", [1, 7])
+def test_qkv_decode_with_tiny_blocks(bias, qk_norm, rope, head_dim, T):
+    # 7 rows in blocks of 2 (1 row: the one-row form); 4 pairs a program (a head split in 3-4 programs, or walked in 3-4
     # steps with q/k norm); K = 40 in chunks of 16
     launch_configs.use_configs({"qkv_decode": {"inf": TINY_QKV}})
-    args, nw = _qkv_args(7, bias, qk_norm, rope, head_dim, seed=60)
+    args, nw = _qkv_args(T, bias, qk_norm, rope, head_dim, seed=60)
     out = triton_qkv_rope.fused_qkv_rope(*args, norm_weight=nw, norm_eps=1e-5, form="decode")
     _check_qkv(out, fused_ops.fused_qkv_rope_ref(*args, nw, 1e-5))
 

@@ -86,12 +86,22 @@ def _kernels_at_default_configs(dt):
     for T in (1, 2, 4):
         for table, K in (("gemv", H), ("norm_mlp_down", I)):
             tile = tg.tile_config(launch_configs.get(table, T), T, H, K, itemsize)
+            if T == 1:  # gemv() runs the one-row kernel for a single row
+                yield f"{table} T=1 (one-row kernel)", tg._gemv_one_row_kernel, tile["num_warps"], dict(
+                    HAS_BIAS=True, HAS_RESIDUAL=True, BLOCK_N=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"],
+                    VEC=16 // itemsize, PDL=True)
+                continue
             yield f"{table} T={T}", tg._gemv_kernel, tile["num_warps"], dict(
                 HAS_BIAS=True, HAS_RESIDUAL=True, BLOCK_T=tile["BLOCK_T"], BLOCK_N=tile["BLOCK_ROWS"],
                 BLOCK_K=tile["BLOCK_K"], PDL=True)
         tile = tg.tile_config(launch_configs.get("norm_mlp_decode", T), T, I, H, itemsize,
                               rows_key="BLOCK_I", k_key="BLOCK_H")
         for glu in (True, False):
+            if T == 1:  # decode_activation runs the one-row kernel for a single row
+                yield f"norm_mlp_decode glu={glu} T=1 (one-row kernel)", tm._norm_mlp_one_row_kernel, \
+                    tile["num_warps"], dict(IS_RMS=glu, IS_GLU=glu, BLOCK_I=tile["BLOCK_ROWS"],
+                                            BLOCK_H=tile["BLOCK_K"], VEC=16 // itemsize, PDL=True)
+                continue
             yield f"norm_mlp_decode glu={glu} T={T}", tm._norm_mlp_decode_kernel, tile["num_warps"], dict(
                 IS_RMS=glu, IS_GLU=glu, BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"],
                 PDL=True)
@@ -101,7 +111,8 @@ def _kernels_at_default_configs(dt):
                 NUM_HEADS=QWEN["Hq"], NUM_KV_HEADS=QWEN["Hkv"], HEAD_DIM=D, HALF=D // 2,
                 SPLITS=1 if qk_norm else D // 2 // tile["BLOCK_ROWS"], BLOCK_T=tile["BLOCK_T"],
                 BLOCK_P=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"], BLOCK_HALF=D // 2,
-                HAS_BIAS=True, HAS_INPUT_NORM=True, HAS_QK_NORM=qk_norm, HAS_ROPE=True, PDL=True)
+                HAS_BIAS=True, HAS_INPUT_NORM=True, HAS_QK_NORM=qk_norm, HAS_ROPE=True, PDL=True,
+                ONE_ROW=T == 1, VEC=16 // itemsize)
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp32"])

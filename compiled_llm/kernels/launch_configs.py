@@ -59,8 +59,11 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # and Llama-3.2-1B shapes, as were the dispatch limits below (the token counts up to which
     # the GEMV forms beat cuBLAS); the T = 1 buckets then by benchmarks/tune_decode.py on the whole
     # batch-1 decode graph (norm_mlp_decode BLOCK_I 8, attention BLOCK_N 32: 608 -> 556 us).
+    # The T = 1 buckets of gemv, norm_mlp_down, norm_mlp_decode and qkv_decode serve the one-row
+    # forms (one fp32 accumulator per weight row and thread; see _gemv_one_row_kernel), tuned by
+    # benchmarks/tune_decode.py on the whole batch-1 graph (H200, 2026-11-22, third session).
     "gemv": {
-        "1": {"BLOCK_T": 1, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "1": {"BLOCK_T": 1, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 1, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
         "8": {"BLOCK_T": 8, "BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
@@ -73,7 +76,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # fused norm + MLP decode form, first kernel: norm + gate/up (or fc) + activation, a program
     # per BLOCK_I intermediate rows (gate rows and the matching up rows)
     "norm_mlp_decode": {
-        "1": {"BLOCK_T": 1, "BLOCK_I": 8, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
+        "1": {"BLOCK_T": 1, "BLOCK_I": 2, "BLOCK_H": 512, "num_warps": 1, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_I": 2, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
         "8": {"BLOCK_T": 8, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
@@ -81,7 +84,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     # ... and its second kernel: the down (or proj) GEMV with the residual epilogue (tall K)
     "norm_mlp_down": {
-        "1": {"BLOCK_T": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 1},
+        "1": {"BLOCK_T": 1, "BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
         "8": {"BLOCK_T": 8, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
@@ -96,7 +99,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # BLOCK_P rotation pairs (rows i and i + D/2) of one head; with q/k norm a program owns a whole
     # head and walks it BLOCK_P pairs at a time
     "qkv_decode": {
-        "1": {"BLOCK_T": 1, "BLOCK_P": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "1": {"BLOCK_T": 1, "BLOCK_P": 4, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_P": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_P": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
         "8": {"BLOCK_T": 8, "BLOCK_P": 1, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},

@@ -10,6 +10,8 @@ Decode form (T <= MAX_DECODE_TOKENS): two weight-streaming launches (see triton_
      padding), and writes silu(gate) * up (or gelu-tanh(fc + b)) as act [T, I].
   2. the down (or proj) GEMV over act with bias and residual in its epilogue
      (``triton_gemv.gemv``, launch-config table "norm_mlp_down").
+  At one row (batch-1 decode) both launches use the one-row forms (``_norm_mlp_one_row_kernel``
+  and triton_gemv's): one fp32 accumulator per weight row and thread instead of a whole tile.
 Deterministic: no atomics, so greedy decoding repeats exactly.
 
 Prefill form (large T): Triton norm -> cuBLAS matmul -> Triton activation -> cuBLAS matmul, the
@@ -31,7 +33,9 @@ import triton.language as tl
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import pdl_launch, pdl_open, pdl_wait, use_pdl
 from compiled_llm.kernels.triton_common import next_pow2
-from compiled_llm.kernels.triton_gemv import dense_linear, gemv, input_chunk, norm_stats, tile_config, weight_tile
+from compiled_llm.kernels.triton_gemv import (
+    VECTOR_BYTES, dense_linear, gemv, input_chunk, norm_stats, tile_config, weight_tile,
+)
 from compiled_llm.kernels.triton_norm import layer_norm as tr_layer_norm
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
 
@@ -110,6 +114,66 @@ def _norm_mlp_decode_kernel(
 
 
 @triton.jit
+def _norm_mlp_one_row_kernel(
+    x_ptr, nw_ptr, nb_ptr, w1_ptr, b1_ptr, act_ptr,
+    H, I, eps, stride_w1,
+    IS_RMS: tl.constexpr, IS_GLU: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """``_norm_mlp_decode_kernel`` for one row of x (batch-1 decode), with the one-row GEMV's
+    layout (see triton_gemv._gemv_one_row_kernel): weight tiles [BLOCK_I, BLOCK_H / VEC, VEC],
+    each thread's 16-byte vector summed inside the thread every step, one fp32 accumulator per
+    weight row and thread. Same norm, roundings and activation as the general kernel."""
+    pdl_open(PDL)
+    KC: tl.constexpr = BLOCK_H // VEC
+    offs_i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask_i = offs_i < I
+    mask_i3 = mask_i[:, None, None]
+    offs_c = tl.arange(0, KC)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]  # [1, KC, VEC]
+    w1_rows = w1_ptr + offs_i.to(tl.int64)[:, None, None] * stride_w1
+    w3_rows = w1_ptr + (offs_i + I).to(tl.int64)[:, None, None] * stride_w1
+    # the norm helpers take [rows, 1, 1] pointers: here one row
+    x_rows = x_ptr + tl.zeros([1, 1, 1], tl.int64)
+    row_ok = tl.full([1, 1, 1], 1, tl.int1)
+
+    # the first weight tiles (and the fc bias) need nothing from the previous kernel: stream them
+    # while it finishes (PDL), then wait before touching x
+    mask_h = offs_c < H
+    w1_first = weight_tile(w1_rows, offs_c, mask_i3 & mask_h)
+    w3_first = w1_first
+    if IS_GLU:
+        w3_first = weight_tile(w3_rows, offs_c, mask_i3 & mask_h)
+    b1 = tl.zeros([BLOCK_I], tl.float32)
+    if not IS_GLU:
+        b1 = tl.load(b1_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+
+    mean, rstd = norm_stats(x_rows, row_ok, H, eps, 1, BLOCK_H, IS_RMS)
+    n = input_chunk(x_rows, row_ok, offs_c, mask_h, nw_ptr, nb_ptr, mean, rstd, True, IS_RMS)
+    acc1 = tl.sum(n * w1_first, 2)
+    acc3 = acc1
+    if IS_GLU:
+        acc3 = tl.sum(n * w3_first, 2)
+    for h0 in range(BLOCK_H, H, BLOCK_H):
+        offs_h = h0 + offs_c
+        mask_h = offs_h < H
+        n = input_chunk(x_rows, row_ok, offs_h, mask_h, nw_ptr, nb_ptr, mean, rstd, True, IS_RMS)
+        acc1 += tl.sum(n * weight_tile(w1_rows, offs_h, mask_i3 & mask_h), 2)
+        if IS_GLU:
+            acc3 += tl.sum(n * weight_tile(w3_rows, offs_h, mask_i3 & mask_h), 2)
+
+    dtype = act_ptr.dtype.element_ty
+    if IS_GLU:
+        # F.linear rounds gate and up, F.silu rounds its output, the product rounds again
+        g = tl.sum(acc1, 1).to(dtype).to(tl.float32)
+        u = tl.sum(acc3, 1).to(dtype).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
+    else:
+        act = _gelu_tanh((tl.sum(acc1, 1) + b1).to(dtype).to(tl.float32))
+    tl.store(act_ptr + offs_i, act.to(dtype), mask=mask_i)
+
+
+@triton.jit
 def _act_kernel(
     in_ptr, out_ptr, I, stride_in, stride_out,
     IS_GLU: tl.constexpr, BLOCK: tl.constexpr,
@@ -165,8 +229,18 @@ def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bo
     w1 = w1 if w1.stride(-1) == 1 else w1.contiguous()
     tile = tile_config(launch_configs.get("norm_mlp_decode", T), T, inter, H, x2.element_size(),
                        rows_key="BLOCK_I", k_key="BLOCK_H")
-    grid = (triton.cdiv(inter, tile["BLOCK_ROWS"]), triton.cdiv(T, tile["BLOCK_T"]))
     pdl = use_pdl(x2)
+    if T == 1:
+        _norm_mlp_one_row_kernel[(triton.cdiv(inter, tile["BLOCK_ROWS"]),)](
+            x2, norm_weight, norm_bias if norm_bias is not None else norm_weight,
+            w1, b1 if b1 is not None else norm_weight, act,
+            H, inter, eps, w1.stride(0),
+            IS_RMS=is_rms, IS_GLU=is_glu,
+            BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"], VEC=VECTOR_BYTES // x2.element_size(), PDL=pdl,
+            num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
+        )
+        return act
+    grid = (triton.cdiv(inter, tile["BLOCK_ROWS"]), triton.cdiv(T, tile["BLOCK_T"]))
     _norm_mlp_decode_kernel[grid](
         x2, norm_weight, norm_bias if norm_bias is not None else norm_weight,
         w1, b1 if b1 is not None else norm_weight, act,

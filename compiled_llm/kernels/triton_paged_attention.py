@@ -27,6 +27,9 @@ Decode (every sequence has exactly one query row, T == S, recognisable from shap
   * The counters live in a persistent zero-initialised int32 workspace per device (see
     ``split_counters``); every launch leaves them at 0. One decode attention may be in flight
     per device at a time (the runtime runs one stream).
+  * Programmatic dependent launch: the step inputs (lengths, block table, slot mapping) and the
+    cache rows of earlier steps are not the previous kernel's output, so each program loads its
+    first key/value tile before the PDL wait; q, the new k/v rows and every store come after it.
   NUM_SPLITS comes from the block table's width and the batch size, never from seq_lens values,
   so the launch is the same for every step of a CUDA-graph bucket; each program derives its own
   slice from seq_lens on the device. Splits past a short context are empty (lse = -inf), the
@@ -84,16 +87,27 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _new_row_position(slot_ptr, bt_row, s, seq_len, stride_bt_b, BLOCK_SIZE: tl.constexpr):
+    """(slot row s's new k/v go to, position whose k/v the readers take from the inputs or -1).
+    Step inputs only (slot mapping, block table, lengths): readable before the PDL wait."""
+    slot = tl.load(slot_ptr + s).to(tl.int64)
+    # only when the slot is where the block table puts position seq_len - 1 does the new row
+    # stand in for the cache (slot -1: nothing is written, the cache holds the row)
+    last = tl.maximum(seq_len - 1, 0)
+    last_blk = tl.load(bt_row + (last // BLOCK_SIZE) * stride_bt_b).to(tl.int64)
+    fresh = (seq_len > 0) & (slot == last_blk * BLOCK_SIZE + last % BLOCK_SIZE)
+    return slot, tl.where(fresh, seq_len - 1, -1)
+
+
+@triton.jit
 def _store_new_row(
-    k_ptr, v_ptr, cache_ptr, slot_ptr, bt_row, s, kvh, split, seq_len, offs_d, mask_d,
+    k_ptr, v_ptr, cache_ptr, slot, s, kvh, split, offs_d, mask_d,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-    stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d, stride_bt_b,
+    stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
     BLOCK_SIZE: tl.constexpr,
 ):
-    """Store row s's new k/v of this kv head (split 0 only) and return (position whose k/v the
-    readers take from the inputs, or -1; the new k row; the new v row), in the cache dtype so
-    the values read are exactly the values stored."""
-    slot = tl.load(slot_ptr + s).to(tl.int64)
+    """Store row s's new k/v of this kv head (split 0 only) and return (the new k row, the new v
+    row) in the cache dtype, so the values read are exactly the values stored."""
     new_k = tl.load(k_ptr + s * stride_kt + kvh * stride_kh + offs_d * stride_kd, mask=mask_d, other=0.0)
     new_v = tl.load(v_ptr + s * stride_vt + kvh * stride_vh + offs_d * stride_vd, mask=mask_d, other=0.0)
     new_k = new_k.to(cache_ptr.dtype.element_ty)
@@ -101,12 +115,47 @@ def _store_new_row(
     if (split == 0) & (slot >= 0):
         store_slot(cache_ptr, slot, new_k, new_v, kvh * stride_c_h + offs_d * stride_c_d, mask_d,
                    stride_c_kv, stride_c_blk, stride_c_off, BLOCK_SIZE)
-    # only when the slot is where the block table puts position seq_len - 1 does the new row
-    # stand in for the cache (slot -1: nothing is written, the cache holds the row)
-    last = tl.maximum(seq_len - 1, 0)
-    last_blk = tl.load(bt_row + (last // BLOCK_SIZE) * stride_bt_b).to(tl.int64)
-    fresh = (seq_len > 0) & (slot == last_blk * BLOCK_SIZE + last % BLOCK_SIZE)
-    return tl.where(fresh, seq_len - 1, -1), new_k, new_v
+    return new_k, new_v
+
+
+@triton.jit
+def _cached_kv_tile(kv_base, bt_row, n0, end, new_pos, offs_d, mask_d,
+                    stride_bt_b, stride_c_kv, stride_c_blk, stride_c_off, stride_c_d,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V rows of keys n0 .. n0 + BLOCK_N - 1 (below ``end``) from the cache, 0 past the end
+    and at ``new_pos`` (the slot being written this step, never read)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_b, mask=mask_n, other=0)
+    row = blk.to(tl.int64) * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_off
+    kv_mask = (mask_n & (offs_n != new_pos))[:, None] & mask_d[None, :]
+    k = tl.load(kv_base + row[:, None] + offs_d[None, :] * stride_c_d, mask=kv_mask, other=0.0)
+    v = tl.load(kv_base + stride_c_kv + row[:, None] + offs_d[None, :] * stride_c_d, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, n0, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
+                 STORE_KV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_N-key step of the online softmax over cached rows k, v (keys n0.., below end),
+    the new row standing in at ``new_pos``. A tile with no key (an empty split) changes nothing."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    if STORE_KV:
+        is_new = (offs_n == new_pos)[:, None]
+        k = tl.where(is_new, new_k[None, :], k)
+        v = tl.where(is_new, new_v[None, :], v)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    scores = dot(q, tl.trans(k), IEEE) * qk_scale
+    scores = tl.where(mask_n[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key yet: exp2(-inf) = 0, not NaN
+    p = tl.exp2(scores - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -170,10 +219,12 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    # PDL: launched while the previous kernel (q/k/v) runs; everything below reads its output,
-    # reads the step's inputs or writes
+    # PDL: launched while the previous kernel (q/k/v) runs. The step inputs (lengths, block
+    # table, slot mapping) and the cache rows of earlier steps need nothing from it, so the first
+    # key tile is loaded before the wait; q and the new k/v rows (its output) and every store come
+    # after. With a separate kv_store launch (STORE_KV off) the cache itself is that launch's
+    # output, so the tile waits too.
     pdl_open(PDL)
-    pdl_wait(PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -192,11 +243,19 @@ def _decode_kernel(
     mask_d = offs_d < HEAD_DIM
     bt_row = bt_ptr + s * stride_bt_s
     kv_base = cache_ptr + kvh * stride_c_h
+    new_pos = -1
     if STORE_KV:
-        new_pos, new_k, new_v = _store_new_row(
-            k_ptr, v_ptr, cache_ptr, slot_ptr, bt_row, s, kvh, split, seq_len, offs_d, mask_d,
+        slot, new_pos = _new_row_position(slot_ptr, bt_row, s, seq_len, stride_bt_b, BLOCK_SIZE)
+    else:
+        pdl_wait(PDL)
+    k_first, v_first = _cached_kv_tile(kv_base, bt_row, start, end, new_pos, offs_d, mask_d, stride_bt_b,
+                                       stride_c_kv, stride_c_blk, stride_c_off, stride_c_d, BLOCK_SIZE, BLOCK_N)
+    pdl_wait(PDL)
+    if STORE_KV:
+        new_k, new_v = _store_new_row(
+            k_ptr, v_ptr, cache_ptr, slot, s, kvh, split, offs_d, mask_d,
             stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-            stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d, stride_bt_b, BLOCK_SIZE,
+            stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d, BLOCK_SIZE,
         )
 
     # decode: row s of q is sequence s's only query row
@@ -207,31 +266,17 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_b, mask=mask_n, other=0)
-        row = blk.to(tl.int64) * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_off
-        from_cache = mask_n
-        if STORE_KV:
-            from_cache = mask_n & (offs_n != new_pos)  # never read the slot being written
-        kv_mask = from_cache[:, None] & mask_d[None, :]
-        k = tl.load(kv_base + row[:, None] + offs_d[None, :] * stride_c_d, mask=kv_mask, other=0.0)
-        v = tl.load(kv_base + stride_c_kv + row[:, None] + offs_d[None, :] * stride_c_d, mask=kv_mask, other=0.0)
-        if STORE_KV:
-            is_new = (offs_n == new_pos)[:, None]
-            k = tl.where(is_new, new_k[None, :], k)
-            v = tl.where(is_new, new_v[None, :], v)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-        scores = dot(q, tl.trans(k), IEEE) * qk_scale
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+    if not STORE_KV:  # placeholders, never read
+        new_k = offs_d.to(q.dtype)
+        new_v = new_k
+    # the first tile (loaded before the wait) is peeled off; the loop loads the rest
+    m_i, l_i, acc = _attend_tile(q, k_first, v_first, start, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
+                                 STORE_KV, BLOCK_N, IEEE)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        k, v = _cached_kv_tile(kv_base, bt_row, n0, end, new_pos, offs_d, mask_d, stride_bt_b,
+                               stride_c_kv, stride_c_blk, stride_c_off, stride_c_d, BLOCK_SIZE, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k, v, n0, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
+                                     STORE_KV, BLOCK_N, IEEE)
 
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)

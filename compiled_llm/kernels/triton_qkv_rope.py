@@ -6,7 +6,11 @@ Decode form (T <= MAX_TOKENS of "qkv_dispatch"): one weight-streaming launch,
 program owns BLOCK_P rotation pairs of one head: rows i and i + D/2, which RoPE mixes, so the pair
 stays in one program's registers. It computes the input-norm statistics of its x rows itself (x is
 tiny), streams its weight rows once along H as triton_gemv does, adds the bias, rounds to the dtype
-(the reference rounds the F.linear output), rotates and stores. Splitting heads into pairs keeps
+(the reference rounds the F.linear output), rotates and stores. Under programmatic dependent
+launch the first weight chunk, the bias and cos/sin (none of them the previous kernel's output)
+are loaded before the wait, and each pair block's first chunk one block ahead. At one row
+(batch-1 decode) the ONE_ROW form keeps one fp32 accumulator per weight row and thread, as
+triton_gemv._gemv_one_row_kernel does. Splitting heads into pairs keeps
 enough programs to fill the GPU (Qwen2.5-0.5B has 18 heads). With q/k norm the statistics need the
 whole head, so a program owns a whole head (SPLITS = 1): it walks the head BLOCK_P pairs at a time,
 stores the rounded projection, and once its head is complete (a CTA barrier makes its own stores
@@ -62,6 +66,68 @@ def _norm_rope(x1, x2, w1, w2, cos, sin, eps,
 
 
 @triton.jit
+def _chunk_offsets(BLOCK_K: tl.constexpr, VEC: tl.constexpr, ONE_ROW: tl.constexpr):
+    """Column offsets of one k chunk: [1, 1, BLOCK_K] (general form), or [1, BLOCK_K / VEC, VEC]
+    with a thread's 16-byte vector on the last axis (one-row form, see
+    triton_gemv._gemv_one_row_kernel)."""
+    if ONE_ROW:
+        offs = tl.arange(0, BLOCK_K // VEC)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]
+    else:
+        offs = tl.arange(0, BLOCK_K)[None, None, :]
+    return offs
+
+
+@triton.jit
+def _rows3(v, ONE_ROW: tl.constexpr):
+    """A per-weight-row vector on the weight-row axis: 0 in the one-row form, 1 otherwise."""
+    if ONE_ROW:
+        r = v[:, None, None]
+    else:
+        r = v[None, :, None]
+    return r
+
+
+@triton.jit
+def _product(xk, w, ONE_ROW: tl.constexpr):
+    """What one k chunk adds to the accumulator: the one-row form sums each thread's vector at
+    once ([BLOCK_P, BLOCK_K / VEC]), the general form keeps the whole tile."""
+    if ONE_ROW:
+        p = tl.sum(xk * w, 2)
+    else:
+        p = xk * w
+    return p
+
+
+@triton.jit
+def _row_sums(acc, ONE_ROW: tl.constexpr):
+    """The accumulator reduced over K as [BLOCK_T, BLOCK_P] (BLOCK_T = 1 in the one-row form)."""
+    if ONE_ROW:
+        y = tl.sum(acc, 1)[None, :]
+    else:
+        y = tl.sum(acc, 2)
+    return y
+
+
+@triton.jit
+def _pair_constants(b_ptr, cs_rows, rows1, offs_p, mask_p, HALF: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ROTATE: tl.constexpr):
+    """What a block of rotation pairs needs besides x and the weights: the fp32 bias of rows
+    rows1 and rows1 + HALF ([BLOCK_P]) and cos/sin at the rows' positions ([BLOCK_T, BLOCK_P]),
+    zeros for what the kernel does not use."""
+    b1 = tl.zeros(offs_p.shape, tl.float32)
+    b2 = b1
+    if HAS_BIAS:
+        b1 = tl.load(b_ptr + rows1, mask=mask_p, other=0.0).to(tl.float32)
+        b2 = tl.load(b_ptr + rows1 + HALF, mask=mask_p, other=0.0).to(tl.float32)
+    cos = tl.zeros(offs_p.shape, tl.float32)[None, :]
+    sin = cos
+    if ROTATE:
+        cos = tl.load(cs_rows + offs_p[None, :], mask=mask_p[None, :], other=0.0)
+        sin = tl.load(cs_rows + HALF + offs_p[None, :], mask=mask_p[None, :], other=0.0)
+    return b1, b2, cos, sin
+
+
+@triton.jit
 def _qkv_decode_kernel(
     x_ptr, w_ptr, b_ptr, nw_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, cs_ptr,
     q_out, k_out, v_out,
@@ -71,11 +137,12 @@ def _qkv_decode_kernel(
     SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INPUT_NORM: tl.constexpr, HAS_QK_NORM: tl.constexpr, HAS_ROPE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ONE_ROW: tl.constexpr = False, VEC: tl.constexpr = 8,
 ):
-    # PDL: launched while the previous kernel runs; everything below reads its output or writes
+    # PDL: launched while the previous kernel runs. The weights, bias, positions and cos/sin
+    # need nothing from it, so the first weight tiles and the rotation factors are loaded before
+    # the wait; x (its output) and every store come after.
     pdl_open(PDL)
-    pdl_wait(PDL)
     pid = tl.program_id(0)
     head = pid // SPLITS
     p_lo = (pid % SPLITS) * BLOCK_P
@@ -104,39 +171,59 @@ def _qkv_decode_kernel(
         pos = tl.load(pos_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
         cs_rows = cs_ptr + pos[:, None] * stride_cs  # [BLOCK_T, 1]
 
+    # software pipeline over the pairs: the first k chunk of each pair block's weight rows is
+    # loaded one block ahead (the first block's before the PDL wait)
+    offs_k0 = _chunk_offsets(BLOCK_K, VEC, ONE_ROW)
+    mask_k0 = offs_k0 < K
+    offs_p = p_lo + tl.arange(0, BLOCK_P)
+    rows1 = head * HEAD_DIM + offs_p
+    mask_w = _rows3(offs_p < p_hi, ONE_ROW) & mask_k0
+    w1_next = weight_tile(w_ptr + _rows3(rows1.to(tl.int64), ONE_ROW) * stride_w, offs_k0, mask_w)
+    w2_next = weight_tile(w_ptr + _rows3((rows1 + HALF).to(tl.int64), ONE_ROW) * stride_w, offs_k0, mask_w)
+    b1_next, b2_next, cos_next, sin_next = _pair_constants(
+        b_ptr, cs_rows, rows1, offs_p, offs_p < p_hi, HALF, HAS_BIAS, HAS_ROPE and not HAS_QK_NORM)
+    pdl_wait(PDL)
+
     x_rows = x_ptr + offs_t.to(tl.int64)[:, None, None] * stride_x
     mask_t3 = mask_t[:, None, None]
     mean = tl.zeros([BLOCK_T, 1, 1], tl.float32)
     rstd = mean
     if HAS_INPUT_NORM:
         mean, rstd = norm_stats(x_rows, mask_t3, K, norm_eps, BLOCK_T, BLOCK_K, True)
+    x_first = input_chunk(x_rows, mask_t3, offs_k0, mask_k0, nw_ptr, nw_ptr, mean, rstd, HAS_INPUT_NORM, True)
 
     for p0 in range(p_lo, p_hi, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         mask_p = offs_p < p_hi
         rows1 = head * HEAD_DIM + offs_p
-        w1_rows = w_ptr + rows1.to(tl.int64)[None, :, None] * stride_w
-        w2_rows = w_ptr + (rows1 + HALF).to(tl.int64)[None, :, None] * stride_w
-        acc1 = tl.zeros([BLOCK_T, BLOCK_P, BLOCK_K], tl.float32)
-        acc2 = tl.zeros([BLOCK_T, BLOCK_P, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
+        w1_rows = w_ptr + _rows3(rows1.to(tl.int64), ONE_ROW) * stride_w
+        w2_rows = w_ptr + _rows3((rows1 + HALF).to(tl.int64), ONE_ROW) * stride_w
+        acc1 = _product(x_first, w1_next, ONE_ROW)
+        acc2 = _product(x_first, w2_next, ONE_ROW)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            offs_k = k0 + offs_k0
             mask_k = offs_k < K
             xk = input_chunk(x_rows, mask_t3, offs_k, mask_k, nw_ptr, nw_ptr, mean, rstd, HAS_INPUT_NORM, True)
-            mask_w = mask_p[None, :, None] & mask_k
-            acc1 += xk * weight_tile(w1_rows, offs_k, mask_w)
-            acc2 += xk * weight_tile(w2_rows, offs_k, mask_w)
-        y1 = tl.sum(acc1, 2)
-        y2 = tl.sum(acc2, 2)
+            mask_w = _rows3(mask_p, ONE_ROW) & mask_k
+            acc1 += _product(xk, weight_tile(w1_rows, offs_k, mask_w), ONE_ROW)
+            acc2 += _product(xk, weight_tile(w2_rows, offs_k, mask_w), ONE_ROW)
+        # the next block's first chunk streams while this block finishes (masked off past p_hi)
+        mask_next = _rows3((offs_p + BLOCK_P) < p_hi, ONE_ROW) & mask_k0
+        w1_next = weight_tile(w1_rows + BLOCK_P * stride_w, offs_k0, mask_next)
+        w2_next = weight_tile(w2_rows + BLOCK_P * stride_w, offs_k0, mask_next)
+        b1, b2, cos, sin = b1_next, b2_next, cos_next, sin_next
+        b1_next, b2_next, cos_next, sin_next = _pair_constants(
+            b_ptr, cs_rows, rows1 + BLOCK_P, offs_p + BLOCK_P, (offs_p + BLOCK_P) < p_hi, HALF,
+            HAS_BIAS, HAS_ROPE and not HAS_QK_NORM)
+        y1 = _row_sums(acc1, ONE_ROW)
+        y2 = _row_sums(acc2, ONE_ROW)
         if HAS_BIAS:
-            y1 += tl.load(b_ptr + rows1, mask=mask_p, other=0.0).to(tl.float32)[None, :]
-            y2 += tl.load(b_ptr + rows1 + HALF, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+            y1 += b1[None, :]
+            y2 += b2[None, :]
         # the reference rounds the projection (F.linear's output) before anything else
         y1 = y1.to(dtype)
         y2 = y2.to(dtype)
         if HAS_ROPE and not HAS_QK_NORM:  # the pair is complete here: rotate q/k in registers
-            cos = tl.load(cs_rows + offs_p[None, :], mask=mask_p[None, :], other=0.0)
-            sin = tl.load(cs_rows + HALF + offs_p[None, :], mask=mask_p[None, :], other=0.0)
             r1, r2 = _norm_rope(y1, y2, y1, y2, cos, sin, eps, HEAD_DIM, False, True)
             y1 = tl.where(is_qk, r1, y1.to(tl.float32)).to(dtype)
             y2 = tl.where(is_qk, r2, y2.to(tl.float32)).to(dtype)
@@ -182,6 +269,7 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
     splits = 1 if has_qk_norm else triton.cdiv(half, tile["BLOCK_ROWS"])
     heads = num_heads + 2 * num_kv_heads
     grid = (heads * splits, triton.cdiv(T, tile["BLOCK_T"]))
+    one_row = T == 1  # batch-1 decode: one fp32 accumulator per weight row and thread
     _qkv_decode_kernel[grid](
         x, w, qkv_bias if qkv_bias is not None else w,
         norm_weight if norm_weight is not None else w,
@@ -196,6 +284,7 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
         BLOCK_HALF=next_pow2(half),
         HAS_BIAS=qkv_bias is not None, HAS_INPUT_NORM=norm_weight is not None,
         HAS_QK_NORM=has_qk_norm, HAS_ROPE=has_rope, PDL=use_pdl(x),
+        ONE_ROW=one_row, VEC=16 // x.element_size(),
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(use_pdl(x)),
     )
     return q, k, v
