@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from compiled_llm.graph import fused_ops, ops  # noqa: E402
-from compiled_llm.kernels import launch_configs, triton_gemv, triton_norm_mlp, triton_qkv_rope  # noqa: E402
+from compiled_llm.kernels import launch_configs, triton_gemv, triton_norm, triton_norm_mlp, triton_qkv_rope  # noqa: E402
 from kernel_inputs import mlp_gelu_inputs, mlp_glu_inputs, qkv_inputs, rel_err  # noqa: E402
 
 F32 = torch.float32
@@ -137,6 +137,25 @@ def test_rms_norm_glu_mlp_matches_reference(form, T, with_residual):
     r = _residual(T, 40, T) if with_residual else None
     out = triton_norm_mlp.fused_rms_norm_glu_mlp(*args, residual=r, form=form)
     assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, residual=r)) <= TOL
+
+
+@pytest.mark.parametrize("form,T", [("decode", 1), ("prefill", 9)])
+def test_rms_norm_glu_mlp_with_its_own_input_as_residual(form, T):
+    # h + mlp(norm(h)), as every Llama/Qwen layer calls it: the prefill form accumulates down into
+    # the copy of h its norm launch writes; h itself must stay untouched
+    x, *rest = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=70 + T)
+    before = x.clone()
+    out = triton_norm_mlp.fused_rms_norm_glu_mlp(x, *rest, residual=x, form=form)
+    assert torch.equal(x, before) and out.data_ptr() != x.data_ptr()
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(x, *rest, residual=x)) <= TOL
+
+
+def test_rms_norm_and_copy_returns_the_norm_and_a_fresh_copy():
+    x = _residual(6, 40, 71)
+    w = _residual(1, 40, 72)[0]
+    normed, copy = triton_norm.rms_norm_and_copy(x, w, 1e-6)
+    assert rel_err(normed, triton_norm.rms_norm(x, w, 1e-6)) == 0.0
+    assert torch.equal(copy, x) and copy.data_ptr() != x.data_ptr()
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

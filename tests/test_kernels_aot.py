@@ -77,7 +77,7 @@ def _cases(dt):
         yield f"norm rms={rms}", tn._norm_kernel, 4, {
             **ptr("x_ptr", "res_ptr", "w_ptr", "b_ptr", "out_ptr", "sum_ptr"),
             **_stride_args("stride_x", "stride_r", "stride_o", "stride_s", "N"), "eps": 1.0,
-        }, dict(IS_RMS=rms, HAS_RESIDUAL=True, BLOCK_N=2048)
+        }, dict(IS_RMS=rms, HAS_RESIDUAL=rms, BLOCK_N=2048, STORE_INPUT=not rms)
         yield f"norm_mlp_decode rms={rms}", tm._norm_mlp_decode_kernel, 4, {
             **ptr("x_ptr", "nw_ptr", "nb_ptr", "w1_ptr", "b1_ptr", "act_ptr"), "eps": 1.0,
             **_stride_args("T", "H", "I", "stride_x", "stride_w1", "stride_a"),

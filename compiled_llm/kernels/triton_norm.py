@@ -4,7 +4,8 @@ One program per row holds the whole row in registers (hidden sizes up to a few 1
 element is read once and written once. Numerics mirror the references in graph/ops.py:
 statistics in fp32; RMSNorm rounds the normalised row to the input dtype before the weight
 multiply (as Hugging Face does); the fused add rounds ``residual + x`` to the input dtype before
-normalising it, exactly like the unfused graph.
+normalising it, exactly like the unfused graph. ``rms_norm_and_copy`` also writes the input row
+to a fresh tensor, for a caller that needs a copy of it (the prefill MLP's residual).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def _norm_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr,
     stride_x, stride_r, stride_o, stride_s,
     N, eps,
-    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, STORE_INPUT: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
@@ -31,6 +32,7 @@ def _norm_kernel(
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if HAS_RESIDUAL or STORE_INPUT:  # the (summed) input row, which the caller keeps
         tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
     xf = x.to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -52,12 +54,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x, residual, weight, bias, eps, is_rms):
+def _launch(x, residual, weight, bias, eps, is_rms, store_input: bool = False):
     shape = x.shape
     x2 = _rows(x)
     rows, n = x2.shape
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    summed = torch.empty(shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    keep = residual is not None or store_input
+    summed = torch.empty(shape, dtype=x.dtype, device=x.device) if keep else None
     if rows == 0:
         return out, summed
     r2 = _rows(residual) if residual is not None else x2
@@ -69,7 +72,7 @@ def _launch(x, residual, weight, bias, eps, is_rms):
         x2, r2, weight, bias if bias is not None else weight, o2, s2,
         x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0),
         n, eps,
-        IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, BLOCK_N=block,
+        IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, BLOCK_N=block, STORE_INPUT=store_input,
         num_warps=row_warps(block, cap),
     )
     return out, summed
@@ -81,6 +84,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, bias, eps, False)[0]
+
+
+def rms_norm_and_copy(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x), a fresh copy of x) in one launch: the norm reads every row anyway, so the
+    copy costs one more write instead of a memcpy launch. The prefill MLP accumulates its down
+    projection into the copy in place (``addmm_``), where ``addmm(x, ...)`` would copy x itself."""
+    return _launch(x, None, weight, None, eps, True, store_input=True)
 
 
 def fused_add_rms_norm(x, residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,9 @@ Decode form (T <= MAX_DECODE_TOKENS): two weight-streaming launches (see triton_
 Deterministic: no atomics, so greedy decoding repeats exactly.
 
 Prefill form (large T): Triton norm -> cuBLAS matmul -> Triton activation -> cuBLAS matmul, the
-residual folded into the last one (addmm) when there is no bias. At large T the matmuls are
+residual folded into the last one (addmm) when there is no bias. When the residual is the MLP's
+own input (``h + mlp(norm(h))``, every Llama/Qwen layer) the norm launch also writes the copy of h
+that the last matmul accumulates into in place, which saves addmm's memcpy launch. At large T the matmuls are
 compute-bound and cuBLAS beats a hand-written Triton GEMM.
 
 Both round intermediates (the gate/up outputs, silu, the product, the MLP output before the
@@ -38,6 +40,7 @@ from compiled_llm.kernels.triton_gemv import (
 )
 from compiled_llm.kernels.triton_norm import layer_norm as tr_layer_norm
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
+from compiled_llm.kernels.triton_norm import rms_norm_and_copy as tr_rms_norm_and_copy
 
 SQRT_2_OVER_PI = 0.7978845608028654
 SQRT_2_OVER_PI_C = tl.constexpr(SQRT_2_OVER_PI)
@@ -48,6 +51,22 @@ def _gelu_tanh(h):
     # tanh(z) = 2 sigmoid(2z) - 1 (tl has no portable tanh across Triton versions)
     z = SQRT_2_OVER_PI_C * (h + 0.044715 * h * h * h)
     return 0.5 * h * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0))
+
+
+@triton.jit
+def _activation(y1, y3, b1, act_ptr, IS_GLU: tl.constexpr):
+    """fp32 activation of the first projection's fp32 sums, with the reference's roundings to
+    act_ptr's dtype: silu(gate) * up (GLU: y1 gate, y3 up; F.linear rounds both, F.silu rounds
+    its output, the product rounds again) or gelu_tanh(fc + b1) (y1 fc, rounded once with its
+    bias)."""
+    dtype = act_ptr.dtype.element_ty
+    if IS_GLU:
+        g = y1.to(dtype).to(tl.float32)
+        u = y3.to(dtype).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
+    else:
+        act = _gelu_tanh((y1 + b1).to(dtype).to(tl.float32))
+    return act
 
 
 @triton.jit
@@ -98,14 +117,14 @@ def _norm_mlp_decode_kernel(
             acc3 += n * weight_tile(w3_rows, offs_h, mask_i3 & mask_h)
 
     dtype = act_ptr.dtype.element_ty
+    y1 = tl.sum(acc1, 2)
+    y3 = y1
+    b1 = tl.zeros([1, BLOCK_I], tl.float32)
     if IS_GLU:
-        # F.linear rounds gate and up, F.silu rounds its output, the product rounds again
-        g = tl.sum(acc1, 2).to(dtype).to(tl.float32)
-        u = tl.sum(acc3, 2).to(dtype).to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
+        y3 = tl.sum(acc3, 2)
     else:
-        b1 = tl.load(b1_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)
-        act = _gelu_tanh((tl.sum(acc1, 2) + b1[None, :]).to(dtype).to(tl.float32))
+        b1 = tl.load(b1_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)[None, :]
+    act = _activation(y1, y3, b1, act_ptr, IS_GLU)
     # the activation goes to memory ([T, I] is tiny at decode sizes) for the down GEMV; summing
     # down's partial products here with atomics would save that launch but make the sum order
     # (and so greedy decoding in bf16) vary from run to run
@@ -162,15 +181,12 @@ def _norm_mlp_one_row_kernel(
         if IS_GLU:
             acc3 += tl.sum(n * weight_tile(w3_rows, offs_h, mask_i3 & mask_h), 2)
 
-    dtype = act_ptr.dtype.element_ty
+    y1 = tl.sum(acc1, 1)
+    y3 = y1
     if IS_GLU:
-        # F.linear rounds gate and up, F.silu rounds its output, the product rounds again
-        g = tl.sum(acc1, 1).to(dtype).to(tl.float32)
-        u = tl.sum(acc3, 1).to(dtype).to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
-    else:
-        act = _gelu_tanh((tl.sum(acc1, 1) + b1).to(dtype).to(tl.float32))
-    tl.store(act_ptr + offs_i, act.to(dtype), mask=mask_i)
+        y3 = tl.sum(acc3, 1)
+    act = _activation(y1, y3, b1, act_ptr, IS_GLU)
+    tl.store(act_ptr + offs_i, act.to(act_ptr.dtype.element_ty), mask=mask_i)
 
 
 @triton.jit
@@ -264,6 +280,11 @@ def use_decode_form(num_tokens: int) -> bool:
     return num_tokens <= launch_configs.get("norm_mlp_dispatch", num_tokens)["MAX_DECODE_TOKENS"]
 
 
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are the same [T, H] rows in memory (the residual is the MLP's own input)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
@@ -286,6 +307,11 @@ def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weig
     r2 = _flat(residual) if residual is not None else None
     if _pick_form(T, form) == "decode":
         out = _decode(x2, norm_weight, None, eps, gate_up_weight, None, down_weight, None, r2, True, True)
+    elif r2 is not None and _same_rows(r2, x2):
+        # h + mlp(norm(h)): the norm launch also copies h, and down accumulates into that copy in
+        # place (beta = 1), so addmm does not copy the residual in a memcpy launch of its own
+        n, out = tr_rms_norm_and_copy(x2, norm_weight, eps)
+        out.addmm_(silu_mul(F.linear(n, gate_up_weight)), down_weight.t())
     else:
         n = tr_rms_norm(x2, norm_weight, eps)
         out = dense_linear(silu_mul(F.linear(n, gate_up_weight)), down_weight, None, r2)
