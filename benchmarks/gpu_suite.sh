@@ -15,6 +15,7 @@
 #                                         # logit margins (train_synthetic_lm.py; TRAIN_ARGS, AGREE_ARGS)
 #   bash benchmarks/gpu_suite.sh tune     # batch-1 decode launch configs, tuned on the whole graph
 #   bash benchmarks/gpu_suite.sh ab       # throughput workload with single changes reverted
+#   bash benchmarks/gpu_suite.sh probes   # grid barrier vs PDL kernel boundary; GEMV accumulator layouts
 # Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +40,9 @@ for phase in "$@"; do
     profile) timeout 200 python3 benchmarks/profile_steps.py ${PROFILE_ARGS:-} 2>&1 | grep -v Warning | tee "$LOG/profile.log" | tail -80 ;;
     sweep) timeout 240 python3 benchmarks/sweep_gemv.py 2>&1 | tee "$LOG/sweep.log" | tail -60 ;;
     attn) timeout 120 python3 benchmarks/bench_attention.py 2>&1 | tee "$LOG/attn.log" | tail -40 ;;
+    probes)
+      { timeout 100 python3 benchmarks/barrier_probe.py; timeout 200 python3 benchmarks/gemv_layout_probe.py; } 2>&1 \
+        | grep -v Warning | tee "$LOG/probes.log" | tail -60 ;;
     ab) timeout 200 python3 benchmarks/ab_throughput.py 2>&1 | grep -v Warning | tee "$LOG/ab.log" | tail -40 ;;
     tune) timeout 300 python3 benchmarks/tune_decode.py ${TUNE_ARGS:-} 2>&1 | tee "$LOG/tune.log" | tail -60 ;;
     agree-trained)
