@@ -26,7 +26,7 @@ def main(argv=None) -> int:
 
     tmp = tempfile.TemporaryDirectory(prefix="ab_engine_")
     engine = str(Path(tmp.name) / "engine")
-    build_engine(args.source, engine, dtype="bfloat16", device="cuda", backend="portable", max_model_len=4096,
+    build_engine(args.source, engine, dtype="bfloat16", device="cuda", max_model_len=4096,
                  progress=False)
     # no prefix caching: every variant runs the same prompts, later ones must not hit the cache
     llm = LLM(engine, device="cuda", max_model_len=4096, gpu_memory_utilization=0.85, enable_prefix_caching=False)

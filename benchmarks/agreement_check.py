@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     if engine is None:
         tmp = tempfile.TemporaryDirectory(prefix="agree_engine_")
         engine = str(Path(tmp.name) / "engine")
-        build_engine(args.source, engine, dtype=args.dtype, device=device.type, backend="portable",
+        build_engine(args.source, engine, dtype=args.dtype, device=device.type,
                      max_model_len=args.max_model_len, progress=False)
     llm = LLM(engine, device=device, max_model_len=args.max_model_len, gpu_memory_utilization=0.5)
     runner = llm.engine.runner

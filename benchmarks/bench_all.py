@@ -3,7 +3,6 @@ table. Meant for the GPU machine (budget: < 6 minutes on an H100 for Qwen2.5-0.5
 
     python benchmarks/bench_all.py                        # preset qwen2.5-0.5b, bf16, cuda
     python benchmarks/bench_all.py --engine ENGINE_DIR    # an engine built beforehand
-    python benchmarks/bench_all.py --backend inductor     # build with the Inductor backend
 
 Without --engine it builds the preset into a temporary directory first (timed: build, load).
 """
@@ -24,8 +23,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", default="qwen2.5-0.5b", help="model source to build (default preset qwen2.5-0.5b)")
     ap.add_argument("--engine", default=None, help="use this engine directory instead of building one")
-    ap.add_argument("--backend", default="portable", choices=("portable", "inductor", "auto"),
-                    help="build backend (default portable: fastest build; inductor compiles at build)")
     ap.add_argument("--dtype", default="bfloat16", help="build dtype (default bfloat16)")
     ap.add_argument("--workload", action="append", choices=wl.WORKLOADS, help="subset of workloads (repeatable)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
@@ -57,9 +54,9 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="bench_engine_")
         engine = str(Path(tmp.name) / "engine")
         t0 = time.perf_counter()
-        build_engine(args.source, engine, dtype=args.dtype, device=device.type, backend=args.backend,
+        build_engine(args.source, engine, dtype=args.dtype, device=device.type,
                      max_model_len=args.max_model_len, progress=False)
-        info.append(f"build {time.perf_counter() - t0:.1f} s ({args.source}, {args.dtype}, {args.backend})")
+        info.append(f"build {time.perf_counter() - t0:.1f} s ({args.source}, {args.dtype})")
 
     t0 = time.perf_counter()
     llm = LLM(engine, device=device, max_model_len=args.max_model_len,

@@ -3,7 +3,6 @@
 #   bash benchmarks/gpu_suite.sh cpu-tests  # the CPU suite under the GPU machine's torch versions
 #   bash benchmarks/gpu_suite.sh tests    # every GPU test
 #   bash benchmarks/gpu_suite.sh kernels  # kernel microbenchmarks
-#   bash benchmarks/gpu_suite.sh build    # Inductor build, reload without recompiling, compare
 #   bash benchmarks/gpu_suite.sh bench    # PERF.md workloads, compiled_llm vs HF transformers
 #   bash benchmarks/gpu_suite.sh kernel-tests  # GPU tests of the kernels only (fast)
 #   bash benchmarks/gpu_suite.sh runtime-tests # GPU tests of the runtime (builds Qwen2.5 shapes)
@@ -53,7 +52,6 @@ for phase in "$@"; do
           && timeout 280 python3 benchmarks/agreement_check.py --source "$T" --prompts-file "$T/prompts.json" ${AGREE_ARGS:-}
       } 2>&1 | grep -v -e Warning -e "Writing model shards" | tee "$LOG/agree_trained.log" | tail -25 ;;
     agree) timeout 300 python3 benchmarks/agreement_check.py ${AGREE_ARGS:-} 2>&1 | tee "$LOG/agree.log" | tail -5 ;;
-    build) python3 benchmarks/gpu_build_check.py ${BUILD_ARGS:-} 2>&1 | tee "$LOG/build_check.log" | tail -30 ;;
     bench) python3 benchmarks/bench_all.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench.log" | tail -40 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

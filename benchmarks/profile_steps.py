@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     tmp = tempfile.TemporaryDirectory(prefix="prof_engine_")
     engine = str(Path(tmp.name) / "engine")
-    build_engine(args.source, engine, dtype="bfloat16", device="cuda", backend="portable", max_model_len=4096,
+    build_engine(args.source, engine, dtype="bfloat16", device="cuda", max_model_len=4096,
                  progress=False)
     llm = LLM(engine, device=dev, max_model_len=4096, gpu_memory_utilization=0.6)
     runner = llm.engine.runner
@@ -64,11 +64,11 @@ def main(argv=None) -> int:
 
     def replay_ms(b: int) -> float:
         for _ in range(5):
-            runner.graphs.replay(b, b)
+            runner.graphs.run(b, b)
         torch.cuda.synchronize()
         start.record()
         for _ in range(50):
-            runner.graphs.replay(b, b)
+            runner.graphs.run(b, b)
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 50
@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     with_pdl = {b: replay_ms(b) for b in (1, 64) if b in runner.graphs.graphs}
     triton_common.PDL_ENABLED = False
     runner.graphs = StepGraphs()
-    runner.graphs.buckets = runner.decode_buckets
-    runner.capture_decode_graphs()
+    runner.prepare_graphs(0)
+    runner.capture_all_graphs()
     without = {b: replay_ms(b) for b in with_pdl}
     triton_common.PDL_ENABLED = True
     for b in with_pdl:

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
     tmp = tempfile.TemporaryDirectory(prefix="tune_engine_")
     engine = str(Path(tmp.name) / "engine")
-    build_engine(args.source, engine, dtype="bfloat16", device="cuda", backend="portable", max_model_len=4096,
+    build_engine(args.source, engine, dtype="bfloat16", device="cuda", max_model_len=4096,
                  progress=False)
     llm = LLM(engine, device="cuda", max_model_len=4096, gpu_memory_utilization=0.5, max_graph_batch_size=1,
               prefill_graph_max_tokens=0)
@@ -52,16 +52,16 @@ def main(argv=None) -> int:
     def graph_us(table) -> float:
         launch_configs.use_configs(table)
         runner.graphs = StepGraphs()
-        runner.graphs.buckets = runner.decode_buckets
-        if not runner.capture_decode_graphs():
+        runner.prepare_graphs(0)
+        if not runner.capture_all_graphs():
             return float("inf")
         times = []
         for _ in range(3):
             for _ in range(5):
-                runner.graphs.replay(1, 1)
+                runner.graphs.run(1, 1)
             start.record()
             for _ in range(40):
-                runner.graphs.replay(1, 1)
+                runner.graphs.run(1, 1)
             end.record()
             torch.cuda.synchronize()
             times.append(1e3 * start.elapsed_time(end) / 40)

@@ -3,14 +3,21 @@
     manifest.json          format version, model config, build options, versions, passes with
                            match counts, kernel choices, batch buckets, sha256 of every file
     weights.safetensors    post-pass weights (merged qkv / gate_up stored once)
-    program.pt2            torch.export.save of the post-pass program, weights as inputs
-    inductor_cache.bin     (CUDA builds) torch.compiler cache artifacts of the compiled program
+    program.json           the post-pass graph as plain data (graph/serialize.py): no pickle,
+                           no constants (weights are inputs)
+    kernels/triton/        (CUDA builds) Triton's compile cache, warmed by the build on every
+                           kernel specialisation the runtime launches; GPU code (cubins)
     ir/                    IR dumps: NN_<stage>.py (graph code), NN_<stage>.ops.json (op histogram)
     tokenizer/             tokenizer files, when the source has a tokenizer
 
-``load_engine`` refuses a missing file, a checksum mismatch, a format from the future or an
-engine built for another device with a one-line EngineError; a compiled cache that does not fit
-this machine falls back to the portable program with a warning.
+Loading never unpickles: the manifest and program are JSON, weights are safetensors, the
+tokenizer is JSON/text (or a sentencepiece protobuf). Every path the manifest names must stay
+inside the engine directory (no ``..``, no absolute path, no symlink), and a listed file that
+carries a pickle or a zip archive (torch.save, .pt2) is refused. Checksums detect corruption,
+not tampering: whoever writes an engine writes its manifest.
+
+``load_engine`` refuses a missing file, a checksum mismatch, a format it does not read or an
+engine built for another device with a one-line EngineError.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import warnings
-from pathlib import Path
+import threading
+import time
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 import torch
@@ -28,13 +36,18 @@ from torch import Tensor
 from compiled_llm.config import ModelConfig
 from compiled_llm.errors import EngineError
 
-FORMAT_VERSION = 1
+# 2: program.json replaced program.pt2 (pickle-free), kernels/triton added, Inductor cache gone
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
-PROGRAM_FILE = "program.pt2"
-INDUCTOR_CACHE_FILE = "inductor_cache.bin"
+PROGRAM_FILE = "program.json"
+KERNELS_DIR = "kernels/triton"
 IR_DIR = "ir"
 TOKENIZER_DIR = "tokenizer"
+# First bytes of what pickle-based formats write: a pickle stream (protocol 2-5) or a zip archive
+# (torch.save, torch.export's .pt2). safetensors files are checked by their own parser instead:
+# their first 8 bytes are a header length that may start with these bytes.
+_PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK\x03\x04")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +61,7 @@ class LoadedEngine:
     device: torch.device
     tokenizer_dir: Path | None
     source_dir: Path | None
-    backend: str  # "portable" or "inductor" (what actually runs, after any fallback)
+    stage_seconds: dict[str, float]  # manifest, weights, program, verify, kernels (load order)
 
     @property
     def max_model_len(self) -> int:
@@ -68,7 +81,7 @@ def _versions() -> dict[str, Any]:
     import compiled_llm
 
     try:
-        import triton
+        import triton  # optional: CPU installs may not have it
 
         triton_version = triton.__version__
     except ImportError:
@@ -81,7 +94,7 @@ def _versions() -> dict[str, Any]:
     }
 
 
-def make_manifest(*, config, source, build_options, lowered, backend, buckets, stage_seconds) -> dict:
+def make_manifest(*, config, source, build_options, lowered, buckets, stage_seconds) -> dict:
     hist = lowered.histograms
     stages = list(hist)
     return {
@@ -96,10 +109,17 @@ def make_manifest(*, config, source, build_options, lowered, backend, buckets, s
         "ops_after": hist[stages[-1]],
         "kernels": lowered.kernels,
         "program": {"file": PROGRAM_FILE, "param_names": lowered.param_names},
-        "backend": backend,
+        "kernel_cache": None,  # KERNELS_DIR once a CUDA build has warmed it
         "batch_buckets": list(buckets),
         "stage_seconds": {k: round(v, 4) for k, v in stage_seconds.items()},
     }
+
+
+def write_program(engine_dir: Path, gm: torch.fx.GraphModule) -> None:
+    """The post-pass graph as ``program.json`` (see graph/serialize.py)."""
+    from compiled_llm.graph.serialize import graph_to_json
+
+    (Path(engine_dir) / PROGRAM_FILE).write_text(json.dumps(graph_to_json(gm), separators=(",", ":")) + "\n")
 
 
 def sha256_file(path: Path) -> str:
@@ -112,13 +132,13 @@ def sha256_file(path: Path) -> str:
 
 def _all_files(engine_dir: Path) -> list[str]:
     return sorted(
-        str(p.relative_to(engine_dir)) for p in engine_dir.rglob("*") if p.is_file() and p.name != MANIFEST
+        p.relative_to(engine_dir).as_posix() for p in engine_dir.rglob("*") if p.is_file() and p.name != MANIFEST
     )
 
 
 def save_engine(engine_dir: Path, manifest: dict, params: dict[str, Tensor], tokenizer=None) -> None:
     """Write weights, tokenizer and the manifest (with checksums of everything else) into
-    ``engine_dir``, which already holds the program and ir/."""
+    ``engine_dir``, which already holds the program, ir/ and any kernels."""
     from safetensors.torch import save_file
 
     engine_dir = Path(engine_dir)
@@ -126,10 +146,17 @@ def save_engine(engine_dir: Path, manifest: dict, params: dict[str, Tensor], tok
               metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(engine_dir / TOKENIZER_DIR)
-    manifest = dict(manifest)
-    manifest["tokenizer"] = TOKENIZER_DIR if tokenizer is not None else None
-    manifest["files"] = {f: sha256_file(engine_dir / f) for f in _all_files(engine_dir)}
+    write_manifest(engine_dir, {**manifest, "tokenizer": TOKENIZER_DIR if tokenizer is not None else None})
+
+
+def write_manifest(engine_dir: Path, manifest: dict) -> dict:
+    """Write ``manifest`` with the checksum of every file in the engine (files it already
+    lists keep their checksum: only the build writes into its engine); returns it."""
+    engine_dir = Path(engine_dir)
+    known = manifest.get("files") or {}
+    manifest = {**manifest, "files": {f: known.get(f) or sha256_file(engine_dir / f) for f in _all_files(engine_dir)}}
     (engine_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,12 +165,12 @@ def save_engine(engine_dir: Path, manifest: dict, params: dict[str, Tensor], tok
 
 
 def read_manifest(engine_dir: str | Path) -> dict:
-    """The manifest, checked for shape and format version (files are not verified here)."""
+    """The manifest, checked for shape, format version and paths (files are not verified here)."""
     engine_dir = Path(engine_dir)
     if not engine_dir.is_dir():
         raise EngineError(f"engine directory {engine_dir} does not exist")
     path = engine_dir / MANIFEST
-    if not path.is_file():
+    if path.is_symlink() or not path.is_file():
         raise EngineError(f"{engine_dir} is not an engine: {MANIFEST} is missing")
     try:
         manifest = json.loads(path.read_text())
@@ -157,25 +184,86 @@ def read_manifest(engine_dir: str | Path) -> dict:
             f"engine format version {version} is newer than this compiled_llm supports ({FORMAT_VERSION}); "
             "upgrade compiled_llm or rebuild the engine"
         )
-    if version < 1:
-        raise EngineError(f"engine format version {version} is not valid; rebuild the engine")
-    for key in ("model_config", "build_options", "program", "files", "backend", "kernels"):
+    if version < FORMAT_VERSION:
+        raise EngineError(
+            f"engine format version {version} is older than this compiled_llm reads ({FORMAT_VERSION}); "
+            "rebuild the engine"
+        )
+    for key in ("model_config", "build_options", "program", "files", "kernels"):
         if key not in manifest:
             raise EngineError(f"{path} lacks {key!r}; rebuild the engine")
+    if not isinstance(manifest["files"], dict) or not isinstance(manifest["program"], dict):
+        raise EngineError(f"{path} has a malformed file list; rebuild the engine")
+    for rel in (*manifest["files"], manifest["program"].get("file"), manifest.get("tokenizer"),
+                manifest.get("kernel_cache")):
+        if rel is not None:
+            inside(engine_dir, rel)
     return manifest
 
 
-def verify_files(engine_dir: Path, manifest: dict) -> None:
-    """Every file the manifest lists exists with its checksum; no listed file is missing."""
-    for rel, digest in manifest["files"].items():
-        path = engine_dir / rel
-        if not path.is_file():
-            raise EngineError(f"engine file {rel} is missing from {engine_dir}; rebuild the engine")
-        if sha256_file(path) != digest:
-            raise EngineError(f"engine file {rel} fails its checksum (corrupt or modified); rebuild the engine")
+def inside(engine_dir: Path, rel: Any) -> Path:
+    """``engine_dir / rel`` when ``rel`` is a relative path that stays inside the engine and
+    crosses no symlink; otherwise an EngineError naming it."""
+    if not isinstance(rel, str) or not rel:
+        raise EngineError(f"manifest names a path {rel!r} that is not a relative path; refusing to load")
+    parts = PurePosixPath(rel).parts
+    if rel.startswith(("/", "\\")) or PurePosixPath(rel).is_absolute() or ".." in parts or "\\" in rel or ":" in rel:
+        raise EngineError(f"manifest path {rel!r} leaves the engine directory; refusing to load")
+    path = engine_dir
+    for part in parts:
+        path = path / part
+        if path.is_symlink():
+            raise EngineError(f"manifest path {rel!r} goes through a symlink; refusing to load")
+    return path
+
+
+def check_listed_files(engine_dir: Path, manifest: dict) -> None:
+    """Every file the manifest lists is present (and the ones a load needs are listed), and
+    none but the weights starts like a pickle or a zip archive (torch.save, .pt2): the loader
+    reads no such format, so an engine carrying one is refused rather than trusted. The
+    safetensors header is checked by its own parser: its first bytes are a length."""
     for required in (WEIGHTS_FILE, manifest["program"]["file"]):
         if required not in manifest["files"]:
             raise EngineError(f"manifest of {engine_dir} does not list {required}; rebuild the engine")
+    for rel in manifest["files"]:
+        path = inside(engine_dir, rel)
+        if not path.is_file():
+            raise EngineError(f"engine file {rel} is missing from {engine_dir}; rebuild the engine")
+        if rel.endswith(".safetensors"):
+            continue
+        with open(path, "rb") as f:
+            if f.read(4).startswith(_PICKLE_MAGIC):
+                raise EngineError(
+                    f"engine file {rel} holds a pickle or zip archive, which engines may not carry; refusing to load"
+                )
+
+
+def verify_files(engine_dir: Path, manifest: dict) -> None:
+    """Every file the manifest lists has its checksum."""
+    for rel, digest in manifest["files"].items():
+        if sha256_file(inside(engine_dir, rel)) != digest:
+            raise EngineError(f"engine file {rel} fails its checksum (corrupt or modified); rebuild the engine")
+
+
+class _Background:
+    """Runs ``fn`` on a thread (hashing releases the GIL, so it overlaps the weight copy and
+    program load); ``result()`` re-raises its error."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="verify-engine")
+        self._thread.start()
+
+    def _run(self, fn):
+        try:
+            fn()
+        except BaseException as e:  # handed to the caller by result()
+            self._error = e
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _config(manifest: dict) -> ModelConfig:
@@ -196,8 +284,12 @@ def _device(manifest: dict, device: str | torch.device | None) -> torch.device:
 
 
 def _check_kernels(manifest: dict) -> None:
+    """Every provider the program calls is registered here. Only engines that call kernel
+    providers import them (a CPU engine calls the reference ops and needs no Triton)."""
     from compiled_llm.kernels import registry
 
+    if all(p == registry.REFERENCE for p in manifest["kernels"].values()):
+        return
     registry.load_providers()
     for op, provider in manifest["kernels"].items():
         try:
@@ -211,85 +303,67 @@ def _check_kernels(manifest: dict) -> None:
 
 
 def _load_program(engine_dir: Path, manifest: dict) -> torch.fx.GraphModule:
-    path = engine_dir / manifest["program"]["file"]
+    from compiled_llm.graph.serialize import graph_from_json
+
+    rel = manifest["program"]["file"]
     try:
-        ep = torch.export.load(str(path))
-    except Exception as e:
-        raise EngineError(f"cannot load {path.name} ({type(e).__name__}); rebuild the engine") from None
-    return ep.graph_module
+        data = json.loads(inside(engine_dir, rel).read_bytes())
+    except (OSError, ValueError) as e:
+        raise EngineError(f"cannot read {rel} as a JSON program ({type(e).__name__}); rebuild the engine") from None
+    return graph_from_json(data)
 
 
 def _load_weights(engine_dir: Path, manifest: dict, device: torch.device) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     try:
-        tensors = load_file(str(engine_dir / WEIGHTS_FILE), device=str(device))
+        tensors = load_file(str(inside(engine_dir, WEIGHTS_FILE)), device=str(device))
     except Exception as e:
-        raise EngineError(f"cannot read {WEIGHTS_FILE} ({type(e).__name__}); rebuild the engine") from None
+        raise EngineError(f"cannot read {WEIGHTS_FILE} as safetensors ({type(e).__name__}); rebuild the engine") from None
     names = manifest["program"]["param_names"]
     missing = [n for n in names if n not in tensors]
     if missing:
         raise EngineError(f"{WEIGHTS_FILE} lacks {missing[0]!r} that the program reads; rebuild the engine")
-    # safetensors may hand out views of one shared buffer (CPU); compiled graphs would then see
-    # storage-offset symbols the build never saw and miss their cache. Own storage per weight.
+    # safetensors may hand out views of one shared buffer (CPU); give each weight its own
+    # storage so no program sees storage offsets the build never saw.
     return {n: tensors[n].clone() if tensors[n]._base is not None else tensors[n] for n in names}
-
-
-def choose_backend(manifest: dict, device: torch.device, backend: str | None) -> tuple[str, str | None]:
-    """(backend to run, warning or None). The saved Inductor result is used only when it was
-    built on this kind of machine; otherwise the portable program runs."""
-    from compiled_llm import backend as backends
-
-    info = manifest["backend"]
-    wanted = backend or info.get("kind", backends.PORTABLE)
-    if wanted not in backends.BACKENDS:
-        raise EngineError(f"unknown backend {wanted!r}; choose portable or inductor")
-    if wanted == backends.PORTABLE:
-        return backends.PORTABLE, None
-    if info.get("kind") != backends.INDUCTOR or not info.get("cache_file"):
-        return backends.PORTABLE, "engine holds no compiled program; running the portable program"
-    reason = backends.fingerprint_mismatch(info.get("fingerprint", {}), backends.machine_fingerprint(device))
-    if reason is not None:
-        return backends.PORTABLE, f"compiled program does not fit this machine ({reason}); running the portable program"
-    return backends.INDUCTOR, None
 
 
 def load_engine(
     engine_dir: str | Path,
     device: str | torch.device | None = None,
-    backend: str | None = None,
     verify: bool = True,
 ) -> LoadedEngine:
-    """Validate and load an engine directory. ``backend`` overrides the manifest's ("portable"
-    forces the uncompiled program)."""
-    from compiled_llm import backend as backends
+    """Validate and load an engine directory; ``stage_seconds`` says where the time went."""
+    from compiled_llm import kernel_cache
+    from compiled_llm.backend import PortableProgram
 
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    if verify:
-        verify_files(engine_dir, manifest)
+    check_listed_files(engine_dir, manifest)
+    checks = _Background(lambda: verify_files(engine_dir, manifest)) if verify else None
     config = _config(manifest)
     dev = _device(manifest, device)
     dtype = getattr(torch, manifest["build_options"]["dtype"], None)
     if not isinstance(dtype, torch.dtype):
         raise EngineError(f"manifest dtype {manifest['build_options']['dtype']!r} is not valid; rebuild the engine")
-    _check_kernels(manifest)
-    gm = _load_program(engine_dir, manifest)
+    t1 = time.perf_counter()
+    times["manifest"] = t1 - t0
     params = _load_weights(engine_dir, manifest, dev)
-    names = manifest["program"]["param_names"]
-
-    kind, warning = choose_backend(manifest, dev, backend)
-    if warning:
-        warnings.warn(warning, stacklevel=2)
-    if kind == backends.INDUCTOR:
-        try:
-            backends.load_compiled(engine_dir / manifest["backend"]["cache_file"])
-            program = backends.InductorProgram(gm, names)
-        except Exception as e:
-            warnings.warn(f"loading the compiled program failed ({type(e).__name__}); running the portable program")
-            kind, program = backends.PORTABLE, backends.PortableProgram(gm, names)
-    else:
-        program = backends.PortableProgram(gm, names)
+    t2 = time.perf_counter()
+    times["weights"] = t2 - t1
+    _check_kernels(manifest)
+    program = PortableProgram(_load_program(engine_dir, manifest), manifest["program"]["param_names"])
+    t3 = time.perf_counter()
+    times["program"] = t3 - t2
+    if checks is not None:
+        checks.result()  # kernels are used only from files that passed their checksums
+    t4 = time.perf_counter()
+    times["verify"] = t4 - t3
+    kernel_cache.use_engine_kernels(engine_dir, manifest, dev)
+    times["kernels"] = time.perf_counter() - t4
 
     tok = manifest.get("tokenizer")
     source_dir = manifest.get("source", {}).get("model_dir")
@@ -301,7 +375,7 @@ def load_engine(
         program=program,
         dtype=dtype,
         device=dev,
-        tokenizer_dir=engine_dir / tok if tok else None,
+        tokenizer_dir=inside(engine_dir, tok) if tok else None,
         source_dir=Path(source_dir) if source_dir and Path(source_dir).is_dir() else None,
-        backend=kind,
+        stage_seconds=times,
     )

@@ -1,9 +1,10 @@
-"""The build pipeline: source -> capture -> passes -> program (+ Inductor cache) -> engine dir.
+"""The build pipeline: source -> capture -> passes -> program (+ GPU kernels) -> engine dir.
 
 Stages, each timed and shown as a tqdm bar: load (config, weights, tokenizer), capture
-(torch.export of the spec), passes (the PassManager, one bar step per pass), export (the post-pass
-program exported again with weights as inputs, for the .pt2), backend (CUDA: Inductor compile,
-warm, cache saved), write (weights, tokenizer, ir/, manifest with checksums).
+(torch.export of the spec), passes (the PassManager, one bar step per pass), write (program.json,
+weights, tokenizer, ir/, manifest with checksums), kernels (CUDA: the runtime run once over the
+written engine so every Triton kernel it launches is compiled into the engine; kernel_cache.py).
+The finished engine is swapped into place only at the end (engine_output.py).
 
 ``lower`` is the in-memory part (capture + passes) that ``compare`` also uses to rebuild with a
 prefix of the pass list.
@@ -12,8 +13,6 @@ prefix of the pass list.
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -21,6 +20,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from compiled_llm import engine_output
 from compiled_llm.config import ModelConfig
 from compiled_llm.errors import CompiledLLMError
 
@@ -54,6 +54,59 @@ def parse_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CompiledLLMError("--device cuda asked for, but no CUDA device is available")
     return device
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"`` (or None): cuda when ``torch.cuda.is_available()``, else cpu (as vLLM)."""
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return parse_device(str(name))
+
+
+def checkpoint_dtype(hf_config: dict) -> str | None:
+    """The dtype a checkpoint's config.json says its weights are in (``dtype`` in newer
+    transformers, ``torch_dtype`` in older ones), e.g. "bfloat16"; None when it says nothing."""
+    value = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
+def source_checkpoint_dtype(source) -> str | None:
+    """``checkpoint_dtype`` of a model source (a ModelSource or a SOURCE string): its
+    config.json, or for a preset the HF config the preset stands for."""
+    import json
+
+    from compiled_llm.presets import preset_hf_config
+    from compiled_llm.sources import ModelSource, resolve_source
+
+    src = source if isinstance(source, ModelSource) else resolve_source(str(source))
+    if src.preset is not None:
+        return checkpoint_dtype(preset_hf_config(src.preset))
+    path = src.model_dir / "config.json"
+    try:
+        return checkpoint_dtype(json.loads(path.read_text()))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def auto_dtype(device_type: str, ckpt_dtype: str | torch.dtype | None) -> torch.dtype:
+    """vLLM's ``--dtype auto``: on a GPU the checkpoint's own float16/bfloat16, and bfloat16
+    when the checkpoint is float32 or does not say; on a CPU always float32."""
+    if device_type != "cuda":
+        return torch.float32
+    if isinstance(ckpt_dtype, torch.dtype):
+        ckpt_dtype = dtype_name(ckpt_dtype)
+    return torch.float16 if ckpt_dtype in ("float16", "fp16", "half") else torch.bfloat16
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str, source=None) -> torch.dtype:
+    """The one place ``dtype`` is resolved for a build or a run: an explicit dtype is parsed;
+    ``"auto"`` (or None) is ``auto_dtype`` for ``device`` and the dtype ``source`` (ModelSource or
+    SOURCE string; read only on a GPU) was saved in."""
+    if dtype is None or dtype == "auto":
+        device_type = torch.device(device).type
+        ckpt = source_checkpoint_dtype(source) if device_type == "cuda" and source is not None else None
+        return auto_dtype(device_type, ckpt)
+    return parse_dtype(dtype)
 
 
 @dataclasses.dataclass
@@ -159,30 +212,27 @@ def build_engine(
     source: str,
     out_dir: str | Path,
     *,
-    dtype: str | torch.dtype = "float32",
-    device: str = "cpu",
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
     max_model_len: int | None = None,
     disabled_passes: Sequence[str] = (),
     pass_names: Sequence[str] | None = None,
     dump_ir: bool = False,
     kernel_prefs: dict[str, str] | None = None,
-    backend: str = "auto",
     buckets: Sequence[int] = DEFAULT_BUCKETS,
     progress: bool = True,
 ) -> dict:
     """Build ``source`` (checkpoint dir, preset or hub id) into an engine directory; returns the
-    manifest. ``pass_names`` replaces the default pipeline (tests plant passes this way);
-    ``backend`` is "auto" (Inductor on CUDA, portable on CPU), "portable" or "inductor"."""
-    from compiled_llm import artifact, backend as backends
-    from compiled_llm.graph.export import reexport
+    manifest. ``device`` "auto" is cuda when available, else cpu; ``dtype`` "auto" is
+    ``auto_dtype`` (the checkpoint's float16/bfloat16 on a GPU, float32 on a CPU).
+    ``pass_names`` replaces the default pipeline (tests plant passes this way)."""
+    from compiled_llm import artifact, kernel_cache
     from compiled_llm.passes import pipeline
     from compiled_llm.sources import load_source_params, load_source_tokenizer, resolve_source
 
-    torch_dtype = parse_dtype(dtype)
-    dev = parse_device(device)
-    backend = _resolve_backend(backend, dev)
-    out_dir = Path(out_dir)
-    _check_out_dir(out_dir)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev, source)
+    out_dir = engine_output.prepare_output_dir(out_dir)
     passes = [p.name for p in pipeline(list(pass_names) if pass_names is not None else None, tuple(disabled_passes))]
     times: dict[str, float] = {}
 
@@ -193,9 +243,7 @@ def build_engine(
         params = load_source_params(src, torch_dtype, dev)
         tokenizer = load_source_tokenizer(src)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
-    work.chmod(0o755)
+    work = engine_output.make_work_dir(out_dir)
     try:
         lowered = lower(
             config, params, passes, dev.type, torch_dtype, kernel_prefs,
@@ -207,28 +255,8 @@ def build_engine(
         if not dump_ir:
             _keep_first_and_last_code(work / artifact.IR_DIR)
 
-        with _Stage("export", times, progress):
-            try:
-                ep = reexport(lowered.gm, lowered.params, config)
-            except Exception as e:
-                raise CompiledLLMError(f"exporting the post-pass program failed: {type(e).__name__}: {_first_line(e)}") from e
-            # export keeps its example inputs (the weights!) for saving; the artifact stores
-            # weights once, in the safetensors
-            ep.example_inputs = None
-            torch.export.save(ep, str(work / artifact.PROGRAM_FILE))
-
-        cache_file = None
-        if backend == backends.INDUCTOR:
-            with _Stage("backend", times, progress):
-                # compile the graph as the loader will see it (read back from the .pt2): the
-                # compile caches are keyed by the graph, so this is what lets a load hit them
-                saved_gm = torch.export.load(str(work / artifact.PROGRAM_FILE)).graph_module
-                program = backends.InductorProgram(saved_gm, lowered.param_names)
-                backends.warm(program, lowered.params, config, dev, torch_dtype)
-                if backends.save_compiled(work / artifact.INDUCTOR_CACHE_FILE):
-                    cache_file = artifact.INDUCTOR_CACHE_FILE
-
         with _Stage("write", times, progress):
+            artifact.write_program(work, lowered.gm)
             manifest = artifact.make_manifest(
                 config=config,
                 source={"name": src.name, "model_dir": str(src.model_dir.resolve()) if src.model_dir else None,
@@ -236,29 +264,30 @@ def build_engine(
                 build_options={
                     "dtype": dtype_name(torch_dtype), "device": dev.type, "max_model_len": max_len,
                     "disabled_passes": list(disabled_passes), "kernel_prefs": dict(kernel_prefs or {}),
-                    "backend": backend, "dump_ir": dump_ir,
+                    "dump_ir": dump_ir,
                 },
                 lowered=lowered,
-                backend={"kind": backend, "cache_file": cache_file, "fingerprint": backends.machine_fingerprint(dev)},
                 buckets=[b for b in buckets],
                 stage_seconds=times,
             )
             artifact.save_engine(work, manifest, lowered.params, tokenizer)
-            _replace_dir(work, out_dir)
+        del lowered
+        host = None
+        if dev.type == "cuda":
+            with _Stage("kernels", times, progress):
+                kernel_cache.warm_kernels(work, dev)
+                host = kernel_cache.split_host_binaries(work)
+        manifest = artifact.write_manifest(work, {
+            **artifact.read_manifest(work),
+            "kernel_cache": artifact.KERNELS_DIR if dev.type == "cuda" else None,
+            "stage_seconds": {k: round(v, 4) for k, v in times.items()},
+        })
+        if dev.type == "cuda":
+            kernel_cache.install_local(work, manifest, host)
+        engine_output.swap_into_place(work, out_dir)
     finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
+        engine_output.discard_work_dir(work)
     return artifact.read_manifest(out_dir)
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    from compiled_llm import backend as backends
-
-    if backend == "auto":
-        return backends.INDUCTOR if device.type == "cuda" else backends.PORTABLE
-    if backend not in backends.BACKENDS:
-        raise CompiledLLMError(f"unknown backend {backend!r}; choose auto, portable or inductor")
-    return backend
 
 
 def _check_max_len(max_model_len: int | None, config: ModelConfig) -> int:
@@ -269,23 +298,6 @@ def _check_max_len(max_model_len: int | None, config: ModelConfig) -> int:
             f"--max-model-len {max_model_len} is outside 2..{config.max_position_embeddings} (the model's maximum)"
         )
     return max_model_len
-
-
-def _check_out_dir(out_dir: Path) -> None:
-    from compiled_llm.artifact import MANIFEST
-
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CompiledLLMError(f"output {out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
-        raise CompiledLLMError(f"output directory {out_dir} is not empty and holds no engine; refusing to overwrite it")
-
-
-def _replace_dir(work: Path, out_dir: Path) -> None:
-    """Move the finished build into place (an older engine there is replaced)."""
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(work), str(out_dir))
 
 
 def _keep_first_and_last_code(ir_dir: Path) -> None:

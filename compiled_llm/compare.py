@@ -5,7 +5,6 @@ tokens (teacher forcing), so every step compares logits for the same context:
 
   spec       the spec with no passes, on the source's original weights
   hf         transformers' model from the source checkpoint directory
-  portable   the engine's own program run op by op (to check the Inductor backend)
 
 Tolerance: float32 needs 100% greedy agreement and max|Δlogit| <= 1e-4 * max|reference logit|;
 bf16/fp16 need >= 99% agreement, and at every flip each side's pick must be in the other's top 5.
@@ -191,12 +190,8 @@ def reference_logits(kind: str, engine, prompts, tokens: Tensor, max_tokens: int
 
         params = load_source_params(source_of(engine.manifest), engine.dtype, engine.device)
         step = spec_step(engine.config, params)
-    elif kind == "portable":
-        from compiled_llm.backend import PortableProgram
-
-        step = program_step(PortableProgram(engine.program.module.gm, engine.program.param_names), engine.params)
     else:
-        raise CompiledLLMError(f"unknown reference {kind!r}; choose spec, hf or portable")
+        raise CompiledLLMError(f"unknown reference {kind!r}; choose spec or hf")
     logits, _ = run_steps(step, engine.config, prompts, max_tokens, engine.device, engine.dtype, forced=tokens)
     return logits
 
@@ -209,7 +204,7 @@ def check_candidate(step: StepFn, ref_kind: str, engine, prompts, max_tokens: in
 
 def bisect_passes(engine, ref_kind: str, prompts, max_tokens: int, on_step=None) -> str:
     """Rebuild the engine in memory with passes[:k], k = 0, 1, ...; name the first stage whose
-    program fails the check ("capture" when even no passes fail, "backend/artifact" when every
+    program fails the check ("capture" when even no passes fail, "artifact" when every
     in-memory rebuild passes and only the saved engine fails)."""
     from compiled_llm.backend import PortableProgram
     from compiled_llm.build import lower
@@ -229,7 +224,7 @@ def bisect_passes(engine, ref_kind: str, prompts, max_tokens: int, on_step=None)
             on_step(stage, verdict)
         if not verdict.ok:
             return stage
-    return "backend/artifact"
+    return "artifact"
 
 
 def compare_engine(
@@ -237,7 +232,6 @@ def compare_engine(
     num_prompts: int = 8,
     max_tokens: int = 32,
     reference: str = "spec",
-    backend: str | None = None,
     seed: int = 0,
     bisect: bool = True,
     out: Callable[[str], None] = print,
@@ -247,10 +241,10 @@ def compare_engine(
 
     if num_prompts < 1 or max_tokens < 1:
         raise CompiledLLMError("--num-prompts and --max-tokens must be at least 1")
-    engine = load_engine(engine_dir, backend=backend)
+    engine = load_engine(engine_dir)
     prompts = random_prompts(engine.config.vocab_size, num_prompts, seed)
     verdict = check_candidate(program_step(engine.program, engine.params), reference, engine, prompts, max_tokens)
-    out(f"engine {engine.engine_dir} ({engine.backend}, {str(engine.dtype).removeprefix('torch.')}) vs {reference}")
+    out(f"engine {engine.engine_dir} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}) vs {reference}")
     for i, s in enumerate(verdict.per_prompt):
         out(f"  prompt {i}: {s.prompt_len:3d} tokens  greedy agreement {s.agree}/{s.steps}  max|Δlogit| {s.max_abs_delta:.3e}")
     culprit = None

@@ -1,7 +1,7 @@
 """The reference generation loop: eager spec, one prompt at a time, paged KV cache.
 
-It is the oracle the compiled runtime is tested against and the path ``compiled-llm run`` takes
-for checkpoints and presets. It favours obviousness over speed: each prompt gets its own cache
+It is the oracle the compiled runtime is tested against and the path ``compiled-llm run SOURCE
+--eager`` takes for checkpoints and presets. It favours obviousness over speed: each prompt gets its own cache
 sized to prompt + max_tokens, a prefill step, then one decode step per token, sampled with the
 same ``sampling.sample`` the runtime uses (so seeded sampling matches too).
 

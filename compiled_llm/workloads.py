@@ -78,6 +78,7 @@ def compiled_latency(llm, new_tokens: int = 256, repeats: int = 3) -> Result:
     prompt = {"prompt_token_ids": latency_prompt(llm.model.config.vocab_size)}
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    llm.engine.capture_cuda_graphs()  # steady state: every graph captured (they are on first use)
     ttft, decode = [], []
     for _ in range(repeats):
         (out,) = llm.generate(prompt, params, use_tqdm=False)
@@ -99,6 +100,8 @@ def compiled_throughput(llm, num_requests: int = 256, max_input_len: int = 1024,
     vocab = min(llm.model.config.vocab_size, 10_001)
     warm = [{"prompt_token_ids": [(t + 1) % vocab for t in p]} for p in prompts[:64]]
     llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True, detokenize=False), use_tqdm=False)
+    # graphs are captured when their batch size first runs; a steady-state run has them all
+    llm.engine.capture_cuda_graphs()
     preempt0 = llm.engine.scheduler.num_preemptions
     st = llm.stats
     before = (st.prefill_steps, st.prefill_s, st.decode_steps, st.decode_s)

@@ -1,6 +1,6 @@
 """The engine directory is self-describing and its loader refuses a bad one with a one-line
-EngineError: a deleted file, a flipped byte, a format version from the future, another device.
-A compiled cache that does not fit the machine falls back to the portable program."""
+EngineError: a deleted file, a flipped byte, a format version from the future or the past,
+another device. A CUDA build ships the Triton kernels its runtime launches."""
 
 import json
 import shutil
@@ -33,7 +33,7 @@ def copy_of(engine, tmp_path):
 
 def test_artifact_holds_what_run_needs(engine):
     m = artifact.read_manifest(engine)
-    for f in ("weights.safetensors", "program.pt2", "ir/00_captured.ops.json", "tokenizer/tokenizer.json"):
+    for f in ("weights.safetensors", "program.json", "ir/00_captured.ops.json", "tokenizer/tokenizer.json"):
         assert f in m["files"], f
         assert (engine / f).is_file()
     assert m["format_version"] == artifact.FORMAT_VERSION
@@ -42,15 +42,16 @@ def test_artifact_holds_what_run_needs(engine):
     assert m["versions"]["torch"] == torch.__version__
     assert [p["name"] for p in m["passes"]][:2] == ["cleanup_noop", "fuse_norm_mlp"]
     assert m["kernels"]["paged_attention"] == "reference"
-    assert m["backend"]["kind"] == "portable"
+    assert m["kernel_cache"] is None  # a CPU engine runs reference ops: no compiled kernels
     assert m["source"]["preset"] == "tiny-qwen2"
     # the program stores no weights: far smaller than the weights file
-    assert (engine / "program.pt2").stat().st_size < (engine / "weights.safetensors").stat().st_size / 4
+    assert (engine / "program.json").stat().st_size < (engine / "weights.safetensors").stat().st_size / 4
 
 
 def test_loaded_engine_computes_the_spec(engine):
     e = artifact.load_engine(engine)
-    assert e.backend == "portable" and e.device.type == "cpu" and e.dtype == torch.float32
+    assert e.device.type == "cpu" and e.dtype == torch.float32
+    assert list(e.stage_seconds) == ["manifest", "weights", "program", "verify", "kernels"]
     assert e.tokenizer_dir == engine / "tokenizer" and e.source_dir is None
     assert "layers.0.qkv.weight" in e.params and "layers.0.q.weight" not in e.params
     src = resolve_source("tiny-qwen2")
@@ -63,11 +64,11 @@ def test_loaded_engine_computes_the_spec(engine):
 
 
 def test_saved_program_keeps_the_fused_ops_optional_arguments(engine):
-    """program.pt2 round-trips the arguments the fusions add after an op's old ones: a tensor
+    """program.json round-trips the arguments the fusions add after an op's old ones: a tensor
     (the folded input norm's weight, the MLP's residual) and a float (its eps)."""
-    import compiled_llm.graph.fused_ops  # noqa: F401  (registers the cllm:: ops the program names)
+    from compiled_llm.graph.export import PARAM_META
 
-    gm = torch.export.load(str(engine / "program.pt2")).graph_module
+    gm = artifact._load_program(engine, artifact.read_manifest(engine))
     eps = artifact.read_manifest(engine)["model_config"]["norm_eps"]
 
     def calls(op):
@@ -77,13 +78,13 @@ def test_saved_program_keeps_the_fused_ops_optional_arguments(engine):
     assert len(qkvs) == len(mlps) == len(calls(torch.ops.cllm.fused_linear_residual)) > 0
     for i, qkv in enumerate(qkvs):
         norm_weight, norm_eps = qkv.args[11], qkv.args[12]
-        assert norm_weight.name.endswith(f"layers_{i}_attn_norm_weight") and norm_eps == eps
+        assert norm_weight.meta[PARAM_META] == f"layers.{i}.attn_norm.weight" and norm_eps == eps
     assert all(mlp.args[5] is mlp.args[0] for mlp in mlps)  # h + mlp(norm(h))
 
 
 def test_deleted_file_is_refused(copy_of):
-    (copy_of / "program.pt2").unlink()
-    with pytest.raises(EngineError, match=r"engine file program.pt2 is missing"):
+    (copy_of / "program.json").unlink()
+    with pytest.raises(EngineError, match=r"engine file program.json is missing"):
         artifact.load_engine(copy_of)
 
 
@@ -123,37 +124,30 @@ def test_errors_are_one_line(copy_of):
     assert "\n" not in str(info.value)
 
 
-def test_compiled_cache_for_another_machine_falls_back_to_portable():
-    fp = {"torch": "0.0.1", "triton": "9.9", "gpu_arch": "sm_00"}
-    manifest = {"backend": {"kind": "inductor", "cache_file": "inductor_cache.bin", "fingerprint": fp}}
-    kind, warning = artifact.choose_backend(manifest, torch.device("cpu"), None)
-    assert kind == "portable" and "torch is" in warning and "portable" in warning
-    kind, warning = artifact.choose_backend(manifest, torch.device("cpu"), "portable")
-    assert kind == "portable" and warning is None
-
-
-def test_fallback_warns_on_load(copy_of):
-    """An engine that claims an Inductor cache compiled elsewhere still loads, portable, with a warning."""
+def test_engine_of_an_older_format_is_refused(copy_of):
     path = copy_of / "manifest.json"
     m = json.loads(path.read_text())
-    m["backend"] = {"kind": "inductor", "cache_file": "inductor_cache.bin",
-                    "fingerprint": {"torch": "0.0.1", "triton": None, "gpu_arch": "sm_90"}}
+    m["format_version"] = 1
     path.write_text(json.dumps(m))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        e = artifact.load_engine(copy_of)
-    assert e.backend == "portable"
-    assert any("does not fit this machine" in str(w.message) for w in caught)
+    with pytest.raises(EngineError, match="format version 1 is older .* rebuild the engine"):
+        artifact.load_engine(copy_of)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_build_saves_inductor_cache_and_reloads(tmp_path):
+def test_cuda_build_ships_its_kernels_and_a_load_compiles_none(tmp_path, monkeypatch):
+    import triton
+
+    monkeypatch.setenv("COMPILED_LLM_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "eng"
     m = build_engine("tiny-qwen2", out, dtype="bfloat16", device="cuda", progress=False)
-    assert m["backend"]["kind"] == "inductor" and m["backend"]["cache_file"]
+    kernels = [f for f in m["files"] if f.startswith(m["kernel_cache"] + "/")]
+    assert m["kernel_cache"] == artifact.KERNELS_DIR and any(f.endswith(".cubin") for f in kernels)
     e = artifact.load_engine(out)
-    assert e.backend == "inductor"
+    cache_dir = triton.knobs.cache.dir
+    assert cache_dir.startswith(str(tmp_path / "cache"))
+    cubins = sorted(p.name for p in __import__("pathlib").Path(cache_dir).rglob("*.cubin"))
+    assert cubins == sorted(f.rsplit("/", 1)[-1] for f in kernels if f.endswith(".cubin"))
     batch = pack_batch([ScheduledSeq([5, 6, 7], 0, [1])], 16, "cuda")
     kv = torch.zeros(kv_cache_shape(e.config, 3, 16), dtype=torch.bfloat16, device="cuda")
     assert torch.isfinite(e.program(e.params, batch, kv).float()).all()

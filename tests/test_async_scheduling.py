@@ -13,8 +13,9 @@ from compiled_llm.reference import generate_reference
 
 
 def _llm(async_scheduling: bool) -> LLM:
+    # enforce_eager: the eager spec in the runtime, whose params the reference loop takes
     return LLM("tiny-qwen2", device="cpu", max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64,
-               async_scheduling=async_scheduling)
+               async_scheduling=async_scheduling, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def test_build_summary_table_names_passes_and_stages(tmp_path, capsys):
     assert main(["build", "tiny-gpt2", "-o", str(tmp_path / "e"), "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "fuse_qkv_rope" in text and "cleanup_noop" in text and "(matched nothing)" in text
-    assert "ops:" in text and "capture" in text and "export" in text
+    assert "ops:" in text and "capture" in text and "write" in text
 
 
 def test_inspect_pass_and_diff(engines, capsys):

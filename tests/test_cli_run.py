@@ -1,6 +1,7 @@
-"""`compiled-llm run` on the reference path: same tokens as transformers' greedy generate for
-every family, text prompts through HF and sentencepiece tokenizers, --chat, presets, the
-engine-directory hand-off, and help for every option."""
+"""`compiled-llm run SOURCE --eager`, the reference path: same tokens as transformers' greedy
+generate for every family (and so does the default compiled path, through the engine cache),
+text prompts through HF and sentencepiece tokenizers, --chat, presets, the engine-directory
+hand-off, and help for every option."""
 
 from __future__ import annotations
 
@@ -25,17 +26,19 @@ PROMPT_IDS = [5, 77, 130, 2, 250, 31, 64, 9, 180, 11, 42]
 MAX_TOKENS = 32
 
 
-def run_json(capsys, *argv) -> list[dict]:
+def run_json(capsys, *argv, eager: bool = True) -> list[dict]:
+    """`run ... --json` records; on the reference path (--eager) unless ``eager=False``."""
     argv = [str(a) for a in argv]
     device = [] if "--device" in argv else ["--device", "cpu"]
-    rc = main(["run", *argv, "--json", *device])
+    rc = main(["run", *argv, "--json", *device, *(["--eager"] if eager else [])])
     out = capsys.readouterr()
     assert rc == 0, out.err
     return [json.loads(line) for line in out.out.splitlines()]
 
 
+@pytest.mark.parametrize("path", ["eager", "compiled"])
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gpt2"])
-def test_greedy_tokens_match_transformers(family, tmp_path, capsys):
+def test_greedy_tokens_match_transformers(family, path, tmp_path, capsys):
     # llama: untied, llama3 rope scaling, and sharded weights
     hf = lively_checkpoint(family, tmp_path, max_shard_size="20KB" if family == "llama" else None)
     if family == "llama":
@@ -46,7 +49,7 @@ def test_greedy_tokens_match_transformers(family, tmp_path, capsys):
     prompt_b = PROMPT_IDS[::-1][:6]
     records = run_json(
         capsys, tmp_path, "--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--prompt-ids", ",".join(map(str, prompt_b)),
-        "--max-tokens", MAX_TOKENS, "--ignore-eos", "--dtype", "float32",
+        "--max-tokens", MAX_TOKENS, "--ignore-eos", "--dtype", "float32", eager=path == "eager",
     )
     assert len(records) == 2
     for rec, prompt in zip(records, [PROMPT_IDS, prompt_b]):
@@ -153,9 +156,11 @@ def test_tiny_presets_generate_from_text(preset, capsys):
 
 
 def test_readable_output_has_text_and_perf_summary(capsys):
-    rc = main(["run", "tiny-qwen2", "--prompt", "Hello there", "--max-tokens", "5", "--ignore-eos", "--device", "cpu"])
+    rc = main(["run", "tiny-qwen2", "--prompt", "Hello there", "--max-tokens", "5", "--ignore-eos", "--device", "cpu",
+               "--eager"])
     out = capsys.readouterr().out
     assert rc == 0
+    assert "tiny-qwen2 on cpu, float32, reference (eager) path" in out
     assert "=== prompt 0 (11 tokens) ===" in out and "Hello there" in out
     assert "--- output (5 tokens, finish: length) ---" in out
     for row in ("load", "prefill", "decode", "total"):
@@ -198,10 +203,14 @@ def _run_parser() -> argparse.ArgumentParser:
 def test_every_run_option_has_help():
     actions = [a for a in _run_parser()._actions if not isinstance(a, argparse._HelpAction)]
     expected = {"--prompt", "--prompt-ids", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed",
-                "--ignore-eos", "--dtype", "--device", "--chat", "--json"}
+                "--ignore-eos", "--dtype", "--device", "--chat", "--json", "--eager", "--enforce-eager"}
     assert expected <= {s for a in actions for s in a.option_strings}
+    # the one hidden option: --no-cuda-graphs, the old name of --enforce-eager, kept for old scripts
+    (hidden,) = [a for a in actions if a.help == argparse.SUPPRESS]
+    assert hidden.option_strings == ["--no-cuda-graphs"] and hidden.dest == "enforce_eager"
     for a in actions:
-        assert a.help and a.help.strip() and a.help != argparse.SUPPRESS, a.dest
+        if a is not hidden:
+            assert a.help and a.help.strip(), a.dest
 
 
 def test_help_commands_exit_cleanly():
@@ -211,8 +220,9 @@ def test_help_commands_exit_cleanly():
         assert "run" in r.stdout
     r = subprocess.run([sys.executable, "-m", "compiled_llm.cli.main", "run", "--help"], capture_output=True, text=True)
     for opt in ("--prompt-ids", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--ignore-eos",
-                "--dtype", "--device", "--chat", "--json", "tiny-qwen2"):
+                "--dtype", "--device", "--chat", "--json", "tiny-qwen2", "--eager", "--enforce-eager"):
         assert opt in r.stdout, opt
+    assert "--no-cuda-graphs" not in r.stdout
 
 
 # --- GPU (run by the lead on the device machine) -----------------------------------------------
@@ -235,7 +245,7 @@ def test_cuda_float32_matches_transformers(family, tmp_path, capsys):
 @needs_cuda
 def test_cuda_bfloat16_real_shaped_preset(capsys):
     rc = main(["run", "qwen2.5-0.5b", "--prompt", "Hello", "--chat", "--max-tokens", "24", "--ignore-eos",
-               "--device", "cuda", "--dtype", "bfloat16"])
+               "--device", "cuda", "--dtype", "bfloat16", "--eager"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "--- output (24 tokens, finish: length) ---" in out

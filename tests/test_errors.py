@@ -83,13 +83,21 @@ def test_missing_weights_file(ckpt, capsys):
     fails_with(capsys, [ckpt, "--prompt-ids", "1,2"], "no model.safetensors")
 
 
-def test_prompt_longer_than_context(ckpt, capsys):
+# the compiled path (the default) says "max length" as vLLM does; the reference path "context"
+TOO_LONG = {"compiled": ([], "max length of"), "eager": (["--eager"], "context of")}
+
+
+@pytest.mark.parametrize("path", TOO_LONG)
+def test_prompt_longer_than_context(ckpt, capsys, path):
     ids = ",".join(["7"] * 250)
-    fails_with(capsys, [ckpt, "--prompt-ids", ids, "--max-tokens", 16], "250 tokens", "context of 256")
+    flags, words = TOO_LONG[path]
+    fails_with(capsys, [ckpt, "--prompt-ids", ids, "--max-tokens", 16, *flags], "250 tokens", f"{words} 256")
 
 
-def test_text_prompt_longer_than_preset_context(capsys):
-    fails_with(capsys, ["tiny-gpt2", "--prompt", "x" * 1020, "--max-tokens", 8], "1020 tokens", "context of 1024")
+@pytest.mark.parametrize("path", TOO_LONG)
+def test_text_prompt_longer_than_preset_context(capsys, path):
+    flags, words = TOO_LONG[path]
+    fails_with(capsys, ["tiny-gpt2", "--prompt", "x" * 1020, "--max-tokens", 8, *flags], "1020 tokens", f"{words} 1024")
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,11 @@ from hf_checkpoints import make_checkpoint
 
 @pytest.fixture(scope="module")
 def tiny():
-    # small budget and pool: chunked prefill and preemption both happen
-    return LLM("tiny-qwen2", device="cpu", max_num_seqs=16, max_num_batched_tokens=96, num_blocks=48)
+    # small budget and pool: chunked prefill and preemption both happen. enforce_eager: the
+    # source runs as the eager spec inside the runtime (no build), so tiny.model.params are the
+    # reference loop's params (an engine's are post-pass: merged qkv, gate_up)
+    return LLM("tiny-qwen2", device="cpu", max_num_seqs=16, max_num_batched_tokens=96, num_blocks=48,
+               enforce_eager=True)
 
 
 def mixed_requests(vocab, n=64, seed=0, prefix=()):
@@ -49,7 +52,8 @@ def test_64_mixed_requests_match_reference_on_preset(tiny):
 
 def test_64_mixed_requests_match_reference_on_transformers_checkpoint(tmp_path):
     make_checkpoint("qwen2", tmp_path)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=16, max_num_batched_tokens=128)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=16, max_num_batched_tokens=128,
+              enforce_eager=True)
     prompts, params = mixed_requests(llm.model.config.vocab_size, seed=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_same(outs, reference(llm, prompts, params))

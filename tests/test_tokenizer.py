@@ -1,5 +1,6 @@
 """Tokenizer: HF tokenizer files, a bare sentencepiece model, the presets' byte-level tokenizer,
-chat templates with a plain fallback, and save/load round trips.
+chat templates with a plain fallback, and save/load round trips. (test_tokenizer_files.py checks
+the tokenizer.json loader against transformers family by family.)
 
 The builders at the top (a tokenizers-library BPE and a sentencepiece model, both trained here
 on a small text) are reused by the CLI tests."""
@@ -97,7 +98,9 @@ def test_byte_level_specials_and_eos():
     assert tok.decode([104, 105, 258], skip_special_tokens=False) == "hi<|im_end|>"
 
 
-def test_byte_level_chat_is_chatml_with_default_system_prompt():
+def test_byte_level_chat_is_chatml_with_default_system_prompt(tmp_path):
+    from transformers import AutoTokenizer
+
     tok = byte_level_tokenizer()
     assert tok.has_chat_template
     expected = (
@@ -106,7 +109,27 @@ def test_byte_level_chat_is_chatml_with_default_system_prompt():
     )
     assert tok.render_chat("hello") == expected
     assert tok.encode_chat("hello") == tok.encode(expected)
-    assert tok.encode_chat("hello") == chat_ids_from_transformers(tok.hf, "hello", DEFAULT_SYSTEM_PROMPT)
+    tok.save(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert tok.encode_chat("hello") == chat_ids_from_transformers(hf, "hello", DEFAULT_SYSTEM_PROMPT)
+
+
+def test_multi_turn_chat_ids(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = byte_level_tokenizer()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello 🚀"}, {"role": "user", "content": "again"}]
+    ids = tok.apply_chat_template(messages)
+    assert tok.decode(ids, skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\nhello 🚀<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    )
+    tok.save(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ids == list(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert tok.apply_chat_template(messages[:2], add_generation_prompt=False) == tok.encode(
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    )
 
 
 def test_decode_ignores_ids_beyond_the_tokenizer_vocab():
@@ -118,7 +141,7 @@ def test_byte_level_save_and_reload(tmp_path):
     tok = byte_level_tokenizer()
     tok.save(tmp_path)
     again = load_tokenizer(tmp_path)
-    assert again is not None and again.kind == "transformers"
+    assert again is not None and again.kind == "tokenizers"
     assert again.encode(TEXT) == tok.encode(TEXT)
     assert again.encode_chat("hi", "be brief") == tok.encode_chat("hi", "be brief")
     assert set(again.eos_token_ids) == set(tok.eos_token_ids)
@@ -127,11 +150,11 @@ def test_byte_level_save_and_reload(tmp_path):
 # --- tokenizers-library tokenizer.json ---------------------------------------------------------
 
 
-def test_tokenizer_json_loads_through_transformers(tmp_path):
+def test_tokenizer_json_loads_without_transformers(tmp_path):
     raw, hf = train_hf_tokenizer()
     hf.save_pretrained(str(tmp_path))
     tok = load_tokenizer(tmp_path)
-    assert tok.kind == "transformers"
+    assert tok.kind == "tokenizers"
     assert tok.encode(TEXT) == raw.encode(TEXT).ids
     assert tok.decode(tok.encode(TEXT)) == TEXT
     assert tok.eos_token_ids[0] == raw.token_to_id("<|im_end|>")
@@ -146,6 +169,22 @@ def test_bare_tokenizer_json_without_config(tmp_path):
     assert tok.encode(TEXT) == raw.encode(TEXT).ids
 
 
+def test_vocab_and_merges_without_tokenizer_json_load_through_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    raw, _ = train_hf_tokenizer()
+    raw.model.save(str(tmp_path))  # vocab.json + merges.txt
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    tok = load_tokenizer(tmp_path)
+    assert tok.kind == "transformers"
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert tok.encode(TEXT) == hf.encode(TEXT) and tok.decode(tok.encode(TEXT)) == hf.decode(hf.encode(TEXT))
+    assert tok.vocab_size == len(hf)
+    tok.save(tmp_path / "engine")  # save_pretrained writes a tokenizer.json, read without transformers next time
+    again = load_tokenizer(tmp_path / "engine")
+    assert again.kind == "tokenizers" and again.encode(TEXT) == tok.encode(TEXT)
+
+
 def test_no_chat_template_uses_plain_fallback(tmp_path):
     _, hf = train_hf_tokenizer(chat_template=None)
     hf.save_pretrained(str(tmp_path))
@@ -154,6 +193,8 @@ def test_no_chat_template_uses_plain_fallback(tmp_path):
     assert tok.render_chat("hi there") == f"{DEFAULT_SYSTEM_PROMPT}\n\nUser: hi there\nAssistant:"
     assert tok.encode_chat("hi there", None) == tok.encode(plain_chat_prompt("hi there", None))
     assert tok.encode_chat("hi there", None) == tok.encode("User: hi there\nAssistant:")
+    with pytest.raises(CompiledLLMError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 # --- sentencepiece -----------------------------------------------------------------------------

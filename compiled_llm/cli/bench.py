@@ -8,6 +8,8 @@ benchmarks/bench_all.py).
 
 from __future__ import annotations
 
+import argparse
+
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
@@ -16,9 +18,12 @@ def add_parser(subparsers):
         description="Run the workloads of PERF.md on ENGINE_DIR and, unless --no-hf, the same workloads "
                     "on Hugging Face transformers in the same process; print one table.",
     )
-    p.add_argument("engine", metavar="ENGINE_DIR", help="an engine directory made by 'compiled-llm build' (or a model source)")
-    p.add_argument("--workload", choices=("latency", "throughput", "prefill", "all"), default="all",
-                   help="which workload to run (default all)")
+    p.add_argument("engine", metavar="ENGINE_DIR",
+                   help="an engine directory made by 'compiled-llm build', or a model source (built into the "
+                        "engine cache on first use)")
+    p.add_argument("--workload", choices=("latency", "throughput", "prefill", "coldstart", "all"), default="all",
+                   help="which workload to run (default all); coldstart times fresh processes from start to "
+                        "first token (ours and transformers') and a fresh build")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers peer")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to run; auto = cuda when available")
@@ -32,7 +37,9 @@ def add_parser(subparsers):
                    help="token budget of one step (default 4096)")
     p.add_argument("--max-model-len", type=int, default=4096, metavar="N",
                    help="longest sequence served; bounds the block tables (default 4096, enough for the workloads)")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly instead of with CUDA graphs")
+    p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs (each step launched eagerly)")
+    p.add_argument("--no-cuda-graphs", dest="enforce_eager", action="store_true",
+                   help=argparse.SUPPRESS)  # the old name of --enforce-eager
     p.add_argument("--json", action="store_true", help="print the results as one JSON list instead of a table")
     p.set_defaults(handler=run)
 
@@ -63,21 +70,33 @@ def hf_config_of(llm) -> dict | None:
 
 
 def run(args) -> int:
-    import dataclasses
-    import json
-
-    from compiled_llm.cli.run import resolve_device
+    from compiled_llm.cli.run import is_engine_dir, log_build_progress, resolve_device
     from compiled_llm.serve.llm import LLM
 
     from compiled_llm import workloads as wl
 
-    workloads = wl.WORKLOADS if args.workload == "all" else (args.workload,)
+    workloads = (*wl.WORKLOADS, "coldstart") if args.workload == "all" else (args.workload,)
     device = resolve_device(args.device)
+    engine = args.engine
+    if not is_engine_dir(engine):  # a model source: its cached engine (so --enforce-eager still compiles)
+        from compiled_llm.engine_cache import cached_engine
+
+        log_build_progress()
+        engine = str(cached_engine(engine, device=device))
+    cold = []
+    if "coldstart" in workloads:  # first: its fresh processes need the device to themselves
+        from compiled_llm import coldstart
+
+        cold = coldstart.measure(engine, device.type, with_hf=not args.no_hf)
+        workloads = tuple(w for w in workloads if w != "coldstart")
+        if not workloads:
+            _print_results(args, cold, device, None, coldstart.format_table(cold))
+            return 0
     llm = LLM(
-        args.engine, device=device,
+        engine, device=device,
         gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enforce_eager=args.no_cuda_graphs,
+        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
     )
     results = []
     for w in workloads:
@@ -98,11 +117,23 @@ def run(args) -> int:
             torch.cuda.empty_cache()
         for w in workloads:  # each in a child process (see workloads.run_hf_child)
             results.append(wl.run_hf_child(hf_cfg, dtype, device, w, args.num_requests))
+    table = wl.format_table(results)
+    if cold:
+        from compiled_llm import coldstart
+
+        table += "\n\n" + coldstart.format_table(cold)
+    _print_results(args, cold + results, device, dtype, table)
+    if not args.json and not args.no_hf and hf_cfg is None:
+        print("hf: skipped (the engine records no preset or checkpoint config to build it from)")
+    return 0
+
+
+def _print_results(args, results, device, dtype, table: str) -> None:
+    import dataclasses
+    import json
+
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
-    else:
-        print(f"{args.engine} on {device.type}, {str(dtype).removeprefix('torch.')}")
-        print(wl.format_table(results))
-        if not args.no_hf and hf_cfg is None:
-            print("hf: skipped (the engine records no preset or checkpoint config to build it from)")
-    return 0
+        return
+    print(f"{args.engine} on {device.type}" + (f", {str(dtype).removeprefix('torch.')}" if dtype else ""))
+    print(table)

@@ -12,17 +12,17 @@ def add_parser(subparsers):
     )
     p.add_argument("source", metavar="SOURCE", help="checkpoint directory, preset name (e.g. tiny-qwen2) or hub id")
     p.add_argument("-o", "--output", required=True, metavar="ENGINE_DIR", help="engine directory to write (replaced if it holds an engine)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
-                   help="weight and activation dtype (default: float32)")
-    p.add_argument("--device", default="cpu", help="target device: cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                   help="weight and activation dtype; auto (the default) = the checkpoint's float16/bfloat16 on "
+                        "a GPU (bfloat16 when it is float32 or says nothing), float32 on a CPU")
+    p.add_argument("--device", default="auto",
+                   help="target device: auto (the default: cuda when available, else cpu), cpu or cuda")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="longest context the engine serves (default: the model's maximum)")
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME",
                    help="skip a pass (repeatable); see `compiled-llm inspect` for the pass names")
     p.add_argument("--kernel", action="append", default=[], metavar="OP=PROVIDER",
                    help="force a kernel provider for a cllm op, e.g. paged_attention=triton (repeatable)")
-    p.add_argument("--backend", default="auto", choices=["auto", "portable", "inductor"],
-                   help="auto: Inductor on CUDA, portable on CPU (default: auto)")
     p.add_argument("--dump-ir", action="store_true",
                    help="keep the graph code after every pass in ENGINE_DIR/ir (default: captured and final only)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -60,8 +60,9 @@ def run(args) -> int:
         args.source, args.output,
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         disabled_passes=args.disable_pass, dump_ir=args.dump_ir,
-        kernel_prefs=parse_kernel_prefs(args.kernel), backend=args.backend, progress=not args.quiet,
+        kernel_prefs=parse_kernel_prefs(args.kernel), progress=not args.quiet,
     )
     print(format_summary(manifest))
-    print(f"engine written to {args.output} (backend {manifest['backend']['kind']})")
+    opts = manifest["build_options"]
+    print(f"engine written to {args.output} ({opts['device']}, {opts['dtype']})")
     return 0

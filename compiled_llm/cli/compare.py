@@ -15,11 +15,8 @@ def add_parser(subparsers):
     p.add_argument("engine", metavar="ENGINE_DIR", help="engine directory made by `compiled-llm build`")
     p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="random prompts (default: 8)")
     p.add_argument("--max-tokens", type=int, default=32, metavar="K", help="greedy tokens per prompt (default: 32)")
-    p.add_argument("--reference", default="spec", choices=["spec", "hf", "portable"],
-                   help="spec: the model with no passes; hf: transformers on the source checkpoint; "
-                   "portable: the engine's own uncompiled program (default: spec)")
-    p.add_argument("--backend", default=None, choices=["portable", "inductor"],
-                   help="run the engine with this backend (default: the engine's own)")
+    p.add_argument("--reference", default="spec", choices=["spec", "hf"],
+                   help="spec: the model with no passes; hf: transformers on the source checkpoint (default: spec)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     p.add_argument("--no-bisect", action="store_true", help="do not search for the pass that breaks the numbers")
     p.set_defaults(handler=run)
@@ -30,6 +27,6 @@ def run(args) -> int:
 
     verdict, _ = compare_engine(
         args.engine, num_prompts=args.num_prompts, max_tokens=args.max_tokens, reference=args.reference,
-        backend=args.backend, seed=args.seed, bisect=not args.no_bisect,
+        seed=args.seed, bisect=not args.no_bisect,
     )
     return 0 if verdict.ok else 1

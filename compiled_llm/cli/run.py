@@ -1,9 +1,10 @@
 """`compiled-llm run`: generate text from a model.
 
 SOURCE is a checkpoint directory, a built-in preset, a hub id, or a built engine directory (one
-holding manifest.json). Engines run on the compiled runtime (``compiled_llm.serve.cli_run``);
-everything else runs the eager reference loop (``compiled_llm.reference``), which is also what
-the runtime is checked against.
+holding manifest.json). Everything runs on the compiled runtime (``compiled_llm.serve.cli_run``):
+a model source is first built into the engine cache (``compiled_llm.engine_cache``; once, later
+runs load the cached engine). ``--eager`` runs a model source on the eager reference loop
+(``compiled_llm.reference``) instead, which is also what the runtime is checked against.
 
 The helpers below (prompt parsing, sampling, output records) are shared with the engine path so
 both print exactly the same formats.
@@ -11,7 +12,9 @@ both print exactly the same formats.
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -26,8 +29,10 @@ def add_parser(subparsers):
         "run",
         help="generate text from a checkpoint, preset, hub id or built engine",
         description=(
-            "Generate from SOURCE. Greedy unless --temperature > 0. Prompts run one after another "
-            "on the eager reference path, or batched on the compiled runtime for an engine directory."
+            "Generate from SOURCE. Greedy unless --temperature > 0. Prompts run batched on the "
+            "compiled runtime: a checkpoint, preset or hub id is built into the engine cache on "
+            "first use ($COMPILED_LLM_CACHE_DIR, else ~/.cache/compiled_llm) and loaded from it "
+            "afterwards. --eager runs it one prompt after another on the eager reference path instead."
         ),
     )
     p.add_argument(
@@ -57,8 +62,12 @@ def add_parser(subparsers):
                    help="seed of each prompt's sampling stream, for reproducible sampled output")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-sequence tokens until --max-tokens")
+    p.add_argument("--eager", action="store_true",
+                   help="run a model source on the eager reference loop (one prompt at a time, no build, "
+                        "no engine cache) instead of compiling it; not for engine directories")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weight and activation dtype; auto = bfloat16 on cuda, float32 on cpu")
+                   help="weight and activation dtype; auto = the checkpoint's float16/bfloat16 on cuda "
+                        "(bfloat16 when it is float32 or says nothing), float32 on cpu")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where to run; auto = cuda when available, else cpu")
     p.add_argument("--chat", action="store_true",
@@ -69,8 +78,8 @@ def add_parser(subparsers):
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt per line: prompt_token_ids, token_ids, "
                         "text, finish_reason; no perf summary")
-    # --- engine-only options (runtime) ---
-    eng = p.add_argument_group("engine directories only (compiled runtime)")
+    # --- compiled-runtime options ---
+    eng = p.add_argument_group("compiled runtime (engine directories, and sources without --eager)")
     eng.add_argument("--stream", action="store_true",
                      help="print each prompt's text as it is generated (one prompt after another)")
     eng.add_argument("--interactive", action="store_true",
@@ -89,9 +98,11 @@ def add_parser(subparsers):
                      help="token budget of one step; longer prompts are prefilled in chunks (default 4096)")
     eng.add_argument("--max-model-len", type=int, default=None, metavar="N",
                      help="longest prompt + output served (default: the engine's build limit)")
-    eng.add_argument("--no-cuda-graphs", action="store_true",
-                     help="run decode steps eagerly instead of replaying captured CUDA graphs")
-    # --- end engine-only options ---
+    eng.add_argument("--enforce-eager", action="store_true",
+                     help="decode without CUDA graphs (each step launched eagerly); the engine is still compiled")
+    eng.add_argument("--no-cuda-graphs", dest="enforce_eager", action="store_true",
+                     help=argparse.SUPPRESS)  # the old name of --enforce-eager
+    # --- end compiled-runtime options ---
     p.set_defaults(handler=run)
 
 
@@ -131,6 +142,16 @@ def sampling_from_args(args):
     )
 
 
+def check_prompt_args(args) -> None:
+    """The prompt mistakes that need no tokenizer, found before anything loads or builds."""
+    from compiled_llm.errors import CompiledLLMError
+
+    if not args.prompt and not args.prompt_ids and not getattr(args, "interactive", False):
+        raise CompiledLLMError("no prompt given; pass --prompt TEXT or --prompt-ids 1,2,3")
+    for text in args.prompt_ids or []:
+        parse_prompt_ids(text)
+
+
 def prompts_from_args(args, tokenizer) -> list[list[int]]:
     """Token ids of every prompt: the --prompt texts (chat-wrapped with --chat), then --prompt-ids."""
     from compiled_llm.errors import CompiledLLMError
@@ -162,12 +183,11 @@ def resolve_device(name: str):
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device):
-    import torch
+def resolve_dtype(name: str, device, source=None):
+    """--dtype for ``device``; "auto" follows the checkpoint of ``source`` (build.resolve_dtype)."""
+    from compiled_llm.build import resolve_dtype as resolve
 
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    return resolve(name, device, source)
 
 
 def output_record(prompt_token_ids, token_ids, text: str | None, finish_reason: str) -> dict:
@@ -241,6 +261,11 @@ def run(args) -> int:
     from compiled_llm.errors import CompiledLLMError
 
     if is_engine_dir(args.source):
+        if args.eager:
+            raise CompiledLLMError(
+                f"--eager runs a model source on the reference loop, but {args.source} is an engine "
+                "directory: an engine is already compiled; use --enforce-eager to skip CUDA graphs"
+            )
         try:
             from compiled_llm.serve.cli_run import run_engine
         except ModuleNotFoundError as e:
@@ -251,7 +276,22 @@ def run(args) -> int:
                 "(compiled_llm.serve.cli_run); run a checkpoint directory or preset instead"
             ) from None
         return int(run_engine(args) or 0)
-    return run_reference(args)
+    if args.eager:
+        return run_reference(args)
+    from compiled_llm.serve.cli_run import run_engine
+
+    return int(run_engine(args) or 0)
+
+
+def log_build_progress() -> None:
+    """On a terminal, show the engine cache's "building engine ..." line on stderr (builds
+    show their progress bars there too); pipes and scripts keep a clean stderr."""
+    logger = logging.getLogger("compiled_llm")
+    if sys.stderr.isatty() and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def run_reference(args) -> int:
@@ -263,8 +303,8 @@ def run_reference(args) -> int:
 
     sampling = sampling_from_args(args)  # bad values fail before anything loads
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
     src = resolve_source(args.source)
+    dtype = resolve_dtype(args.dtype, device, src)
     tokenizer = load_source_tokenizer(src)
     prompts = prompts_from_args(args, tokenizer)
     for p in prompts:

@@ -29,6 +29,15 @@ class Block:
     token_ids: tuple[int, ...] | None = None  # kept to rule out hash collisions
 
 
+class _Blocks(dict):
+    """Block objects by id, each made on first use: a GPU's KV cache has hundreds of thousands
+    of blocks, and making them all up front cost more than a second of every load."""
+
+    def __missing__(self, block_id: int) -> Block:
+        block = self[block_id] = Block(block_id)
+        return block
+
+
 @dataclass
 class PrefixCacheStats:
     queried_tokens: int = 0  # prompt tokens looked up at admission
@@ -46,8 +55,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blocks = _Blocks()
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, Block] = {}  # chained hash -> block
         self.stats = PrefixCacheStats()
 
@@ -158,7 +167,7 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Consistency of counts, free queue and cache (used by tests)."""
-        for block in self.blocks:
+        for block in map(self.blocks.__getitem__, range(self.num_blocks)):
             assert block.ref_count >= 0
             assert (block.ref_count == 0) == (block.block_id in self.free), block
         for h, block in self.cached.items():

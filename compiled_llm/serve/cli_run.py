@@ -1,4 +1,5 @@
-"""`compiled-llm run ENGINE_DIR`: the compiled runtime behind the run command.
+"""`compiled-llm run ENGINE_DIR|SOURCE`: the compiled runtime behind the run command (a model
+SOURCE is built into the engine cache first, or loaded from it: compiled_llm.engine_cache).
 
 Same prompts, sampling options and output formats as the reference path (cli/run.py), plus
 --stream, --interactive (chat REPL), --profile and the engine sizing knobs. Prints a perf
@@ -12,6 +13,18 @@ import sys
 import time
 
 
+def engine_of(args, device) -> str:
+    """The engine directory to run: SOURCE itself, or its cached engine (built on first use)."""
+    from compiled_llm.cli.run import is_engine_dir, log_build_progress
+
+    if is_engine_dir(args.source):
+        return args.source
+    from compiled_llm.engine_cache import cached_engine
+
+    log_build_progress()
+    return str(cached_engine(args.source, dtype=args.dtype, device=device))
+
+
 def build_llm(args):
     from compiled_llm.cli.run import resolve_device
     from compiled_llm.serve.llm import LLM
@@ -19,7 +32,7 @@ def build_llm(args):
     device = resolve_device(args.device)
     dtype = None if args.dtype == "auto" else args.dtype
     return LLM(
-        args.source,
+        engine_of(args, device),
         dtype=dtype,
         device=device,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -27,15 +40,17 @@ def build_llm(args):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        enforce_eager=args.no_cuda_graphs,
+        enforce_eager=args.enforce_eager,
     )
 
 
 def run_engine(args) -> int:
-    from compiled_llm.cli.run import print_outputs, print_run_header, prompts_from_args, sampling_from_args
+    from compiled_llm.cli.run import (check_prompt_args, print_outputs, print_run_header, prompts_from_args,
+                                      sampling_from_args)
     from compiled_llm.serve.profiling import profile_engine
 
-    sampling = sampling_from_args(args)  # bad values fail before anything loads
+    sampling = sampling_from_args(args)  # bad values fail before anything loads (or builds)
+    check_prompt_args(args)
     t0 = time.perf_counter()
     llm = build_llm(args)
     load_s = time.perf_counter() - t0
@@ -65,7 +80,10 @@ def run_engine(args) -> int:
         print_outputs(outputs, texts, args.json)
     if not args.json:
         preset = ((llm.model.manifest or {}).get("source") or {}).get("preset")
-        print_run_header(args.source, engine.device, llm.model.dtype, "compiled runtime", preset)
+        from compiled_llm.cli.run import is_engine_dir
+
+        where = "compiled runtime" if is_engine_dir(args.source) else f"compiled runtime, cached engine {llm.model.name}"
+        print_run_header(args.source, engine.device, llm.model.dtype, where, preset)
         print(perf_summary(llm, outputs, load_s, wall))
     return 0
 
@@ -100,8 +118,7 @@ def chat(llm, sampling, system_prompt=None, stdin=None, stdout=None) -> int:
     if tok is None:
         raise CompiledLLMError("--interactive needs a tokenizer, and this engine has none")
     system = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
-    hf = getattr(tok, "hf", None)
-    multi_turn = hf is not None and bool(getattr(tok, "has_chat_template", False))
+    multi_turn = tok.has_chat_template
     messages = [{"role": "system", "content": system}] if system else []
     print("chat: type a message, empty line or Ctrl-D to quit", file=stdout, flush=True)
     while True:
@@ -112,9 +129,7 @@ def chat(llm, sampling, system_prompt=None, stdin=None, stdout=None) -> int:
         user = line.rstrip("\n")
         if multi_turn:
             messages.append({"role": "user", "content": user})
-            ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if not isinstance(ids, list):  # some versions return a BatchEncoding
-                ids = list(ids["input_ids"])
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True)
         else:
             ids = tok.encode_chat(user, system)
         reply = []

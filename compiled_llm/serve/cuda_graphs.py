@@ -1,4 +1,5 @@
-"""CUDA graphs of whole steps, one per bucket, sharing one memory pool.
+"""CUDA graphs of whole steps, one per bucket, sharing one memory pool, each captured when its
+bucket first runs.
 
 Decode: a step of S sequences is padded to the next batch-size bucket with rows that write
 nowhere (slot -1) and attend to nothing (seq_len 0), and replays that bucket's graph.
@@ -6,13 +7,14 @@ Prefill of one sequence: its T new tokens are padded to the next token-count buc
 that belong to no sequence (past query_start_loc[-1], slot -1), so they write nowhere and no real
 row sees them; launching a prefill op by op costs the host far more than the device's few ms.
 Graphs read fixed input buffers, so the runner copies each step's inputs into them before
-replay. Every bucket runs eagerly once before any capture: a first call may compile (Triton) or
-allocate, neither of which may happen inside a capture.
+replay. A bucket runs eagerly once right before its capture: a first call may compile (Triton)
+or allocate, neither of which may happen inside a capture.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 import warnings
 from typing import Callable
@@ -37,8 +39,24 @@ def decode_buckets(max_batch_size: int) -> list[int]:
     return out
 
 
+@contextlib.contextmanager
+def _syncs_raise():
+    """CUDA operations that synchronise with the host raise inside (torch's sync debug mode,
+    whose "prototype feature" notice is not for the user)."""
+    mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 class StepGraphs:
-    """Captured graphs by bucket; ``replay(bucket_for(n))`` runs the smallest bucket >= n."""
+    """Graphs by bucket, each captured the first time its bucket runs, so a load captures
+    nothing before the first token. ``run(bucket, rows)`` replays (capturing first if needed);
+    if a capture fails the graphs switch off with a warning and every bucket runs eagerly."""
 
     def __init__(self):
         self.buckets: list[int] = []
@@ -46,60 +64,89 @@ class StepGraphs:
         self.logits: Tensor | None = None  # [rows of the largest bucket, vocab], written by every graph
         self.capture_s = 0.0
         self.pool = None
+        self._forward: Callable[[int], Tensor] | None = None
+        self._max_rows = 0
+        self._device = None
+        self.failed = False  # a capture failed: every bucket runs eagerly from then on
+        self._stream = None  # side stream captures run on
 
     @property
     def enabled(self) -> bool:
-        return bool(self.graphs)
+        return self._forward is not None
 
     def bucket_for(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.buckets, num_seqs)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def capture(self, buckets: list[int], forward: Callable[[int], Tensor], device, pool=None) -> bool:
-        """Warm and capture ``forward(bucket)`` (which reads the static inputs of that bucket
-        and returns its logits). Returns False, with a warning, when capture fails: the
-        runner then stays eager."""
-        t0 = time.perf_counter()
-        try:
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for b in buckets:  # warm-up: compiles and first allocations outside capture
-                    out = forward(b)
-                    forward(b)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            torch.cuda.synchronize(device)
-            self.logits = torch.empty((max(out.shape[0], 1), out.shape[-1]), dtype=out.dtype, device=device)
-            del out
-            self.pool = pool
-            # largest first: its activations set the pool size the smaller ones reuse
-            for b in sorted(buckets, reverse=True):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    logits = forward(b)
-                    self.logits[: logits.shape[0]].copy_(logits)
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[b] = g
-            torch.cuda.synchronize(device)
-        except Exception as e:  # any capture failure: run eagerly instead
-            self.graphs.clear()
-            self.buckets = sorted(buckets)
-            self.logits = None
-            try:
-                torch.cuda.synchronize(device)
-            except Exception:
-                pass
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            warnings.warn(f"CUDA graph capture failed, decode runs eagerly: {first}", RuntimeWarning, stacklevel=2)
-            return False
+    def prepare(self, buckets: list[int], forward: Callable[[int], Tensor], max_rows: int, device, pool) -> None:
+        """Graphs of ``forward(bucket)`` (which reads the static inputs of that bucket and
+        returns its logits, at most ``max_rows`` rows) will be captured on first use, in the
+        shared memory ``pool`` (``torch.cuda.graph_pool_handle()``)."""
         self.buckets = sorted(buckets)
-        self.capture_s = time.perf_counter() - t0
-        return True
+        self._forward, self._max_rows, self._device, self.pool = forward, max_rows, device, pool
 
-    def replay(self, bucket: int, rows: int) -> Tensor:
+    def run(self, bucket: int, rows: int) -> Tensor:
+        """The first ``rows`` logits of ``bucket``'s step on the inputs staged for it."""
+        if self._forward is None:
+            raise RuntimeError("StepGraphs.run before prepare")
+        if self.failed or (bucket not in self.graphs and not self._capture(bucket)):
+            return self._forward(bucket)[:rows]
         self.graphs[bucket].replay()
         return self.logits[:rows]
 
+    def capture_all(self) -> bool:
+        """Capture every bucket now (a build warms its kernels this way, benchmarks before they
+        time). False when graphs are off or a capture failed."""
+        if not self.enabled:
+            return False
+        return all(not self.failed and (b in self.graphs or self._capture(b)) for b in self.buckets)
 
-DecodeGraphs = StepGraphs  # the name the runner and tests have used
+    def _capture(self, bucket: int) -> bool:
+        t0 = time.perf_counter()
+        device = self._device
+        current = torch.cuda.current_stream(device)
+        try:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            stream = self._stream
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                # One eager run first, on the staged inputs (its KV writes are the ones the
+                # replay makes again): a first call may compile (Triton) or allocate, neither
+                # of which may happen inside a capture. A step that synchronises with the host
+                # cannot be captured: finding that out here, rather than by a failed capture,
+                # keeps the failure from leaving the CUDA RNG in capture mode for the process.
+                with _syncs_raise():
+                    out = self._forward(bucket)
+                if self.logits is None:
+                    self.logits = torch.empty((self._max_rows, out.shape[-1]), dtype=out.dtype, device=device)
+                del out
+                # capture_begin/end rather than torch.cuda.graph(): that context manager also
+                # collects garbage and empties the allocator's cache, which mid-run costs far
+                # more than the capture itself
+                g = torch.cuda.CUDAGraph()
+                g.capture_begin(pool=self.pool)
+                try:
+                    logits = self._forward(bucket)
+                    self.logits[: logits.shape[0]].copy_(logits)
+                finally:
+                    g.capture_end()
+            current.wait_stream(stream)
+            self.graphs[bucket] = g
+        except Exception as e:  # any capture failure: run eagerly from now on
+            self._disable(e)
+            return False
+        finally:
+            self.capture_s += time.perf_counter() - t0
+        return True
+
+    def _disable(self, error: Exception) -> None:
+        self.failed = True
+        self.graphs.clear()
+        self.logits = None
+        try:
+            torch.cuda.synchronize(self._device)
+        except Exception:
+            pass
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        warnings.warn(f"CUDA graph capture failed, steps run eagerly: {first}", RuntimeWarning, stacklevel=3)

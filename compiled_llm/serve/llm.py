@@ -1,7 +1,7 @@
 """``LLM``: the offline API, vLLM style.
 
     from compiled_llm import LLM, SamplingParams
-    llm = LLM("engine_dir_or_model")
+    llm = LLM("tiny-qwen2")  # an engine directory, or a model source: built once, then cached
     for out in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
         print(out.text)
     for delta in llm.stream("Tell me a story", SamplingParams(max_tokens=64)):
@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.sampling import SamplingParams
 from compiled_llm.serve.llm_engine import EngineConfig, LLMEngine
-from compiled_llm.serve.loader import LoadedModel, load_model
+from compiled_llm.serve.loader import LoadedModel, is_engine_dir, load_model
 from compiled_llm.serve.outputs import RequestOutput
 
 
@@ -27,8 +27,22 @@ def _is_single_prompt(prompts: Any) -> bool:
 
 
 class LLM:
-    """Load an engine directory (or a model source: checkpoint dir, preset, hub id) and serve
-    batches of requests with continuous batching."""
+    """Load a model and serve batches of requests with continuous batching.
+
+    ``model`` is an engine directory (made by ``compiled-llm build``) or a model source (a
+    checkpoint directory, a preset such as "tiny-qwen2", a hub id):
+
+    - ``LLM(ENGINE_DIR)`` loads the engine;
+    - ``LLM(SOURCE)`` takes the compiled path too: the source is built into the engine cache
+      (``compiled_llm.engine_cache``, ``~/.cache/compiled_llm`` or ``$COMPILED_LLM_CACHE_DIR``)
+      on first use and loaded from there afterwards, in this and any later process. ``dtype``
+      and ``device`` ("auto" or None: cuda when available; the checkpoint's float16/bfloat16
+      on a GPU, float32 on a CPU) are part of the cached engine's key;
+    - ``enforce_eager=True`` decodes without CUDA graphs. For a SOURCE it also skips the
+      build: the eager spec program runs in the runtime (the uncompiled model, for checking
+      the runtime against the reference loop);
+    - ``LLM.from_loaded`` serves an already loaded model (a config, params and a program).
+    """
 
     def __init__(
         self,
@@ -65,6 +79,10 @@ class LLM:
             async_scheduling=async_scheduling,
             prefill_graph_max_tokens=prefill_graph_max_tokens,
         )
+        if not enforce_eager and not is_engine_dir(model):
+            from compiled_llm.engine_cache import cached_engine
+
+            model = cached_engine(str(model), dtype=dtype, device=device)
         self._init_engine(load_model(model, dtype=dtype, device=device), config)
 
     @classmethod

@@ -76,6 +76,7 @@ class EngineStats:
     graph_capture_s: float = 0.0
     graphs_captured: int = 0
     memory: dict = dataclasses.field(default_factory=dict)
+    init_s: dict = dataclasses.field(default_factory=dict)  # engine start-up: KV sizing, KV allocation
 
 
 class LLMEngine:
@@ -87,13 +88,14 @@ class LLMEngine:
         self.device = torch.device(model.device)
         limit = min(mc.max_position_embeddings, model.max_model_len or mc.max_position_embeddings)
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.stats = EngineStats()
+        self._stats = EngineStats()
         bs = config.block_size
         max_num_seqs = config.max_num_seqs
 
+        t0 = time.perf_counter()
         num_blocks = config.num_blocks
         if num_blocks is None and self.device.type == "cuda":
-            num_blocks, self.stats.memory = kvc.gpu_num_blocks(
+            num_blocks, self._stats.memory = kvc.gpu_num_blocks(
                 mc, bs, model.dtype, self.device, config.gpu_memory_utilization,
                 lambda: profile_step(
                     mc, model.params, model.program,
@@ -101,12 +103,18 @@ class LLMEngine:
                     num_seqs=max_num_seqs, block_size=bs, dtype=model.dtype, device=self.device,
                 ),
             )
+            # Blocks beyond what every sequence can hold at once, twice over (the second half keeps
+            # prefixes cached), would only cost start-up time: a tiny model on a large GPU would
+            # otherwise get tens of millions of them.
+            num_blocks = min(num_blocks, 2 * max_num_seqs * cdiv(self.max_model_len, bs))
         elif num_blocks is None:
             num_blocks = kvc.cpu_num_blocks(
                 mc, bs, model.dtype, config.kv_cache_gib, max_num_seqs * cdiv(self.max_model_len, bs) + 1
             )
-        self.stats.kv_num_blocks = num_blocks
+        self._stats.kv_num_blocks = num_blocks
+        t1 = time.perf_counter()
         kv_cache = kvc.allocate(mc, num_blocks, bs, model.dtype, self.device)
+        self._stats.init_s = {"kv_sizing": t1 - t0, "kv_alloc": time.perf_counter() - t1}
 
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -127,14 +135,8 @@ class LLMEngine:
         )
         self.runner.set_decode_buckets(config.max_graph_batch_size)
         if config.use_cuda_graphs and self.device.type == "cuda":
-            if self.runner.capture_decode_graphs():
-                self.stats.graph_capture_s = self.runner.graphs.capture_s
-                self.stats.graphs_captured = len(self.runner.graphs.graphs)
-                if config.prefill_graph_max_tokens > 0 and self.runner.capture_prefill_graphs(
-                    min(config.prefill_graph_max_tokens, self.max_model_len)
-                ):
-                    self.stats.graph_capture_s += self.runner.prefill_graphs.capture_s
-                    self.stats.graphs_captured += len(self.runner.prefill_graphs.graphs)
+            # captured bucket by bucket on first use, so none stands before the first token
+            self.runner.prepare_graphs(min(config.prefill_graph_max_tokens, self.max_model_len))
 
         self._requests: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -142,6 +144,20 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.profile_labels = False
         self._pending = None  # (batch, handle, rows) of a decode step queued ahead
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters so far; graphs are captured as their buckets first run, so the capture
+        figures grow with use."""
+        graphs = (self.runner.graphs, self.runner.prefill_graphs)
+        self._stats.graphs_captured = sum(len(g.graphs) for g in graphs)
+        self._stats.graph_capture_s = sum(g.capture_s for g in graphs)
+        return self._stats
+
+    def capture_cuda_graphs(self) -> bool:
+        """Capture every CUDA graph bucket now instead of on first use (builds warming their
+        kernels, benchmarks timing a steady state). Call between steps; False when graphs are off."""
+        return self.runner.capture_all_graphs()
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -272,16 +288,16 @@ class LLMEngine:
             if ahead is not None:
                 ahead_batch, rows = ahead
                 self._pending = (ahead_batch, self.runner.launch(ahead_batch, handle, rows))
-                self.stats.ahead_steps += 1
+                self._stats.ahead_steps += 1
         sampled = self.runner.collect(handle)
         n_rows = len(batch.seqs)
         batch, sampled = _drop_finished(batch, sampled)
-        self.stats.dropped_ahead_tokens += n_rows - len(batch.seqs)
+        self._stats.dropped_ahead_tokens += n_rows - len(batch.seqs)
         if batch.is_empty:
             return []  # every sequence of the step queued ahead had finished
         changed = self.scheduler.update(batch, sampled)
         dt = time.perf_counter() - t0
-        st = self.stats
+        st = self._stats
         st.steps += 1
         st.generated_tokens += len(sampled)
         if batch.is_decode:

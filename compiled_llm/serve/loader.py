@@ -1,9 +1,11 @@
 """Loading what the engine runs: a built engine directory (manifest.json, via
 compiled_llm.artifact.load_engine) or a model source (checkpoint directory, preset, hub id; run
-through the eager spec)."""
+through the eager spec). ``LLM`` hands a source here as it is only with ``enforce_eager=True``;
+otherwise it builds it through ``compiled_llm.engine_cache`` first and loads the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ class LoadedModel:
     is_engine: bool = False
     manifest: dict | None = None
     load_s: float = 0.0
+    load_stages: dict[str, float] = dataclasses.field(default_factory=dict)  # engines: artifact stages + tokenizer
     max_model_len: int | None = None  # an engine's build-time limit
 
 
@@ -84,6 +87,7 @@ def _load_engine(path: Path, dtype, device: torch.device) -> LoadedModel:
     from compiled_llm.tokenizer import load_tokenizer
 
     eng = load_engine(path, device=device)
+    t0 = time.perf_counter()
     if dtype is not None and dtype != eng.dtype:
         raise CompiledLLMError(
             f"engine {path} was built for {str(eng.dtype).removeprefix('torch.')}; "
@@ -104,6 +108,7 @@ def _load_engine(path: Path, dtype, device: torch.device) -> LoadedModel:
         is_engine=True,
         manifest=eng.manifest,
         max_model_len=int(eng.manifest.get("build_options", {}).get("max_model_len") or eng.config.max_position_embeddings),
+        load_stages={**eng.stage_seconds, "tokenizer": time.perf_counter() - t0},
     )
 
 
@@ -111,8 +116,10 @@ def _load_source(source: str, dtype, device: torch.device) -> LoadedModel:
     from compiled_llm.sources import load_source_params, load_source_tokenizer, resolve_source, source_eos_token_ids
 
     src = resolve_source(source)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype is None:  # "auto": the same rule as a build's
+        from compiled_llm.build import resolve_dtype as resolve_auto_dtype
+
+        dtype = resolve_auto_dtype("auto", device, src)
     tokenizer = load_source_tokenizer(src)
     params = load_source_params(src, dtype, device)
     return LoadedModel(

@@ -153,13 +153,42 @@ class ModelRunner:
             self.decode_buckets = decode_buckets(min(max_batch_size, self.max_num_seqs))
             self.graphs.buckets = self.decode_buckets
 
-    def capture_decode_graphs(self) -> bool:
-        buckets = self.decode_buckets
-        if not buckets:
+    def prepare_graphs(self, prefill_max_tokens: int) -> bool:
+        """Decode graphs by batch size and graphs of one sequence's prefill of up to
+        ``prefill_max_tokens`` tokens (0: none), captured on first use in one memory pool (the
+        two never run at once). CUDA only; False when there is nothing to capture."""
+        if self.device.type != "cuda" or not self.decode_buckets:
             return False
-        st = self.idle_decode_inputs()
-        return self.graphs.capture(buckets, lambda b: self._run_program(self._views(b, b, self.width, st.dev)),
-                                   self.device)
+        pool = torch.cuda.graph_pool_handle()
+        st = self._decode_staging()
+        self.graphs.prepare(
+            self.decode_buckets, lambda b: self._run_program(self._views(b, b, self.width, st.dev)),
+            max(self.decode_buckets), self.device, pool,
+        )
+        if prefill_max_tokens > 0:
+            self.prefill_graphs.prepare(
+                prefill_buckets(min(prefill_max_tokens, self.max_tokens)),
+                lambda t: self._run_program(self._views(t, 1, self.width)), 1, self.device, pool,
+            )
+        return True
+
+    @torch.inference_mode()
+    def capture_all_graphs(self) -> bool:
+        """Capture every prepared bucket now, on inputs that write nowhere (a build warms every
+        kernel specialisation this way; profiling tools replay them)."""
+        if not self.graphs.enabled:
+            return False
+        self.idle_decode_inputs()
+        self._np["tok"][:] = 0
+        self._np["pos"][:] = 0
+        self._np["slot"][:] = -1
+        self._np["bt"][:] = 0
+        self._np["qsl"][:2] = (0, 1)
+        self._np["sl"][:1] = 1
+        for k in self._dev:
+            self._dev[k].copy_(self._host[k])
+        ok = self.graphs.capture_all()
+        return (self.prefill_graphs.capture_all() if self.prefill_graphs.enabled else True) and ok
 
     def idle_decode_inputs(self) -> DecodeStaging:
         """The bucketed decode inputs set so that every row attends to one token of block 0 and
@@ -173,26 +202,6 @@ class ModelRunner:
         st.np["bt"][:] = 0
         st.copy_in(st.max_rows)
         return st
-
-    def capture_prefill_graphs(self, max_tokens: int) -> bool:
-        """Graphs of one sequence's prefill of up to max_tokens tokens (CUDA only), in the decode
-        graphs' memory pool (the two never run at once)."""
-        if self.device.type != "cuda":
-            return False
-        buckets = prefill_buckets(min(max_tokens, self.max_tokens))
-        # capture-time inputs: one sequence whose rows write nowhere, over block 0
-        self._np["tok"][:] = 0
-        self._np["pos"][:] = 0
-        self._np["slot"][:] = -1
-        self._np["bt"][:] = 0
-        self._np["qsl"][:2] = (0, 1)
-        self._np["sl"][:1] = 1
-        for k in self._dev:
-            self._dev[k].copy_(self._host[k])
-        self.prefill_graphs.buckets = buckets
-        return self.prefill_graphs.capture(
-            buckets, lambda t: self._run_program(self._views(t, 1, self.width)), self.device, pool=self.graphs.pool
-        )
 
     # ---- a step -------------------------------------------------------------------------------
 
@@ -262,7 +271,7 @@ class ModelRunner:
                     self._copied.record()
                 self._tokens_from(ahead_of, ahead_rows, S, st.dev["tok"])
                 if self.graphs.enabled:
-                    return self.graphs.replay(bucket, S)
+                    return self.graphs.run(bucket, S)
                 return self._run_program(self._views(bucket, bucket, self.width, st.dev))[:S]
             width = max(len(s.block_table) for s in seqs)
             self._fill_decode(seqs, S, width, ahead)
@@ -278,7 +287,7 @@ class ModelRunner:
                 self._np["pos"][T:bucket] = 0
                 self._np["slot"][T:bucket] = -1
                 self._copy_in(bucket, 1, self.width)
-                return self.prefill_graphs.replay(bucket, 1)
+                return self.prefill_graphs.run(bucket, 1)
             width = max(len(s.block_table) for s in seqs)
             T = self._fill_mixed(seqs, batch.num_new_tokens, width)
         else:

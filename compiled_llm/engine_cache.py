@@ -1,0 +1,297 @@
+"""The engine cache: a model source is built once, and loaded from its engine afterwards.
+
+``compiled-llm run SOURCE`` and ``LLM(SOURCE)`` (SOURCE a checkpoint directory, a preset or a hub
+id; anything but an engine directory) call ``cached_engine``. The first use of a source with a
+given set of build options builds it (``compiled_llm.build.build_engine``) into
+
+    <root>/engines/<name>-<key16>
+
+and every later use, in any process, finds that engine and loads it without building.
+
+root: ``$COMPILED_LLM_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/compiled_llm``, else
+``~/.cache/compiled_llm``. <name> is a file-name-safe form of the source's name, <key16> the
+first 16 hex digits of the key.
+
+The key (``engine_key``) is the sha256 of a canonical JSON (sorted keys, no spaces) of:
+
+- the source: a preset's name; for a checkpoint directory (a hub id's local snapshot included)
+  every file's relative path with the sha256 of its content, or, for files over 64 MiB, their
+  size, mtime_ns and the sha256 of their first and last MiB;
+- the build options, resolved (never "auto"): dtype, device type, max_model_len, disabled
+  passes, kernel preferences;
+- the versions: compiled_llm (and a hash of its own source files, so an edited pass or kernel
+  never serves an engine built by the old code), torch, triton when importable, and the GPU
+  architecture on CUDA.
+
+So a changed weight file, a changed option or a different install gives a new engine instead of
+a stale one. Two processes asking for the same engine serialise on an exclusive ``flock`` of
+``<root>/engines/<name>-<key16>.lock``: the second waits while the first builds, then loads what
+it built. Nothing here deletes old entries; remove their directories to reclaim the space.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "COMPILED_LLM_CACHE_DIR"
+KEY_VERSION = 1  # bump when the key's layout changes
+KEY_CHARS = 16
+FULL_HASH_MAX_BYTES = 64 << 20
+EDGE_BYTES = 1 << 20
+_CODE_SUFFIXES = (".py", ".cu", ".cuh", ".cpp", ".c", ".h")
+
+
+def cache_root() -> Path:
+    """``$COMPILED_LLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/compiled_llm``, else ``~/.cache/compiled_llm``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "compiled_llm"
+
+
+def engines_dir() -> Path:
+    return cache_root() / "engines"
+
+
+# ---------------------------------------------------------------------------------------------
+# The key
+# ---------------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path, limit: int | None = None, tail: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if limit is None:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        else:
+            if tail:
+                f.seek(max(os.fstat(f.fileno()).st_size - limit, 0))
+            h.update(f.read(limit))
+    return h.hexdigest()
+
+
+def file_fingerprint(path: Path) -> dict:
+    """What the key records of one checkpoint file."""
+    st = path.stat()
+    if st.st_size <= FULL_HASH_MAX_BYTES:
+        return {"size": st.st_size, "sha256": _sha256(path)}
+    # A real model's weights are gigabytes: hashing them all on every start would cost seconds
+    # (about one per GB) on every run and every LLM(...). Size + mtime_ns catch a rewritten file;
+    # the first MiB (a safetensors header: every tensor's name, dtype, shape and offsets) and the
+    # last MiB catch most edits that kept both.
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "head_sha256": _sha256(path, EDGE_BYTES),
+        "tail_sha256": _sha256(path, EDGE_BYTES, tail=True),
+    }
+
+
+def source_fingerprint(src) -> dict:
+    """What the key records of a ``sources.ModelSource``: a preset's name, or a checkpoint
+    directory's files. Hidden files and directories (.git, huggingface_hub's .cache/) are
+    bookkeeping, not the model, and are left out."""
+    if src.model_dir is None:
+        return {"preset": src.preset}
+    root = Path(src.model_dir)
+    files = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+            continue
+        files[rel.as_posix()] = file_fingerprint(path)
+    return {"checkpoint_files": files}
+
+
+@functools.lru_cache(maxsize=None)
+def _code_hash() -> str:
+    """sha256 of compiled_llm's own source files (the passes, spec and kernels an engine is made of)."""
+    import compiled_llm
+
+    root = Path(compiled_llm.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in _CODE_SUFFIXES and "__pycache__" not in path.parts and path.is_file():
+            h.update(path.relative_to(root).as_posix().encode() + b"\0")
+            h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def versions(device: torch.device) -> dict:
+    """The versions an engine depends on (the key's "versions")."""
+    import compiled_llm
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    try:
+        from importlib.metadata import version
+
+        package_version = version("compiled_llm")
+    except Exception:  # not installed (e.g. run from a checkout through PYTHONPATH)
+        package_version = getattr(compiled_llm, "__version__", None)
+    arch = None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = f"sm_{major}{minor}"
+    return {
+        "compiled_llm": package_version,
+        "compiled_llm_code": _code_hash(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "gpu_arch": arch,
+    }
+
+
+def key_payload(
+    src,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    disabled_passes: Sequence[str] = (),
+    kernel_prefs: dict[str, str] | None = None,
+) -> dict:
+    """Everything the key hashes; every value already resolved (no "auto", no None length)."""
+    return {
+        "key_version": KEY_VERSION,
+        "source": source_fingerprint(src),
+        "build": {
+            "dtype": str(dtype).removeprefix("torch."),
+            "device": device.type,
+            "max_model_len": int(max_model_len),
+            "disabled_passes": sorted(set(disabled_passes)),
+            "kernel_prefs": dict(sorted((kernel_prefs or {}).items())),
+        },
+        "versions": versions(device),
+        "device": device.type,
+    }
+
+
+def engine_key(payload: dict) -> str:
+    """sha256 (hex) of ``payload`` as canonical JSON."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _entry_name(src) -> str:
+    """<name> of an entry: the preset, the hub id (org--name), or the checkpoint directory's name."""
+    if src.preset is not None:
+        raw = src.preset
+    elif Path(src.name).expanduser().is_dir():
+        raw = Path(src.model_dir).resolve().name
+    else:
+        raw = src.name.replace("/", "--")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", raw).strip("-.")[:64]
+    return name or "model"
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup and build
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as f:  # "a": create it if missing, never truncate
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is building %s", lock_path.with_suffix(""))
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _is_engine(path: Path) -> bool:
+    from compiled_llm.artifact import read_manifest
+    from compiled_llm.errors import EngineError
+
+    try:
+        read_manifest(path)
+        return True
+    except EngineError:
+        return False
+
+
+def _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs):
+    from compiled_llm.build import _check_max_len, resolve_device, resolve_dtype
+    from compiled_llm.sources import resolve_source
+
+    src = resolve_source(str(source))
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev, src)
+    max_len = _check_max_len(max_model_len, src.config)
+    payload = key_payload(src, dtype=torch_dtype, device=dev, max_model_len=max_len,
+                          disabled_passes=disabled_passes, kernel_prefs=kernel_prefs)
+    path = engines_dir() / f"{_entry_name(src)}-{engine_key(payload)[:KEY_CHARS]}"
+    return src, dev, torch_dtype, max_len, path
+
+
+def engine_path(
+    source: str,
+    *,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = "auto",
+    max_model_len: int | None = None,
+    disabled_passes: Sequence[str] = (),
+    kernel_prefs: dict[str, str] | None = None,
+) -> Path:
+    """Where ``cached_engine`` keeps (or would build) the engine of ``source`` with these
+    options; builds nothing."""
+    return _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs)[-1]
+
+
+def cached_engine(
+    source: str,
+    *,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = "auto",
+    max_model_len: int | None = None,
+    disabled_passes: Sequence[str] = (),
+    kernel_prefs: dict[str, str] | None = None,
+    progress: bool | None = None,
+) -> Path:
+    """The engine directory of ``source`` built with these options: the cached one, or built
+    now (under the entry's lock) when there is none or it is not a valid engine.
+    ``progress``: build progress bars; None (the default) shows them when stderr is a terminal."""
+    from compiled_llm.build import build_engine
+
+    src, dev, torch_dtype, max_len, path = _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(path.parent / f"{path.name}.lock"):
+        if _is_engine(path):
+            log.debug("using the cached engine %s for %s", path, src.name)
+            return path
+        if path.exists():  # not an engine (say, its manifest was damaged): build it afresh
+            shutil.rmtree(path)
+        log.info("building engine for %s into %s (first use; cached for next time)", src.name, path)
+        build_engine(
+            str(source), path, dtype=torch_dtype, device=dev, max_model_len=max_len,
+            disabled_passes=list(disabled_passes), kernel_prefs=kernel_prefs,
+            progress=sys.stderr.isatty() if progress is None else progress,
+        )
+    return path
