@@ -174,8 +174,8 @@ def read_manifest(engine_dir: str | Path) -> dict:
         raise EngineError(f"{engine_dir} is not an engine: {MANIFEST} is missing")
     try:
         manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EngineError(f"{path} is not valid JSON ({e}); rebuild the engine") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise EngineError(f"{path} is not valid JSON ({type(e).__name__}); rebuild the engine") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("format_version"), int):
         raise EngineError(f"{path} has no format_version; rebuild the engine")
     version = manifest["format_version"]
@@ -192,13 +192,38 @@ def read_manifest(engine_dir: str | Path) -> dict:
     for key in ("model_config", "build_options", "program", "files", "kernels"):
         if key not in manifest:
             raise EngineError(f"{path} lacks {key!r}; rebuild the engine")
-    if not isinstance(manifest["files"], dict) or not isinstance(manifest["program"], dict):
-        raise EngineError(f"{path} has a malformed file list; rebuild the engine")
+    _check_shape(manifest, path)
     for rel in (*manifest["files"], manifest["program"].get("file"), manifest.get("tokenizer"),
                 manifest.get("kernel_cache")):
         if rel is not None:
             inside(engine_dir, rel)
     return manifest
+
+
+def _is_map(value: Any, values: type | tuple = str) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, values) for k, v in value.items())
+
+
+def _check_shape(manifest: dict, path: Path) -> None:
+    """The types of every field the loader reads, so a malformed manifest is one line, never a
+    traceback from deep inside the load."""
+    opts, program, source = manifest["build_options"], manifest["program"], manifest.get("source")
+    problems = [
+        (isinstance(manifest["model_config"], dict), "model_config"),
+        (isinstance(opts, dict) and opts.get("device") in ("cpu", "cuda") and isinstance(opts.get("dtype"), str)
+         and isinstance(opts.get("max_model_len"), int), "build_options"),
+        (isinstance(program, dict) and isinstance(program.get("file"), str)
+         and isinstance(program.get("param_names"), list) and all(isinstance(n, str) for n in program["param_names"]),
+         "program"),
+        (_is_map(manifest["files"]), "files"),
+        (_is_map(manifest["kernels"]), "kernels"),
+        (source is None or _is_map(source, (str, type(None))), "source"),
+        (isinstance(manifest.get("tokenizer"), (str, type(None))), "tokenizer"),
+        (isinstance(manifest.get("kernel_cache"), (str, type(None))), "kernel_cache"),
+    ]
+    bad = next((name for ok, name in problems if not ok), None)
+    if bad is not None:
+        raise EngineError(f"{path} has a malformed {bad!r} entry; rebuild the engine")
 
 
 def inside(engine_dir: Path, rel: Any) -> Path:
@@ -225,6 +250,12 @@ def check_listed_files(engine_dir: Path, manifest: dict) -> None:
     for required in (WEIGHTS_FILE, manifest["program"]["file"]):
         if required not in manifest["files"]:
             raise EngineError(f"manifest of {engine_dir} does not list {required}; rebuild the engine")
+    tok = manifest.get("tokenizer")
+    if tok:  # the tokenizer loader reads its directory, not a file list: all of it must be listed
+        for path in sorted(inside(engine_dir, tok).rglob("*")):
+            rel = path.relative_to(engine_dir).as_posix()
+            if path.is_symlink() or (path.is_file() and rel not in manifest["files"]):
+                raise EngineError(f"engine file {rel} is not one the manifest lists; refusing to load")
     for rel in manifest["files"]:
         path = inside(engine_dir, rel)
         if not path.is_file():
@@ -366,7 +397,7 @@ def load_engine(
     times["kernels"] = time.perf_counter() - t4
 
     tok = manifest.get("tokenizer")
-    source_dir = manifest.get("source", {}).get("model_dir")
+    source_dir = (manifest.get("source") or {}).get("model_dir")
     return LoadedEngine(
         engine_dir=engine_dir,
         config=config,

@@ -256,7 +256,10 @@ def build_engine(
             _keep_first_and_last_code(work / artifact.IR_DIR)
 
         with _Stage("write", times, progress):
-            artifact.write_program(work, lowered.gm)
+            try:
+                artifact.write_program(work, lowered.gm)
+            except ValueError as e:  # the graph calls something an engine may not carry
+                raise CompiledLLMError(f"cannot store the post-pass program: {e}") from None
             manifest = artifact.make_manifest(
                 config=config,
                 source={"name": src.name, "model_dir": str(src.model_dir.resolve()) if src.model_dir else None,
@@ -305,8 +308,3 @@ def _keep_first_and_last_code(ir_dir: Path) -> None:
     code = sorted(ir_dir.glob("*.py"))
     for f in code[1:-1]:
         f.unlink()
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

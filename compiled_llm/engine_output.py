@@ -26,6 +26,7 @@ that the marker never becomes part of the engine (``save_engine`` checksums ever
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -115,12 +116,29 @@ def classify(target: Path, shown=None) -> tuple[str, dict | None]:
     try:
         return ENGINE, read_manifest(target)
     except EngineError:
-        pass
+        older = _older_engine_manifest(target)
+        if older is not None:
+            return ENGINE, older
     if not any(target.iterdir()):
         return EMPTY, None
     if (target / MANIFEST).exists():
         raise _refuse(shown, f"it is not empty and its {MANIFEST} is not a compiled_llm engine manifest")
     raise _refuse(shown, "it is not empty and holds no engine")
+
+
+def _older_engine_manifest(target: Path) -> dict | None:
+    """The manifest of an engine an earlier compiled_llm wrote (an older format_version, which
+    loads no more but may be rebuilt in place), or None. Its file list is only ever used to
+    remove regular files strictly inside the directory."""
+    from compiled_llm.artifact import FORMAT_VERSION
+
+    try:
+        manifest = json.loads((target / MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    ok = (isinstance(manifest, dict) and isinstance(manifest.get("format_version"), int)
+          and 1 <= manifest["format_version"] < FORMAT_VERSION and isinstance(manifest.get("files"), dict))
+    return manifest if ok else None
 
 
 def prepare_output_dir(out_dir: str | Path) -> Path:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -144,8 +145,12 @@ def use_engine_kernels(engine_dir: Path, manifest: dict, device: torch.device) -
     if torch.device(device).type != "cuda" or not files:
         return None
     target = local_dir(files)
-    if not target.is_dir():
-        _copy_kernels(Path(engine_dir), manifest["kernel_cache"], files, target)
+    try:
+        if not target.is_dir():
+            _copy_kernels(Path(engine_dir), manifest["kernel_cache"], files, target)
+    except OSError as e:  # a read-only or full cache directory: run, compiling kernels as needed
+        log.warning("cannot unpack the engine's kernels into %s (%s); Triton will compile them", target, e)
+        return None
     import triton
 
     triton.knobs.cache.dir = str(target)
@@ -164,6 +169,8 @@ def _copy_kernels(engine_dir: Path, root: str, files: dict[str, str], target: Pa
             shutil.copyfile(engine_dir / rel, dest)
         if host is not None:
             shutil.copytree(host, tmp, dirs_exist_ok=True)
+        for group in tmp.rglob("__grp__*.json"):
+            _rehome_group(group, tmp, target)
         try:
             tmp.rename(target)
         except OSError:  # another process got there first: its copy is the same files
@@ -172,3 +179,22 @@ def _copy_kernels(engine_dir: Path, root: str, files: dict[str, str], target: Pa
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("engine kernels copied to %s", target)
+
+
+def _rehome_group(group: Path, tmp: Path, target: Path) -> None:
+    """Triton's group index names its files by absolute path, which pointed into the build's
+    directory: point each at the file of that name in the group's own entry under ``target``.
+    A child that is not such a file (a path anywhere else on the machine) is refused."""
+    try:
+        data = json.loads(group.read_text())
+        children = data["child_paths"]
+        assert isinstance(children, dict)
+    except (ValueError, KeyError, AssertionError):
+        raise EngineError(f"kernel index {group.name} is malformed; rebuild the engine") from None
+    entry = group.parent
+    for name, path in children.items():
+        base = os.path.basename(str(path))
+        if not isinstance(path, str) or not (entry / base).is_file() or (entry / base).is_symlink():
+            raise EngineError(f"kernel index {group.name} names {path!r}, outside its entry; refusing to load")
+        children[name] = str(target / entry.relative_to(tmp) / base)
+    group.write_text(json.dumps({**data, "child_paths": children}))

@@ -264,6 +264,19 @@ def test_old_manifest_paths_outside_the_directory_are_never_followed(tmp_path, e
     assert leftovers(engine) == []
 
 
+def test_an_engine_of_an_older_format_is_rebuilt_in_place(engine):
+    """Engines written before the current format load no more, but a build over one replaces it
+    (keeping the user's files) instead of refusing it as foreign."""
+    user_files = add_user_files(engine)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    build(engine)
+    assert_loads(engine)
+    for rel, content in user_files.items():
+        assert (engine / rel).read_bytes() == content
+
+
 def test_failing_to_move_the_new_engine_in_puts_the_old_one_back(engine, monkeypatch):
     user_files = add_user_files(engine)
     before = snapshot(engine)

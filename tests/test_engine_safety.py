@@ -119,6 +119,35 @@ def test_a_program_calling_anything_but_operators_is_refused(tampered):
         assert "may not call" in message or "not registered" in message
 
 
+def test_a_program_cannot_reach_files_through_aten(tampered, tmp_path):
+    """aten::from_file maps a file with write-back: a planted call to it, filled in place, would
+    overwrite any file the user can write. Only pure tensor ops are callable."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("hello")
+    program = json.loads((tampered / "program.json").read_text())
+    nodes = program["nodes"]
+    at = next(i for i, n in enumerate(nodes) if n["op"] == "call_function")
+    nodes[at:at] = [
+        {"name": "mapped", "op": "call_function", "target": "aten::from_file.default",
+         "args": [str(victim), True, 5], "kwargs": {"dtype": {"dtype": "uint8"}}},
+        {"name": "filled", "op": "call_function", "target": "aten::fill_.Scalar", "args": [{"node": "mapped"}, 65],
+         "kwargs": {}},
+    ]
+    (tampered / "program.json").write_text(json.dumps(program))
+    rewrite_manifest(tampered)
+    assert "aten::from_file.default" in one_line_refusal(tampered)
+    assert victim.read_text() == "hello"
+
+
+@pytest.mark.parametrize("disabled", [["fuse_norm_mlp", "fuse_qkv_rope", "fuse_residual", "fuse_add_norm"]])
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gpt2"])
+def test_every_program_a_build_writes_loads(tmp_path, preset, disabled):
+    """Unfused programs use more aten ops than fused ones: each one a build writes must load."""
+    out = tmp_path / "e"
+    build_engine(preset, out, disabled_passes=disabled, progress=False)
+    artifact.load_engine(out)
+
+
 @pytest.mark.parametrize("bad", ["../outside.json", "../../etc/passwd", "/etc/passwd", "ir/../../x", "C:\\x"])
 def test_manifest_paths_outside_the_engine_are_refused(tampered, bad):
     m = json.loads((tampered / "manifest.json").read_text())
@@ -151,6 +180,26 @@ def test_symlinked_directories_are_refused(tampered, tmp_path):
     assert "goes through a symlink" in one_line_refusal(tampered)
 
 
+def test_unlisted_or_linked_tokenizer_files_are_refused(tampered, tmp_path):
+    """The tokenizer is read from its directory: a file the manifest does not list (a planted
+    template, a link to a file elsewhere) is refused, not read."""
+    (tmp_path / "elsewhere.json").write_text("{}")
+    os.symlink(tmp_path / "elsewhere.json", tampered / "tokenizer" / "special_tokens_map.json")
+    assert "tokenizer/special_tokens_map.json is not one the manifest lists" in one_line_refusal(tampered)
+    os.unlink(tampered / "tokenizer" / "special_tokens_map.json")
+    (tampered / "tokenizer" / "added_tokens.json").write_text("{}")
+    assert "tokenizer/added_tokens.json is not one the manifest lists" in one_line_refusal(tampered)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("source", "a string"), ("kernels", ["a", "list"]), ("model_config", "x"),
+    ("build_options", {"device": "cpu"}), ("program", {"file": "program.json"}),
+])
+def test_malformed_manifest_fields_are_one_line(tampered, field, value):
+    rewrite_manifest(tampered, **{field: value})
+    assert f"malformed '{field}'" in one_line_refusal(tampered)
+
+
 def test_run_prints_one_line_and_runs_nothing(tampered, tmp_path):
     marker = tmp_path / "code-ran"
     (tampered / "program.json").write_bytes(pickle.dumps(Planted(str(marker))))
@@ -162,3 +211,52 @@ def test_run_prints_one_line_and_runs_nothing(tampered, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: engine file program.json")
     assert not marker.exists()
+
+
+def _kernel_engine(root, children):
+    """An engine's kernel directory as a CUDA build leaves it: one Triton cache entry whose group
+    index names its files by the build's absolute paths."""
+    entry = root / "kernels" / "triton" / "ENTRY"
+    entry.mkdir(parents=True)
+    (entry / "k.cubin").write_bytes(b"\x7fELF")
+    (entry / "k.json").write_text("{}")
+    (entry / "__grp__k.json").write_text(json.dumps({"child_paths": children}))
+    files = {p.relative_to(root).as_posix(): "0" for p in entry.iterdir()}
+    return {"kernel_cache": "kernels/triton", "files": files}
+
+
+@pytest.fixture
+def triton_knobs(monkeypatch, tmp_path):
+    triton = pytest.importorskip("triton")
+    monkeypatch.setenv("COMPILED_LLM_CACHE_DIR", str(tmp_path / "cache"))
+    previous = triton.knobs.cache.dir
+    yield triton
+    triton.knobs.cache.dir = previous
+
+
+def test_kernel_indexes_are_pointed_at_the_local_copy(tmp_path, triton_knobs):
+    from compiled_llm import kernel_cache
+
+    built = "/somewhere/.e.building-x/engine/kernels/triton/ENTRY"
+    manifest = _kernel_engine(tmp_path / "e", {"k.cubin": f"{built}/k.cubin", "k.json": f"{built}/k.json"})
+    local = kernel_cache.use_engine_kernels(tmp_path / "e", manifest, torch.device("cuda"))
+    assert triton_knobs.knobs.cache.dir == str(local)
+    children = json.loads((local / "ENTRY" / "__grp__k.json").read_text())["child_paths"]
+    assert children == {"k.cubin": str(local / "ENTRY" / "k.cubin"), "k.json": str(local / "ENTRY" / "k.json")}
+
+
+def test_kernel_indexes_naming_other_files_are_refused(tmp_path, triton_knobs):
+    from compiled_llm import kernel_cache
+
+    manifest = _kernel_engine(tmp_path / "e", {"k.cubin": "/etc/passwd"})
+    with pytest.raises(EngineError, match="outside its entry"):
+        kernel_cache.use_engine_kernels(tmp_path / "e", manifest, torch.device("cuda"))
+
+
+def test_engines_carry_no_host_code(tmp_path, triton_knobs):
+    from compiled_llm import kernel_cache
+
+    manifest = _kernel_engine(tmp_path / "e", {})
+    manifest["files"]["kernels/triton/ENTRY/__triton_launcher.so"] = "0"
+    with pytest.raises(EngineError, match="engines may not carry host code"):
+        kernel_cache.use_engine_kernels(tmp_path / "e", manifest, torch.device("cuda"))

@@ -5,7 +5,10 @@ An engine must be safe to load: reading it may not run code that its author plan
 written as plain data and read back by a loader that can only build calls to a closed set of
 targets: ``aten::`` and ``cllm::`` operator overloads (resolved by name through ``torch.ops``,
 the same registry the dispatcher uses) and a few ``operator`` functions that symbolic-shape
-arithmetic emits. Anything else is refused with one line naming the node.
+arithmetic emits. ``aten::`` is not trusted as a whole (``aten::from_file`` maps any file with
+write-back): only the pure tensor ops in ``ATEN_OPS`` are, and a build refuses to write a program
+calling another, so a spec that needs a new op fails at build, not at load. Anything else is
+refused with one line naming the node.
 
 Format (``FORMAT``, version ``VERSION``)::
 
@@ -43,6 +46,18 @@ PYTHON_TARGETS = {
               operator.le, operator.gt, operator.ge)
 }
 _PYTHON_NAMES = {f: name for name, f in PYTHON_TARGETS.items()}
+# The aten ops the spec's captured graph and every pass's output use (all families, passes on
+# or off), plus the shape and arithmetic ops a spec change would most likely add. Pure tensor
+# computations only: nothing here touches files, the host or global state.
+ATEN_OPS = frozenset(f"aten::{name}" for name in (
+    "add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "neg.default", "rsqrt.default",
+    "pow.Tensor_Scalar", "exp.default", "tanh.default", "gelu.default", "silu.default",
+    "mean.dim", "sum.dim_IntList", "_softmax.default", "embedding.default", "index_select.default",
+    "linear.default", "mm.default", "addmm.default", "bmm.default", "matmul.default",
+    "select.int", "slice.Tensor", "view.default", "reshape.default", "permute.default",
+    "transpose.int", "unsqueeze.default", "squeeze.dim", "expand.default", "clone.default",
+    "cat.default", "split.Tensor", "_to_copy.default", "sym_size.int",
+))
 _ENUMS = {
     "dtype": (torch.dtype, lambda v: str(v).removeprefix("torch.")),
     "layout": (torch.layout, lambda v: str(v).removeprefix("torch.")),
@@ -80,8 +95,8 @@ def _target_name(node: torch.fx.Node) -> str:
         name = target.name()  # "ns::op.overload" or "ns::op" for .default
         if "." not in name.partition("::")[2]:
             name += ".default"
-        if name.partition("::")[0] not in OP_NAMESPACES:
-            raise ValueError(f"node {node.name} calls {name}, outside the namespaces an engine may call")
+        if name.partition("::")[0] not in OP_NAMESPACES or (name.startswith("aten::") and name not in ATEN_OPS):
+            raise ValueError(f"node {node.name} calls {name}, which engines may not call (serialize.ATEN_OPS)")
         return name
     if target in _PYTHON_NAMES:
         return _PYTHON_NAMES[target]
@@ -165,6 +180,8 @@ def resolve_target(name: Any, node_name: str = "?"):
         return PYTHON_TARGETS[name]
     ns, sep, rest = name.partition("::")
     op_name, dot, overload = rest.partition(".")
+    if ns == "aten" and name not in ATEN_OPS:
+        raise EngineError(f"program node {node_name} calls {name!r}, which an engine may not call")
     if not sep or not dot or ns not in OP_NAMESPACES or not op_name.isidentifier() or not overload.isidentifier():
         raise EngineError(f"program node {node_name} calls {name!r}, which an engine may not call")
     try:
