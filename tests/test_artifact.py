@@ -3,7 +3,6 @@ EngineError: a deleted file, a flipped byte, a format version from the future or
 another device. A CUDA build ships the Triton kernels its runtime launches."""
 
 import json
-import shutil
 import warnings
 
 import pytest
@@ -17,18 +16,14 @@ from compiled_llm.graph.spec import forward, kv_cache_shape
 from compiled_llm.sources import load_source_params, resolve_source
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eng") / "tiny-qwen2"
-    build_engine("tiny-qwen2", out, progress=False)
-    return out
+@pytest.fixture
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture
-def copy_of(engine, tmp_path):
-    dst = tmp_path / "engine"
-    shutil.copytree(engine, dst)
-    return dst
+def copy_of(tiny_engine_copy):
+    return tiny_engine_copy
 
 
 def test_artifact_holds_what_run_needs(engine):

@@ -69,19 +69,16 @@ def refused(out, match):
     return message
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    out = tmp_path_factory.mktemp("built") / "engine"
-    build(out)
-    return out
+@pytest.fixture
+def built(tiny_engine):
+    """One engine built into a fresh target (shared: do not change it)."""
+    return tiny_engine
 
 
 @pytest.fixture
-def engine(built, tmp_path):
+def engine(tiny_engine, tmp_path):
     """A fresh copy of one built engine, at tmp_path/eng."""
-    out = tmp_path / "eng"
-    shutil.copytree(built, out)
-    return out
+    return Path(shutil.copytree(tiny_engine, tmp_path / "eng"))
 
 
 def add_user_files(engine_dir: Path) -> dict:

@@ -32,18 +32,9 @@ class Planted:
         return (pathlib.Path.touch, (pathlib.Path(self.marker),))
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    out = tmp_path_factory.mktemp("safety") / "tiny-qwen2"
-    build_engine("tiny-qwen2", out, progress=False)
-    return out
-
-
 @pytest.fixture
-def tampered(engine, tmp_path):
-    dst = tmp_path / "engine"
-    shutil.copytree(engine, dst)
-    return dst
+def tampered(tiny_engine_copy):
+    return tiny_engine_copy
 
 
 def rewrite_manifest(engine_dir, **changes):
