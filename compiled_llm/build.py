@@ -243,7 +243,10 @@ def build_engine(
         params = load_source_params(src, torch_dtype, dev)
         tokenizer = load_source_tokenizer(src)
 
-    work = engine_output.make_work_dir(out_dir)
+    try:
+        work = engine_output.make_work_dir(out_dir)
+    except OSError as e:
+        raise CompiledLLMError(f"cannot write into {out_dir.parent}: {e.strerror or e}") from None
     try:
         lowered = lower(
             config, params, passes, dev.type, torch_dtype, kernel_prefs,

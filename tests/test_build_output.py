@@ -261,6 +261,12 @@ def test_old_manifest_paths_outside_the_directory_are_never_followed(tmp_path, e
     assert leftovers(engine) == []
 
 
+def test_an_unwritable_parent_is_one_line(capsys):
+    assert main(["build", PRESET, "-o", "/proc/compiled_llm_test/engine", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
 def test_an_engine_of_an_older_format_is_rebuilt_in_place(engine):
     """Engines written before the current format load no more, but a build over one replaces it
     (keeping the user's files) instead of refusing it as foreign."""
