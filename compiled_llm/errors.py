@@ -18,8 +18,13 @@ class WeightLoadError(CompiledLLMError):
     pass
 
 
-class InvalidRequestError(CompiledLLMError):
-    """A request that can never be served (bad sampling values, prompt too long, ...)."""
+class InvalidRequestError(CompiledLLMError, ValueError):
+    """A request that can never be served (bad sampling values, prompt too long, ...). A
+    ValueError too, as bad arguments are in Python and in vLLM."""
+
+
+class InvalidOptionError(CompiledLLMError, ValueError):
+    """An engine option with a bad value, or options that together cannot make progress."""
 
 
 class EngineError(CompiledLLMError):

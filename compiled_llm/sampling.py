@@ -8,6 +8,8 @@ the sampled ids. Greedy rows (temperature 0) take the argmax.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Sequence
 
 import torch
@@ -33,28 +35,54 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_real("temperature", self.temperature, low=0.0)
+        _check_int("top_k", self.top_k)
+        if self.top_k < 1 and self.top_k not in (-1, 0):
             raise InvalidRequestError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        _check_real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+                raise InvalidRequestError(f"seed must fit in 64 bits (-2**63 .. 2**64 - 1), got {self.seed}")
+        for name in ("ignore_eos", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is not None and not isinstance(stop, (list, tuple)):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        if any(not isinstance(s, str) or s == "" for s in stop or ()):
             raise InvalidRequestError("stop strings must be non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop or ()))
+        ids = self.stop_token_ids
+        if ids is not None and not isinstance(ids, (list, tuple)):
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {type(ids).__name__}")
+        for t in ids or ():
+            _check_int("stop_token_ids entry", t, low=0)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids or ()))
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_int(name: str, value, low: int | None = None) -> None:
+    # bool is an int subclass, but True as a token count or a seed is a mistake
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_real(name: str, value, low: float | None = None) -> None:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise InvalidRequestError(f"{name} must be >= {low}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

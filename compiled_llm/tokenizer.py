@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import functools
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from compiled_llm.errors import CompiledLLMError
 
@@ -104,6 +105,14 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._backend.chat_template() is not None
+
+    @functools.cached_property
+    def max_text_bytes_per_token(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for: four times the
+        longest token string (byte-level and metaspace symbols are longer than the byte they
+        stand for, and the 4 covers normalizers that compose characters). A text longer than
+        this times a length limit cannot fit the limit, so it is refused untokenized."""
+        return 4 * max((len(t.encode("utf-8", "surrogatepass")) for t in self._backend.token_strings()), default=1)
 
     # -- text <-> ids --------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -186,6 +195,9 @@ class _TokenizerFile:
             i = self.raw.token_to_id(self.named["unk_token"])
         return i
 
+    def token_strings(self) -> Iterable[str]:
+        return self.raw.get_vocab(with_added_tokens=True)
+
     def eos_ids(self) -> list[int]:
         eos = self.named.get("eos_token")
         ids = [self._token_id(eos)] if eos is not None else []
@@ -254,6 +266,9 @@ class _Transformers:
     def chat_template(self) -> str | None:
         return _pick_template(getattr(self.hf, "chat_template", None))
 
+    def token_strings(self) -> Iterable[str]:
+        return self.hf.get_vocab()
+
     def eos_ids(self) -> list[int]:
         ids = [self.hf.eos_token_id] if self.hf.eos_token_id is not None else []
         known = set(getattr(self.hf, "all_special_tokens", ())) | set(getattr(self.hf, "added_tokens_encoder", {}))
@@ -285,6 +300,9 @@ class _SentencePiece:
 
     def chat_template(self) -> None:
         return None
+
+    def token_strings(self) -> Iterable[str]:
+        return (self.sp.id_to_piece(i) for i in range(self.sp.get_piece_size()))
 
     def eos_ids(self) -> list[int]:
         return [self.sp.eos_id()] if self.sp.eos_id() >= 0 else []

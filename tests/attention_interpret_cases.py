@@ -30,6 +30,9 @@ from kernel_inputs import AttnCase, attention_case, rel_err  # noqa: E402
 
 F32 = torch.float32
 TOL = 1e-5
+# cases the interpreter takes seconds over (big shapes, many programs): the parent test runs them
+# as its `slow` group, which `pytest -m "not slow"` leaves out and CI runs
+SLOW = pytest.mark.slow
 CPU = torch.device("cpu")
 
 
@@ -102,7 +105,7 @@ def decode_steps(case: AttnCase, steps: int, pad_rows: int = 0) -> list[AttnCase
 
 
 @pytest.mark.parametrize("launches", [1, 2, 3])
-@pytest.mark.parametrize("max_splits", [1, 3, 8])
+@pytest.mark.parametrize("max_splits", [1, 3, pytest.param(8, marks=SLOW)])
 def test_decode_matches_reference_for_every_launch_mode_and_split_count(max_splits, launches):
     use_decode_config(block_n=16, max_splits=max_splits, launches=launches)
     # contexts from 1 token to several splits' worth: a new token at a block start, mid-block,
@@ -133,7 +136,8 @@ def test_decode_gqa_groups_and_head_dims(group, head_dim):
     assert counters_are_zero()
 
 
-@pytest.mark.parametrize("max_splits,combine_splits", [(8, 16), (8, 2), (1, 16)])
+@pytest.mark.parametrize("max_splits,combine_splits",
+                         [pytest.param(8, 16, marks=SLOW), pytest.param(8, 2, marks=SLOW), (1, 16)])
 def test_consecutive_decode_steps_reuse_the_counters(max_splits, combine_splits):
     # three steps of the same sequences, each reading what the previous one stored; a
     # combine of 2 splits per step walks the partials in several steps
@@ -224,7 +228,8 @@ def test_prefill_and_mixed_batch_match_reference(group, block_size):
     assert rel_err(out, ref) <= TOL, rel_err(out, ref)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (64, 32), (128, 64)])
+@pytest.mark.parametrize("block_m,block_n",
+                         [pytest.param(16, 16, marks=SLOW), pytest.param(32, 16, marks=SLOW), (64, 32), (128, 64)])
 def test_prefill_tile_shapes(block_m, block_n):
     # tiles of 2 tokens (group 7 in 16 rows) up to 18; key tiles smaller and larger than them
     use_prefill_config(block_m, block_n)

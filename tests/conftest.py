@@ -22,7 +22,7 @@ def tiny_engine(tmp_path_factory):
     from compiled_llm.build import build_engine
 
     out = tmp_path_factory.mktemp("tiny_engine") / "tiny-qwen2"
-    build_engine("tiny-qwen2", out, progress=False)
+    build_engine("tiny-qwen2", out, dtype="float32", device="cpu", progress=False)
     return out
 
 
@@ -32,3 +32,28 @@ def tiny_engine_copy(tiny_engine, tmp_path):
     import shutil
 
     return Path(shutil.copytree(tiny_engine, tmp_path / "engine"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", type=float, default=0.0, metavar="SECONDS",
+                     help="run the runtime fuzz test's random draws for this long instead of its fixed count")
+
+
+@pytest.fixture(scope="session")
+def lively_bpe_checkpoint(tmp_path_factory):
+    """(directory, transformers model) of ``lively.make_lively_checkpoint``: greedy outputs
+    that vary, a BPE tokenizer with tokens of several characters."""
+    from lively import make_lively_checkpoint
+
+    out = tmp_path_factory.mktemp("lively") / "checkpoint"
+    return out, make_lively_checkpoint(out)
+
+
+@pytest.fixture(scope="session")
+def lively_bpe_engine(lively_bpe_checkpoint, tmp_path_factory):
+    """The lively checkpoint built into a CPU float32 engine."""
+    from compiled_llm.build import build_engine
+
+    out = tmp_path_factory.mktemp("lively_bpe_engine") / "engine"
+    build_engine(str(lively_bpe_checkpoint[0]), out, dtype="float32", device="cpu", progress=False)
+    return out

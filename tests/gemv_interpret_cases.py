@@ -23,6 +23,9 @@ from kernel_inputs import mlp_gelu_inputs, mlp_glu_inputs, qkv_inputs, rel_err  
 
 F32 = torch.float32
 TOL = 1e-5
+# cases the interpreter takes seconds over (big shapes, many programs): the parent test runs them
+# as its `slow` group, which `pytest -m "not slow"` leaves out and CI runs
+SLOW = pytest.mark.slow
 MAX_TOKENS = launch_configs.DEFAULT_CONFIGS["gemv_dispatch"]["inf"]["MAX_TOKENS"]
 
 # every loop several steps deep and every edge tile partial at the shapes below
@@ -159,7 +162,8 @@ def test_rms_norm_and_copy_returns_the_norm_and_a_fresh_copy():
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("form,T", [("decode", 1), ("decode", 3), ("decode", 7), ("prefill", 2), ("prefill", 9)])
+@pytest.mark.parametrize("form,T", [("decode", 1), ("decode", 3), pytest.param("decode", 7, marks=SLOW), ("prefill", 2),
+                                    ("prefill", 9)])
 def test_layer_norm_gelu_mlp_matches_reference(form, T, with_residual):
     args = mlp_gelu_inputs(T, 48, 72, F32, "cpu", seed=30 + T)
     r = _residual(T, 48, T) if with_residual else None
@@ -169,7 +173,7 @@ def test_layer_norm_gelu_mlp_matches_reference(form, T, with_residual):
     assert rel_err(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args, residual=r)) <= TOL
 
 
-@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("T", [1, pytest.param(5, marks=SLOW)])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_norm_mlp_decode_with_tiny_blocks(gelu, T):
     # 5 rows in blocks of 2 (1 row: the one-row kernels), 56/72 intermediate rows in blocks of 4,
@@ -246,7 +250,7 @@ def test_qkv_rope_matches_reference(form, T, bias, qk_norm, rope, head_dim, inpu
 
 
 @pytest.mark.parametrize("bias,qk_norm,rope,head_dim", QKV_KINDS)
-@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("T", [1, pytest.param(7, marks=SLOW)])
 def test_qkv_decode_with_tiny_blocks(bias, qk_norm, rope, head_dim, T):
     # 7 rows in blocks of 2 (1 row: the one-row form); 4 pairs a program (a head split in 3-4 programs, or walked in 3-4
     # steps with q/k norm); K = 40 in chunks of 16

@@ -11,21 +11,21 @@ compile test checks the memory-ordering instructions the fused decode reduce rel
 and tests/test_attention_gpu.py runs the kernels concurrently.
 """
 
-import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
-from interpret_child import assert_cases_pass
+from interpret_child import CASE_GROUPS, assert_cases_pass, import_triton, require_compiled_kernels
 
-triton = pytest.importorskip("triton")
+triton = import_triton()
 
 CASES = Path(__file__).with_name("attention_interpret_cases.py")
 
 
-def test_attention_kernels_under_interpreter():
-    assert_cases_pass(CASES, 30)
+@pytest.mark.parametrize("group", CASE_GROUPS)
+def test_attention_kernels_under_interpreter(group):
+    assert_cases_pass(CASES, group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,9 +89,8 @@ def _decode_variants():
                 BLOCK_G=triton.next_power_of_2(group), BLOCK_P=16, IEEE=False)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="kernels are interpreted in this process")
 def test_attention_kernels_compile_for_sm90_with_default_configs():
-    pytest.importorskip("triton.compiler")
+    require_compiled_kernels()
     from compiled_llm.kernels import launch_configs
     from compiled_llm.kernels import triton_paged_attention as pa
 

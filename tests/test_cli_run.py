@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import re
+import shlex
 import subprocess
 import sys
+import sysconfig
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,15 +64,48 @@ def test_greedy_tokens_match_transformers(family, path, tmp_path, capsys):
         assert rec["text"] == ""  # no tokenizer in the checkpoint
 
 
-def test_console_script_matches_transformers(tmp_path):
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _declared_entry_point() -> tuple[str, str]:
+    """(module, function) of the compiled-llm console script pyproject.toml declares."""
+    found = re.search(r'^compiled-llm\s*=\s*"([\w.]+):(\w+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert found, "pyproject.toml declares no compiled-llm console script"
+    return found.group(1), found.group(2)
+
+
+def _write_launcher(bin_dir: Path) -> Path:
+    """What pip installs for the declared entry point: import it, exit with what it returns. A
+    shell script, so no shebang limit on the interpreter's path applies."""
+    module, func = _declared_entry_point()
+    code = f'import sys; from {module} import {func}; sys.argv[0] = "compiled-llm"; sys.exit({func}())'
+    launcher = bin_dir / "compiled-llm"
+    launcher.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -c {shlex.quote(code)} "$@"\n')
+    launcher.chmod(0o755)
+    return bin_dir
+
+
+@pytest.fixture(scope="module")
+def console_script_env(tmp_path_factory):
+    """An environment with `compiled-llm` first on PATH: the script pip installed for this
+    interpreter, or, where the tree runs without pip (the GPU machine, through PYTHONPATH), the
+    same launcher written here. Not shutil.which: a compiled-llm of another environment may come
+    first on PATH. PYTHONPATH puts this tree first, so the command runs the code under test even
+    where an editable install points at another checkout."""
+    scripts = Path(sysconfig.get_path("scripts"))
+    if not (scripts / "compiled-llm").is_file():
+        scripts = _write_launcher(tmp_path_factory.mktemp("bin"))
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PATH": os.pathsep.join([str(scripts), os.environ.get("PATH", "")]),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def test_console_script_matches_transformers(tmp_path, console_script_env):
     hf = lively_checkpoint("qwen2", tmp_path)
-    exe = shutil.which("compiled-llm")
-    if exe is None:  # e.g. the GPU machine runs the tree through PYTHONPATH, without pip
-        pytest.skip("the compiled-llm console script is not installed (pip install -e .)")
     r = subprocess.run(
-        [exe, "run", str(tmp_path), "--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--max-tokens", str(MAX_TOKENS),
-         "--ignore-eos", "--dtype", "float32", "--device", "cpu", "--json"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        ["compiled-llm", "run", str(tmp_path), "--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--max-tokens",
+         str(MAX_TOKENS), "--ignore-eos", "--dtype", "float32", "--device", "cpu", "--json"],
+        capture_output=True, text=True, timeout=300, env=console_script_env,  # found on the env's PATH
     )
     assert r.returncode == 0, r.stderr
     (rec,) = [json.loads(line) for line in r.stdout.splitlines()]

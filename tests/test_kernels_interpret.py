@@ -9,12 +9,13 @@ test file's (and the GPU tests') kernels into interpreted ones.
 from pathlib import Path
 
 import pytest
-from interpret_child import assert_cases_pass
+from interpret_child import CASE_GROUPS, assert_cases_pass, import_triton
 
-pytest.importorskip("triton")
+import_triton()
 
 CASES = Path(__file__).with_name("kernels_interpret_cases.py")
 
 
-def test_triton_kernels_under_interpreter():
-    assert_cases_pass(CASES, 30)
+@pytest.mark.parametrize("group", CASE_GROUPS)
+def test_triton_kernels_under_interpreter(group):
+    assert_cases_pass(CASES, group)

@@ -10,7 +10,7 @@ import torch
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.errors import CompiledLLMError, InvalidRequestError
 from compiled_llm.reference import generate_reference
-from hf_checkpoints import make_checkpoint
+from test_reference import hf_greedy, lively_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +50,30 @@ def test_64_mixed_requests_match_reference_on_preset(tiny):
     assert tiny.engine.block_manager.num_free_blocks == tiny.engine.num_blocks
 
 
-def test_64_mixed_requests_match_reference_on_transformers_checkpoint(tmp_path):
-    make_checkpoint("qwen2", tmp_path)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=16, max_num_batched_tokens=128,
-              enforce_eager=True)
-    prompts, params = mixed_requests(llm.model.config.vocab_size, seed=1)
+@pytest.fixture(scope="module")
+def transformers_qwen2(tmp_path_factory):
+    """A varied-output qwen2 checkpoint, 64 mixed requests and transformers' greedy output for
+    each of them alone (EOS let through; cut below where a request stops at it)."""
+    path = tmp_path_factory.mktemp("qwen2")
+    hf = lively_checkpoint("qwen2", path)
+    prompts, params = mixed_requests(hf.config.vocab_size, seed=1)
+    return path, prompts, params, [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+
+
+def test_64_mixed_requests_match_transformers(transformers_qwen2):
+    """A built engine, batched, chunked and preempted, against transformers' own greedy generate
+    of each request alone."""
+    path, prompts, params, wants = transformers_qwen2
+    llm = LLM(str(path), device="cpu", dtype="float32", max_num_seqs=16, max_num_batched_tokens=128,
+              num_blocks=48)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert_same(outs, reference(llm, prompts, params))
+    eos = set(llm.model.eos_token_ids)
+    for i, (o, sp, want) in enumerate(zip(outs, params, wants)):
+        stop = next((k + 1 for k, t in enumerate(want) if t in eos), None) if not sp.ignore_eos else None
+        assert o.token_ids == want[:stop], f"request {i}"
+        assert o.finish_reason == ("stop" if stop else "length"), f"request {i}"
+    assert len({tuple(o.token_ids) for o in outs if len(o.token_ids) > 3}) > 10  # outputs vary
+    assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_shared_system_prompt_hits_prefix_cache_without_changing_outputs(tiny):
@@ -130,6 +147,17 @@ def test_closing_a_stream_aborts_and_frees_blocks(tiny):
         ({"prompt_token_ids": [1]}, lambda: SamplingParams(temperature=-1.0), "temperature"),
         ({"prompt_token_ids": [1]}, lambda: SamplingParams(top_p=0.0), "top_p"),
         ({"prompt_token_ids": [1]}, lambda: SamplingParams(top_p=1.01), "top_p"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(seed=2**80), "seed must fit in 64 bits"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(temperature="0.5"), "temperature must be a finite number"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(stop_token_ids=["a"]), "stop_token_ids entry must be an integer"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(max_tokens=2.0), "max_tokens must be an integer"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(stop=7), "stop must be a string"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(ignore_eos="yes"), "ignore_eos must be True or False"),
+        (None, lambda: SamplingParams(), "a prompt is a string"),
+        (b"Hello", lambda: SamplingParams(), "bytes"),
+        ("caf\udce9", lambda: SamplingParams(), "not valid UTF-8"),
+        ({"prompt_token_ids": [1, "2"]}, lambda: SamplingParams(), "list of integers"),
+        ({"prompt_token_ids": [1, True]}, lambda: SamplingParams(), "list of integers"),
     ],
 )
 def test_bad_request_is_refused_at_submit_while_others_carry_on(tiny, prompt, make_params, fragment):
@@ -142,6 +170,38 @@ def test_bad_request_is_refused_at_submit_while_others_carry_on(tiny, prompt, ma
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finished] == [good] and len(finished[0].token_ids) == 4
+
+
+def test_bad_values_are_value_errors_with_one_line(tiny):
+    with pytest.raises(ValueError) as e:
+        tiny.generate({"prompt_token_ids": [1]}, SamplingParams(temperature="hot"), use_tqdm=False)
+    assert isinstance(e.value, InvalidRequestError) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="prompts must be a prompt or a list"):
+        tiny.generate(None, use_tqdm=False)
+
+
+def test_a_huge_text_prompt_is_refused_before_tokenizing(tiny):
+    import time
+
+    text = "a" * 100_000_000
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidRequestError, match="cannot fit the model's max length of 1024 tokens"):
+        tiny.generate(text, use_tqdm=False)
+    assert time.perf_counter() - t0 < 5  # tokenizing it would take minutes and tens of GB
+
+
+def test_a_text_just_within_the_byte_bound_is_tokenized_and_checked(tiny):
+    with pytest.raises(InvalidRequestError, match="prompt of 2000 tokens"):
+        tiny.generate("ab" * 1000, use_tqdm=False)
+
+
+def test_options_that_cannot_make_progress_are_refused_at_construction(tiny):
+    from compiled_llm.errors import InvalidOptionError
+
+    with pytest.raises(InvalidOptionError, match=r"without chunked prefill, max_num_batched_tokens \(64\) must be at least max_model_len \(1024\)"):
+        LLM.from_loaded(tiny.model, enable_chunked_prefill=False, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
+        LLM.from_loaded(tiny.model, max_num_seqs=0)
 
 
 def test_generate_validates_every_request_before_running_any(tiny):

@@ -68,6 +68,34 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert_matches(ids, torch.cat([p / p.sum(), torch.zeros(V - 2)]))
 
 
+def nucleus(probs: list[float], top_p: float) -> set[int]:
+    """The smallest set of most likely tokens whose mass reaches top_p, by its definition."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, mass = set(), 0.0
+    for i in order:
+        kept.add(i)
+        mass += probs[i]
+        if mass >= top_p - 1e-9:
+            return kept
+    return kept
+
+
+def test_each_row_samples_only_inside_its_own_nucleus():
+    # one batch, a different top_p per row, random distributions: every draw of a row must lie
+    # in that row's nucleus, and with enough draws every nucleus token shows up
+    gen = torch.Generator().manual_seed(3)
+    rows, n = 6, 3000
+    logits = torch.randn(rows, 32, generator=gen) * 2
+    top_ps = [0.2, 0.5, 0.7, 0.9, 0.95, 0.99]
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in top_ps]
+    st = SamplingTensors.from_params(params * n, 32, "cpu")
+    torch.manual_seed(0)
+    ids = sample(logits.repeat(n, 1), st).view(n, rows)
+    for r, p in enumerate(top_ps):
+        want = nucleus(torch.softmax(logits[r], -1).tolist(), p)
+        assert set(ids[:, r].tolist()) == want, (p, sorted(want))
+
+
 def test_top_k_and_top_p_together_apply_both():
     out = truncate_logits(LOGITS[None], torch.tensor([2]), torch.tensor([0.9]))
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 1]

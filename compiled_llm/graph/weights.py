@@ -138,18 +138,44 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise WeightLoadError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
+def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[Path, str, Tensor]]:
     from safetensors import safe_open
 
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for key in sf.keys():
-                    yield key, sf.get_tensor(key)
+                    yield f, key, sf.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             if isinstance(e, WeightLoadError):
                 raise
             raise WeightLoadError(f"cannot read {f}: {e}") from None
+
+
+def _all_finite(t: Tensor) -> bool:
+    """True when ``t`` has no NaN or Inf. One pass, no tensor-sized temporary: ``aminmax``
+    propagates NaN, and a +/-Inf shows up as the max/min; a single sync reads both back."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
+
+
+def _non_finite_error(file: Path, hf_name: str, stored: Tensor, loaded: Tensor) -> WeightLoadError:
+    """The error for checkpoint tensor ``hf_name`` whose loaded copy ``loaded`` is not finite
+    (only built on failure, so counting the bad values costs nothing in a good build)."""
+    if _all_finite(stored):  # finite in the file: the cast to the load dtype overflowed
+        peak = stored.detach().abs().max().item()
+        wider = "float32" if loaded.dtype == torch.bfloat16 else "bfloat16 or float32"
+        return WeightLoadError(
+            f"tensor {hf_name!r} in {file} overflows {str(loaded.dtype).removeprefix('torch.')} "
+            f"(largest magnitude {peak:.3g}); load it with dtype {wider}"
+        )
+    nan = int(torch.isnan(stored).sum())
+    inf = int(torch.isinf(stored).sum())
+    what = " and ".join(f"{n} {kind} value{'s' if n > 1 else ''}" for n, kind in ((nan, "NaN"), (inf, "Inf")) if n)
+    return WeightLoadError(
+        f"tensor {hf_name!r} in {file} has {what} (of {stored.numel()} elements); weights must be finite"
+    )
 
 
 def load_params(
@@ -159,10 +185,12 @@ def load_params(
     device: torch.device | str = "cpu",
 ) -> dict[str, Tensor]:
     """Read a checkpoint's weights into the spec's params (plus derived ones such as the RoPE
-    table). Fails naming the tensor on a missing, unexpected or misshapen one."""
+    table). Fails naming the tensor on a missing, unexpected, misshapen or non-finite (NaN/Inf,
+    in the file or after the cast to ``dtype``) one; every path that loads a checkpoint (build,
+    eager ``LLM``/``run --eager``, ``compare``) comes through here."""
     expected = param_shapes(config)
     params: dict[str, Tensor] = {}
-    for hf_name, tensor in _iter_checkpoint(checkpoint_files(model_dir)):
+    for file, hf_name, tensor in _iter_checkpoint(checkpoint_files(model_dir)):
         spec_name = _spec_name(config, hf_name)
         if spec_name is None:
             continue
@@ -175,7 +203,10 @@ def load_params(
                 raise WeightLoadError(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; {config.architecture} with this config expects {expected[name]} for {name}"
                 )
-            params[name] = t.to(device=device, dtype=dtype).contiguous()
+            loaded = t.to(device=device, dtype=dtype).contiguous()
+            if not _all_finite(loaded):  # checked on the target device, after the cast
+                raise _non_finite_error(file, hf_name, tensor, loaded)
+            params[name] = loaded
         del tensor
     params.update(derived_params(config, device))
     missing = [n for n in expected if n not in params]

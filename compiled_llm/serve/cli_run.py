@@ -67,9 +67,10 @@ def run_engine(args) -> int:
             outputs = []
             for i, (req, text) in enumerate(zip(requests, texts)):
                 print(f"=== prompt {i} ({len(req['prompt_token_ids'])} tokens) ===\n{text}\n--- output ---", flush=True)
-                for delta in llm.stream(req, sampling):
+                stream = llm.stream(req, sampling)
+                for delta in stream:
                     print(delta, end="", flush=True)
-                out = llm.last_stream_output
+                out = stream.output
                 outputs.append(out)
                 print(f"\n--- ({len(out.token_ids)} tokens, finish: {out.finish_reason}) ---\n", flush=True)
         else:

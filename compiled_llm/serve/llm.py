@@ -10,17 +10,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+import collections
+from typing import Any, Iterable, Sequence
 
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.sampling import SamplingParams
+from compiled_llm.serve.engine_loop import EngineLoop, RequestQueue
 from compiled_llm.serve.llm_engine import EngineConfig, LLMEngine
 from compiled_llm.serve.loader import LoadedModel, is_engine_dir, load_model
 from compiled_llm.serve.outputs import RequestOutput
 
 
 def _is_single_prompt(prompts: Any) -> bool:
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, bytes, dict)):
         return True
     # a bare list of token ids is one prompt
     return isinstance(prompts, (list, tuple)) and bool(prompts) and all(isinstance(t, int) for t in prompts)
@@ -97,6 +99,7 @@ class LLM:
     def _init_engine(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model = loaded
         self.engine = LLMEngine(loaded, config)
+        self._loop = EngineLoop(self.engine)
 
     @property
     def tokenizer(self):
@@ -106,17 +109,23 @@ class LLM:
     def stats(self):
         return self.engine.stats
 
-    def _normalize(self, prompts, sampling_params) -> list[tuple]:
+    def _validate(self, prompts, sampling_params) -> list[tuple]:
+        """Every request of a call checked before any is queued."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise InvalidRequestError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        # every request is checked before any runs
+        else:
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
         return [self.engine.validate(p, sp) for p, sp in zip(prompts, params)]
 
     def generate(
@@ -125,47 +134,81 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``."""
-        requests = self._normalize(prompts, sampling_params)
-        ids = [self.engine.add_request(None, _validated=r) for r in requests]
-        index = {rid: i for i, rid in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
+        """Outputs in the order of ``prompts``. Safe to call from several threads at once."""
+        requests = self._validate(prompts, sampling_params)
+        finished: collections.deque[RequestQueue] = collections.deque()
+        queues = self._loop.submit(requests, notify=finished.append)
+        index = {id(q): i for i, q in enumerate(queues)}
+        results: list[RequestOutput | None] = [None] * len(queues)
+        left = len(queues)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="requests", unit="req", dynamic_ncols=True)
+            bar = tqdm(total=len(queues), desc="requests", unit="req", dynamic_ncols=True)
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in index:
-                        results[index[out.request_id]] = out
-                        if bar is not None:
-                            bar.update(1)
+            while left:
+                self._loop.wait(lambda: bool(finished))
+                queue = finished.popleft()
+                results[index[id(queue)]] = queue.get_nowait()
+                left -= 1
+                if bar is not None:
+                    bar.update(1)
         except BaseException:
-            for rid in ids:  # leave nothing half-run behind
-                self.engine.abort_request(rid)
+            for q in queues:  # leave nothing half-run behind
+                if not q.closed:
+                    self._loop.abort(q.request_id)
             raise
         finally:
             if bar is not None:
                 bar.close()
+        self._loop.settle()
         return results  # type: ignore[return-value]
 
-    def stream(self, prompt: str | dict, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Text deltas of one request as they are generated (closing the iterator aborts it)."""
-        (request,) = self._normalize(prompt, sampling_params)
-        rid = self.engine.add_request(None, stream=True, _validated=request)
-        self.last_stream_output: RequestOutput | None = None
-        finished = False
-        try:
-            while not finished and self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.request_id != rid:
-                        continue
-                    self.last_stream_output = out
-                    finished = out.finished
-                    if out.delta_text:
-                        yield out.delta_text
-        finally:
-            if not finished:
-                self.engine.abort_request(rid)
+    def stream(self, prompt: str | dict, sampling_params: SamplingParams | None = None) -> "TextStream":
+        """Text deltas of one request as they are generated. The request starts at once;
+        closing the stream (or dropping it) aborts it. Safe to use from several threads, and
+        several streams can be read in any order."""
+        (request,) = self._validate(prompt, sampling_params)
+        (queue,) = self._loop.submit([request], stream=True)
+        return TextStream(self._loop, queue)
+
+
+class TextStream:
+    """An iterator of one request's text deltas; ``output`` is its latest RequestOutput (the
+    final one, with token ids and finish reason, once the iterator is exhausted)."""
+
+    def __init__(self, loop: EngineLoop, queue: RequestQueue):
+        self._loop = loop
+        self._queue = queue
+        self._closed = False
+        self.output: RequestOutput | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._queue.request_id
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        while not self._closed and (self.output is None or not self.output.finished):
+            try:
+                self._loop.wait(self._queue.ready)
+                self.output = self._queue.get_nowait()
+            except BaseException:
+                self.close()
+                raise
+            if self.output.delta_text:
+                return self.output.delta_text
+        self._loop.settle()
+        raise StopIteration
+
+    def close(self) -> None:
+        """Abort the request unless it has finished."""
+        self._closed = True
+        if not self._queue.closed:
+            self._loop.abort(self._queue.request_id)
+
+    def __del__(self):
+        self.close()

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
-from compiled_llm.errors import CompiledLLMError, EngineError, InvalidRequestError
+from compiled_llm.errors import EngineError, InvalidOptionError, InvalidRequestError
 from compiled_llm.sampling import SamplingParams, make_generator
 from compiled_llm.serve import kv_cache as kvc
 from compiled_llm.serve.block_manager import BlockManager, cdiv
@@ -51,13 +52,13 @@ class EngineConfig:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise CompiledLLMError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+                raise InvalidOptionError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
-            raise CompiledLLMError(f"num_blocks must be >= 1, got {self.num_blocks}")
+            raise InvalidOptionError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
-            raise CompiledLLMError(f"max_model_len must be >= 1, got {self.max_model_len}")
+            raise InvalidOptionError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise CompiledLLMError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise InvalidOptionError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclasses.dataclass
@@ -88,6 +89,12 @@ class LLMEngine:
         self.device = torch.device(model.device)
         limit = min(mc.max_position_embeddings, model.max_model_len or mc.max_position_embeddings)
         self.max_model_len = min(config.max_model_len or limit, limit)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            # a prompt that does not fit one step's budget could never be scheduled
+            raise InvalidOptionError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len})"
+            )
         self._stats = EngineStats()
         bs = config.block_size
         max_num_seqs = config.max_num_seqs
@@ -142,8 +149,11 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._streaming: set[str] = set()
         self._arrivals = itertools.count()
+        self._ids = itertools.count()
         self.profile_labels = False
-        self._pending = None  # (batch, handle, rows) of a decode step queued ahead
+        self._pending = None  # (batch, handle) of a decode step queued ahead
+        self._in_flight: ScheduledBatch | None = None  # the step being run, for clean-up if it fails
+        self.failed_request_ids: list[str] = []  # requests the last step aborted because it raised
 
     @property
     def stats(self) -> EngineStats:
@@ -171,12 +181,13 @@ class LLMEngine:
 
     def prompt_token_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text, {"prompt_token_ids": [...]} or a list
-        of ids."""
+        of ids. A text too long to fit the model in any tokenization is refused untokenized."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     "text prompt given but the model has no tokenizer; pass {'prompt_token_ids': [...]}"
                 )
+            self._check_text(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" not in prompt:
@@ -185,13 +196,30 @@ class LLMEngine:
             text = prompt.get("prompt")
         elif isinstance(prompt, (list, tuple)):
             ids, text = prompt, None
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise InvalidRequestError("prompt is bytes; decode it to a str first")
         else:
-            raise InvalidRequestError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            raise InvalidRequestError(
+                f"a prompt is a string, a list of token ids or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+            )
+        if not isinstance(ids, (list, tuple)) or any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers")
+        return text, [int(t) for t in ids]
+
+    def _check_text(self, text: str) -> None:
+        if len(text) > self.max_model_len:  # shorter texts are cheap to tokenize and count
+            limit = self.max_model_len * self.tokenizer.max_text_bytes_per_token
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > limit:
+                raise InvalidRequestError(
+                    f"prompt of {size} bytes cannot fit the model's max length of {self.max_model_len} tokens"
+                )
         try:
-            ids = [int(t) for t in ids]
-        except (TypeError, ValueError):
-            raise InvalidRequestError("prompt_token_ids must be a list of integers") from None
-        return text, ids
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"prompt is not valid UTF-8 text: {text[e.start]!r} at position {e.start} (a lone surrogate)"
+            ) from None
 
     def validate(self, prompt: Any, params: SamplingParams | None) -> tuple[str | None, list[int], SamplingParams]:
         """Everything that can be wrong with a request, checked before it is queued."""
@@ -231,7 +259,7 @@ class LLMEngine:
     ) -> str:
         text, ids, params = _validated or self.validate(prompt, params)
         arrival = next(self._arrivals)
-        request_id = str(arrival) if request_id is None else str(request_id)
+        request_id = self.new_request_id() if request_id is None else str(request_id)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(
@@ -250,13 +278,20 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def abort_request(self, request_id: str) -> None:
+    def new_request_id(self) -> str:
+        """An id no request of this engine has had (safe from any thread)."""
+        return str(next(self._ids))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now, freeing its blocks; its last output (finish reason "abort"),
+        or None for an unknown or already finished request."""
         seq = self._requests.pop(str(request_id), None)
         if seq is None:
-            return
+            return None
         self.scheduler.abort(seq)
-        self._detok.pop(seq.request_id, None)
+        det = self._detok.pop(seq.request_id, None)
         self._streaming.discard(seq.request_id)
+        return self._output(seq, det, [])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None
@@ -267,11 +302,38 @@ class LLMEngine:
         """One step's results. With async scheduling a decode step is usually already queued
         on the device (launched by the previous call); this call queues the one after it
         before it waits, then applies the tokens of the step it waited for. A token computed
-        ahead for a sequence that has finished meanwhile (EOS, stop string, abort) is dropped."""
+        ahead for a sequence that has finished meanwhile (EOS, stop string, abort) is dropped.
+
+        If anything in the step raises, every request of the step (and of the step queued
+        ahead) is aborted, so their blocks go back and the engine stays consistent for the
+        others; their ids are in ``failed_request_ids`` and the exception propagates."""
+        self.failed_request_ids = []
+        try:
+            return self._step()
+        except BaseException:
+            self.failed_request_ids = self._abandon_steps()
+            raise
+        finally:
+            self._in_flight = None
+
+    def _abandon_steps(self) -> list[str]:
+        """Abort the requests of the failed step and of the one queued ahead of it. No prefix
+        cache entry is left for KV they did not finish: blocks are registered only after a
+        step's tokens are applied."""
+        batches = [b for b in (self._in_flight, self._pending and self._pending[0]) if b]
+        self._pending = None
+        ids = [s.request_id for b in batches for s in b.seqs if s.request_id in self._requests]
+        ids = list(dict.fromkeys(ids))
+        for rid in ids:
+            self.abort_request(rid)
+        return ids
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self._pending is not None:
             batch, handle = self._pending
             self._pending = None
+            self._in_flight = batch
         else:
             if not self.scheduler.has_unfinished():
                 return []
@@ -279,6 +341,7 @@ class LLMEngine:
                 batch = self.scheduler.schedule()
             if batch.is_empty:
                 raise EngineError("the scheduler could not schedule any request (KV cache too small for the waiting ones)")
+            self._in_flight = batch
             handle = self.runner.launch(batch)
         # prompt (or recomputed) tokens of this step, counted before update() appends tokens
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.num_output_tokens == 0)

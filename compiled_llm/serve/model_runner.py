@@ -193,6 +193,8 @@ class ModelRunner:
     def idle_decode_inputs(self) -> DecodeStaging:
         """The bucketed decode inputs set so that every row attends to one token of block 0 and
         writes nowhere (what graphs are captured with; profiling replays them too)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # a queued step's copies have read the host buffers
         st = self._decode_staging()
         st.np["tok"][:] = 0
         st.np["pos"][:] = 0

@@ -54,8 +54,10 @@ class ScheduledBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every row computes exactly one token (the CUDA-graph case)."""
-        return bool(self.seqs) and len(self.seqs) == self.num_tokens
+        """Every row is a decode: it computes one token, its last, and samples the next (the
+        CUDA-graph case). Whether a row decodes is a property of the row, never of the step's
+        shape: a one-token chunk of a prompt computes one token too, but not the last one."""
+        return bool(self.seqs) and len(self.sample_rows) == len(self.seqs) == self.num_tokens
 
 
 class Scheduler:
