@@ -2,10 +2,10 @@
 
 Triton compiles a kernel the first time each specialisation of it is launched (dtypes, constant
 block sizes, argument alignments), which cost a fresh process some 20 s before its first token.
-A CUDA build therefore runs the runtime once over the engine it just wrote, with Triton's
+A CUDA build therefore runs the runtime over the engine it just wrote, with Triton's
 compile cache pointed at the engine's ``kernels/triton/`` (``warm_kernels``): the KV-cache
 sizing step, every decode and prefill graph bucket and both sampler variants, which is what the
-runtime launches. The cache files are listed and checksummed in the manifest like every other
+runtime launches, split over several processes so that the compiles run in parallel. The cache files are listed and checksummed in the manifest like every other
 file.
 
 At load (``use_engine_kernels``) those files are copied, once per distinct set, into a cache
@@ -33,6 +33,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -63,33 +65,91 @@ def triton_cache_at(path: Path) -> Iterator[None]:
         knobs.dir = previous
 
 
-def warm_kernels(engine_dir: Path, device: torch.device) -> int:
+def warm_kernels(engine_dir: Path, device: torch.device, workers: int | None = None) -> int:
     """Run the runtime over the engine in ``engine_dir`` with Triton compiling into
-    ``engine_dir/kernels/triton``; the number of cache files written."""
-    from compiled_llm.sampling import SamplingParams
-    from compiled_llm.serve.llm import LLM
+    ``engine_dir/kernels/triton``; the number of cache files written.
 
+    Triton compiles on the host, one kernel at a time per process, so the work is split over
+    ``workers`` processes (``warm_workers()``) that share the cache directory (Triton writes
+    each entry with an atomic rename): each captures its share of the graph buckets, and one
+    also runs the KV-sizing step and real steps. If any of them fails, this process warms
+    everything itself, compiling only what is still missing."""
     cache = Path(engine_dir) / KERNELS_DIR
     cache.mkdir(parents=True, exist_ok=True)
     gc.collect()
     torch.cuda.empty_cache()  # the build's own copies of the weights must not shrink the KV cache
-    with triton_cache_at(cache):
-        llm = LLM(str(engine_dir), device=device)
-        llm.engine.capture_cuda_graphs()  # every bucket, on inputs that write nowhere
-        # Real steps on top: Triton specialises integer arguments equal to 1 or divisible by
-        # 16 (sequence counts, lengths), which the idle capture inputs do not cover. One and
-        # three sequences, lengths that cross a multiple of 16, greedy and sampled.
-        batches = ([14], [5, 37, 16])
-        for temperature in (0.0, 0.7):
-            params = SamplingParams(max_tokens=4, temperature=temperature, ignore_eos=True)
-            for lengths in batches:
-                prompts = [{"prompt_token_ids": [1 + (i % 7) for i in range(n)]} for n in lengths]
-                llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize(device)
-        del llm
+    workers = warm_workers() if workers is None else workers
+    if workers < 2 or not _warm_in_children(Path(engine_dir), device, workers):
+        with triton_cache_at(cache):
+            _warm(Path(engine_dir), device)
     gc.collect()
     torch.cuda.empty_cache()
     return sum(1 for p in cache.rglob("*") if p.is_file())
+
+
+def warm_workers() -> int:
+    """Processes a build compiles its kernels in: half the cores (compiling is CPU-bound, and
+    every process also holds the weights and a CUDA context), at most 8."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+# a KV cache big enough for the real steps below, small enough for several processes at once
+_CHILD_KV_BLOCKS = 64
+
+
+def _warm(engine_dir: Path, device: torch.device, part: int = 0, parts: int = 1) -> None:
+    """Share ``part`` of ``parts`` of the warm-up (all of it by default), in this process."""
+    from compiled_llm.sampling import SamplingParams
+    from compiled_llm.serve.llm import LLM
+
+    options = {} if parts == 1 else {"num_blocks": _CHILD_KV_BLOCKS}
+    llm = LLM(str(engine_dir), device=device, **options)
+    if parts > 1 and part == 0:
+        llm.engine.profile_largest_step()  # what the KV sizing of a real load runs
+    llm.engine.capture_cuda_graphs(part, parts)  # graph buckets, on inputs that write nowhere
+    if part == 0:
+        # Real steps on top: Triton specialises integer arguments equal to 1 or divisible by
+        # 16 (sequence counts, lengths), which the idle capture inputs do not cover. One and
+        # three sequences, lengths that cross a multiple of 16, greedy and sampled.
+        for temperature in (0.0, 0.7):
+            params = SamplingParams(max_tokens=4, temperature=temperature, ignore_eos=True)
+            for lengths in ([14], [5, 37, 16]):
+                prompts = [{"prompt_token_ids": [1 + (i % 7) for i in range(n)]} for n in lengths]
+                llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize(device)
+    del llm
+
+
+def _warm_in_children(engine_dir: Path, device: torch.device, parts: int) -> bool:
+    """Run the warm-up's ``parts`` shares in as many fresh processes at once; True when every
+    one of them succeeded."""
+    cmd = [sys.executable, "-m", "compiled_llm.kernel_cache", str(engine_dir), str(device), str(parts)]
+    procs = [subprocess.Popen([*cmd, str(part)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for part in range(parts)]
+    ok = True
+    for part, proc in enumerate(procs):
+        try:
+            _, err = proc.communicate(timeout=_CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode != 0:
+            ok = False
+            last = (err or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+            log.warning("kernel warm-up process %d of %d failed (%s); warming in this process", part, parts, last[0])
+    return ok
+
+
+_CHILD_TIMEOUT_S = 900
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m compiled_llm.kernel_cache ENGINE_DIR DEVICE PARTS PART``: one share of a
+    build's warm-up (see ``warm_kernels``)."""
+    engine_dir, device, parts, part = Path(argv[0]), torch.device(argv[1]), int(argv[2]), int(argv[3])
+    with triton_cache_at(engine_dir / KERNELS_DIR):
+        _warm(engine_dir, device, part, parts)
+    return 0
 
 
 def split_host_binaries(engine_dir: Path) -> Path | None:
@@ -198,3 +258,7 @@ def _rehome_group(group: Path, tmp: Path, target: Path) -> None:
             raise EngineError(f"kernel index {group.name} names {path!r}, outside its entry; refusing to load")
         children[name] = str(target / entry.relative_to(tmp) / base)
     group.write_text(json.dumps({**data, "child_paths": children}))
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

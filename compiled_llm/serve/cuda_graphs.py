@@ -94,12 +94,14 @@ class StepGraphs:
         self.graphs[bucket].replay()
         return self.logits[:rows]
 
+    def capture(self, bucket: int) -> bool:
+        """Capture ``bucket`` now unless it is; False when graphs are off or a capture failed."""
+        return self.enabled and not self.failed and (bucket in self.graphs or self._capture(bucket))
+
     def capture_all(self) -> bool:
-        """Capture every bucket now (a build warms its kernels this way, benchmarks before they
-        time). False when graphs are off or a capture failed."""
-        if not self.enabled:
-            return False
-        return all(not self.failed and (b in self.graphs or self._capture(b)) for b in self.buckets)
+        """Capture every bucket now (benchmarks do before they time). False when graphs are off
+        or a capture failed."""
+        return self.enabled and all(self.capture(b) for b in self.buckets)
 
     def _capture(self, bucket: int) -> bool:
         t0 = time.perf_counter()

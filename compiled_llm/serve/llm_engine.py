@@ -164,10 +164,21 @@ class LLMEngine:
         self._stats.graph_capture_s = sum(g.capture_s for g in graphs)
         return self._stats
 
-    def capture_cuda_graphs(self) -> bool:
+    def capture_cuda_graphs(self, part: int = 0, parts: int = 1) -> bool:
         """Capture every CUDA graph bucket now instead of on first use (builds warming their
-        kernels, benchmarks timing a steady state). Call between steps; False when graphs are off."""
-        return self.runner.capture_all_graphs()
+        kernels, benchmarks timing a steady state), or share ``part`` of ``parts`` of them.
+        Call between steps; False when graphs are off."""
+        return self.runner.capture_all_graphs(part, parts)
+
+    def profile_largest_step(self) -> None:
+        """Run the step the KV-cache sizing measures (the largest prefill, then sampling of
+        every row), without sizing anything: a build warms its kernels this way."""
+        profile_step(
+            self.model.config, self.model.params, self.model.program,
+            num_tokens=min(self.config.max_num_batched_tokens, self.max_model_len),
+            num_seqs=self.config.max_num_seqs, block_size=self.config.block_size,
+            dtype=self.model.dtype, device=self.device,
+        )
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -173,9 +173,10 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
-    def capture_all_graphs(self) -> bool:
+    def capture_all_graphs(self, part: int = 0, parts: int = 1) -> bool:
         """Capture every prepared bucket now, on inputs that write nowhere (a build warms every
-        kernel specialisation this way; profiling tools replay them)."""
+        kernel specialisation this way; profiling tools replay them). With ``parts`` > 1, only
+        share ``part`` of the decode and prefill buckets (a build splits them over processes)."""
         if not self.graphs.enabled:
             return False
         self.idle_decode_inputs()
@@ -187,8 +188,10 @@ class ModelRunner:
         self._np["sl"][:1] = 1
         for k in self._dev:
             self._dev[k].copy_(self._host[k])
-        ok = self.graphs.capture_all()
-        return (self.prefill_graphs.capture_all() if self.prefill_graphs.enabled else True) and ok
+        jobs = [(self.graphs, b) for b in self.graphs.buckets]
+        if self.prefill_graphs.enabled:
+            jobs += [(self.prefill_graphs, b) for b in self.prefill_graphs.buckets]
+        return all([graphs.capture(b) for graphs, b in jobs[part::parts]])
 
     def idle_decode_inputs(self) -> DecodeStaging:
         """The bucketed decode inputs set so that every row attends to one token of block 0 and
