@@ -1,7 +1,7 @@
 """The engine artifact: a directory that is all ``run`` needs, and its validating loader.
 
     manifest.json          format version, model config, build options, versions, passes with
-                           match counts, kernel choices, batch buckets, sha256 of every file
+                           match counts, kernel choices, sha256 of every file
     weights.safetensors    post-pass weights (merged qkv / gate_up stored once)
     program.json           the post-pass graph as plain data (graph/serialize.py): no pickle,
                            no constants (weights are inputs)
@@ -67,10 +67,6 @@ class LoadedEngine:
     def max_model_len(self) -> int:
         return int(self.manifest["build_options"]["max_model_len"])
 
-    @property
-    def batch_buckets(self) -> list[int]:
-        return list(self.manifest.get("batch_buckets", []))
-
 
 # ---------------------------------------------------------------------------------------------
 # Writing
@@ -94,7 +90,7 @@ def _versions() -> dict[str, Any]:
     }
 
 
-def make_manifest(*, config, source, build_options, lowered, buckets, stage_seconds) -> dict:
+def make_manifest(*, config, source, build_options, lowered, stage_seconds) -> dict:
     hist = lowered.histograms
     stages = list(hist)
     return {
@@ -110,7 +106,6 @@ def make_manifest(*, config, source, build_options, lowered, buckets, stage_seco
         "kernels": lowered.kernels,
         "program": {"file": PROGRAM_FILE, "param_names": lowered.param_names},
         "kernel_cache": None,  # KERNELS_DIR once a CUDA build has warmed it
-        "batch_buckets": list(buckets),
         "stage_seconds": {k: round(v, 4) for k, v in stage_seconds.items()},
     }
 

@@ -29,7 +29,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -219,7 +218,6 @@ def build_engine(
     pass_names: Sequence[str] | None = None,
     dump_ir: bool = False,
     kernel_prefs: dict[str, str] | None = None,
-    buckets: Sequence[int] = DEFAULT_BUCKETS,
     progress: bool = True,
 ) -> dict:
     """Build ``source`` (checkpoint dir, preset or hub id) into an engine directory; returns the
@@ -273,7 +271,6 @@ def build_engine(
                     "dump_ir": dump_ir,
                 },
                 lowered=lowered,
-                buckets=[b for b in buckets],
                 stage_seconds=times,
             )
             artifact.save_engine(work, manifest, lowered.params, tokenizer)

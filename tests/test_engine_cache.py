@@ -165,7 +165,7 @@ def test_llm_dtype_and_device_flow_into_the_cached_engine():
 def test_llm_enforce_eager_on_a_source_runs_the_eager_spec_and_builds_nothing():
     llm = LLM("tiny-qwen2", device="cpu", num_blocks=16, enforce_eager=True)
     assert not llm.model.is_engine and llm.model.name == "tiny-qwen2"
-    assert not llm.engine.config.use_cuda_graphs
+    assert llm.engine.config.enforce_eager
     assert greedy_tokens(llm)  # it runs
     assert entries() == []
 

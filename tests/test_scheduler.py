@@ -11,7 +11,8 @@ EOS = 0
 
 
 def make(num_blocks=64, max_num_seqs=8, budget=16, prefix_caching=True):
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256,
+                          enable_chunked_prefill=True)
     return Scheduler(cfg, BlockManager(num_blocks, BS, prefix_caching), stop_token_ids=[EOS])
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from compiled_llm.cli.engine_args import add_engine_arguments, engine_options
+
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
@@ -29,15 +31,9 @@ def add_parser(subparsers):
                    help="where to run; auto = cuda when available")
     p.add_argument("--num-requests", type=int, default=256, metavar="N",
                    help="requests of the throughput workload (default 256, as PERF.md defines it)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                   help="fraction of GPU memory the engine may use (default 0.9)")
-    p.add_argument("--num-blocks", type=int, default=None, metavar="N", help="fixed number of KV-cache blocks")
-    p.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="most sequences per step (default 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096, metavar="N",
-                   help="token budget of one step (default 4096)")
-    p.add_argument("--max-model-len", type=int, default=4096, metavar="N",
-                   help="longest sequence served; bounds the block tables (default 4096, enough for the workloads)")
-    p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs (each step launched eagerly)")
+    # the workloads' longest sequence is 2,048 tokens: a shorter limit than a model's keeps the
+    # block tables (and the graphs' inputs) small
+    add_engine_arguments(p.add_argument_group("engine options"), defaults={"max_model_len": 4096})
     p.add_argument("--no-cuda-graphs", dest="enforce_eager", action="store_true",
                    help=argparse.SUPPRESS)  # the old name of --enforce-eager
     p.add_argument("--json", action="store_true", help="print the results as one JSON list instead of a table")
@@ -70,7 +66,7 @@ def hf_config_of(llm) -> dict | None:
 
 
 def run(args) -> int:
-    from compiled_llm.cli.run import is_engine_dir, log_build_progress, resolve_device
+    from compiled_llm.cli.run import is_engine_dir, resolve_device
     from compiled_llm.serve.llm import LLM
 
     from compiled_llm import workloads as wl
@@ -81,7 +77,6 @@ def run(args) -> int:
     if not is_engine_dir(engine):  # a model source: its cached engine (so --enforce-eager still compiles)
         from compiled_llm.engine_cache import cached_engine
 
-        log_build_progress()
         engine = str(cached_engine(engine, device=device))
     cold = []
     if "coldstart" in workloads:  # first: its fresh processes need the device to themselves
@@ -92,12 +87,7 @@ def run(args) -> int:
         if not workloads:
             _print_results(args, cold, device, None, coldstart.format_table(cold))
             return 0
-    llm = LLM(
-        engine, device=device,
-        gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-    )
+    llm = LLM(engine, device=device, **engine_options(args))
     results = []
     for w in workloads:
         if w == "throughput":

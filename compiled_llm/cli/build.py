@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
@@ -60,7 +62,7 @@ def run(args) -> int:
         args.source, args.output,
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         disabled_passes=args.disable_pass, dump_ir=args.dump_ir,
-        kernel_prefs=parse_kernel_prefs(args.kernel), progress=not args.quiet,
+        kernel_prefs=parse_kernel_prefs(args.kernel), progress=not args.quiet and sys.stderr.isatty(),
     )
     print(format_summary(manifest))
     opts = manifest["build_options"]

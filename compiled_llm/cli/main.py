@@ -29,11 +29,35 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOGGING_LEVEL_VAR = "COMPILED_LLM_LOGGING_LEVEL"
+
+
+def configure_logging() -> None:
+    """Diagnostics go to stderr through the ``compiled_llm`` logger (results go to stdout), at
+    the level named by $COMPILED_LLM_LOGGING_LEVEL (DEBUG, INFO, WARNING, ...): by default INFO
+    on a terminal, WARNING otherwise, so a pipe or a script gets a clean stderr."""
+    import logging
+    import os
+
+    logger = logging.getLogger("compiled_llm")
+    name = os.environ.get(LOGGING_LEVEL_VAR, "").upper() or ("INFO" if sys.stderr.isatty() else "WARNING")
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        print(f"warning: {LOGGING_LEVEL_VAR}={name} is not a logging level; using WARNING", file=sys.stderr)
+        level = logging.WARNING
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = logging.StreamHandler()  # stderr, looked up when it writes (tests capture it)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     from compiled_llm.errors import CompiledLLMError
 
     parser = make_parser()
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         return int(args.handler(args) or 0)
     except CompiledLLMError as e:

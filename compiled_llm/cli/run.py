@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
+
+from compiled_llm.cli.engine_args import add_engine_arguments
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -87,19 +88,7 @@ def add_parser(subparsers):
     eng.add_argument("--profile", metavar="DIR", default=None,
                      help="write a torch.profiler chrome trace (labels schedule/forward/sample) to DIR, "
                           "and on a GPU a CUDA memory snapshot")
-    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                     help="fraction of GPU memory the engine may use, weights + activations + KV cache "
-                          "(default 0.9)")
-    eng.add_argument("--num-blocks", type=int, default=None, metavar="N",
-                     help="fixed number of KV-cache blocks (16 tokens each) instead of sizing from memory")
-    eng.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
-                     help="most sequences batched in one step (default 256)")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=4096, metavar="N",
-                     help="token budget of one step; longer prompts are prefilled in chunks (default 4096)")
-    eng.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                     help="longest prompt + output served (default: the engine's build limit)")
-    eng.add_argument("--enforce-eager", action="store_true",
-                     help="decode without CUDA graphs (each step launched eagerly); the engine is still compiled")
+    add_engine_arguments(eng)
     eng.add_argument("--no-cuda-graphs", dest="enforce_eager", action="store_true",
                      help=argparse.SUPPRESS)  # the old name of --enforce-eager
     # --- end compiled-runtime options ---
@@ -281,17 +270,6 @@ def run(args) -> int:
     from compiled_llm.serve.cli_run import run_engine
 
     return int(run_engine(args) or 0)
-
-
-def log_build_progress() -> None:
-    """On a terminal, show the engine cache's "building engine ..." line on stderr (builds
-    show their progress bars there too); pipes and scripts keep a clean stderr."""
-    logger = logging.getLogger("compiled_llm")
-    if sys.stderr.isatty() and not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
 
 
 def run_reference(args) -> int:

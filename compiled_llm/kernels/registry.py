@@ -176,8 +176,3 @@ def load_providers() -> None:
 
 def failed_provider_modules() -> dict[str, str]:
     return dict(_FAILED_MODULES)
-
-
-def provider_table() -> dict[str, list[str]]:
-    """{op: [provider names, best first]} (for inspect/reports)."""
-    return {name: [p.name for p in providers(name)] for name in _PROVIDERS}

@@ -15,33 +15,23 @@ import time
 
 def engine_of(args, device) -> str:
     """The engine directory to run: SOURCE itself, or its cached engine (built on first use)."""
-    from compiled_llm.cli.run import is_engine_dir, log_build_progress
+    from compiled_llm.cli.run import is_engine_dir
 
     if is_engine_dir(args.source):
         return args.source
     from compiled_llm.engine_cache import cached_engine
 
-    log_build_progress()
     return str(cached_engine(args.source, dtype=args.dtype, device=device))
 
 
 def build_llm(args):
+    from compiled_llm.cli.engine_args import engine_options
     from compiled_llm.cli.run import resolve_device
     from compiled_llm.serve.llm import LLM
 
     device = resolve_device(args.device)
     dtype = None if args.dtype == "auto" else args.dtype
-    return LLM(
-        engine_of(args, device),
-        dtype=dtype,
-        device=device,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager,
-    )
+    return LLM(engine_of(args, device), dtype=dtype, device=device, **engine_options(args))
 
 
 def run_engine(args) -> int:

@@ -7,7 +7,6 @@ other processes hold. On a CPU the size is given (number of blocks or GiB).
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -77,7 +76,3 @@ def gpu_num_blocks(
 def allocate(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> torch.Tensor:
     # zeros, not empty: padded decode rows may read a block before anything was written there
     return torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=dtype, device=device)
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)

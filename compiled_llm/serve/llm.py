@@ -16,7 +16,8 @@ from typing import Any, Iterable, Sequence
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.sampling import SamplingParams
 from compiled_llm.serve.engine_loop import EngineLoop, RequestQueue
-from compiled_llm.serve.llm_engine import EngineConfig, LLMEngine
+from compiled_llm.serve.engine_config import EngineConfig
+from compiled_llm.serve.llm_engine import LLMEngine
 from compiled_llm.serve.loader import LoadedModel, is_engine_dir, load_model
 from compiled_llm.serve.outputs import RequestOutput
 
@@ -44,44 +45,15 @@ class LLM:
       build: the eager spec program runs in the runtime (the uncompiled model, for checking
       the runtime against the reference loop);
     - ``LLM.from_loaded`` serves an already loaded model (a config, params and a program).
+
+    The other keyword arguments are the engine's options, ``EngineConfig``'s fields
+    (``max_num_seqs``, ``max_num_batched_tokens``, ``gpu_memory_utilization``, ...), with its
+    defaults; an unknown name is refused.
     """
 
-    def __init__(
-        self,
-        model: str,
-        dtype=None,
-        device=None,
-        *,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 4096,
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        num_blocks: int | None = None,
-        kv_cache_gib: float | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        enforce_eager: bool = False,
-        max_graph_batch_size: int = 256,
-        async_scheduling: bool = True,
-        prefill_graph_max_tokens: int = 4096,
-    ):
-        config = EngineConfig(
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            num_blocks=num_blocks,
-            kv_cache_gib=kv_cache_gib,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            use_cuda_graphs=not enforce_eager,
-            max_graph_batch_size=max_graph_batch_size,
-            async_scheduling=async_scheduling,
-            prefill_graph_max_tokens=prefill_graph_max_tokens,
-        )
-        if not enforce_eager and not is_engine_dir(model):
+    def __init__(self, model: str, dtype=None, device=None, **engine_options):
+        config = EngineConfig.from_options(engine_options)
+        if not config.enforce_eager and not is_engine_dir(model):
             from compiled_llm.engine_cache import cached_engine
 
             model = cached_engine(str(model), dtype=dtype, device=device)
@@ -91,9 +63,7 @@ class LLM:
     def from_loaded(cls, loaded: LoadedModel, **engine_options) -> "LLM":
         """An LLM over an already loaded model (tests, benchmarks: a config + params + program)."""
         self = cls.__new__(cls)
-        if "enforce_eager" in engine_options:
-            engine_options["use_cuda_graphs"] = not engine_options.pop("enforce_eager")
-        self._init_engine(loaded, EngineConfig(**engine_options))
+        self._init_engine(loaded, EngineConfig.from_options(engine_options))
         return self
 
     def _init_engine(self, loaded: LoadedModel, config: EngineConfig) -> None:
@@ -145,7 +115,8 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(queues), desc="requests", unit="req", dynamic_ncols=True)
+            # disable=None: no bar when stderr is not a terminal
+            bar = tqdm(total=len(queues), desc="requests", unit="req", dynamic_ncols=True, disable=None)
         try:
             while left:
                 self._loop.wait(lambda: bool(finished))

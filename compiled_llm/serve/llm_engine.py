@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from compiled_llm.errors import EngineError, InvalidOptionError, InvalidRequestError
+from compiled_llm.serve.engine_config import EngineConfig
 from compiled_llm.sampling import SamplingParams, make_generator
 from compiled_llm.serve import kv_cache as kvc
 from compiled_llm.serve.block_manager import BlockManager, cdiv
@@ -26,39 +27,6 @@ from compiled_llm.serve.model_runner import ModelRunner, _label, profile_step
 from compiled_llm.serve.outputs import CompletionOutput, RequestOutput
 from compiled_llm.serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from compiled_llm.serve.sequence import Sequence
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None  # fixed KV size (blocks); overrides the GiB / memory sizing
-    kv_cache_gib: float | None = None  # fixed KV size on a CPU (default 0.5 GiB)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    use_cuda_graphs: bool = True
-    max_graph_batch_size: int = 256
-    # Queue the next decode step before reading this one's tokens, so the host's bookkeeping
-    # runs while the device computes (see LLMEngine.step).
-    async_scheduling: bool = True
-    # One-sequence prefills of up to this many tokens replay CUDA graphs (token-count buckets,
-    # powers of two); 0 turns them off.
-    prefill_graph_max_tokens: int = 4096
-
-    def __post_init__(self):
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size")
-        for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise InvalidOptionError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise InvalidOptionError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise InvalidOptionError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise InvalidOptionError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclasses.dataclass
@@ -141,7 +109,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, device=self.device,
         )
         self.runner.set_decode_buckets(config.max_graph_batch_size)
-        if config.use_cuda_graphs and self.device.type == "cuda":
+        if not config.enforce_eager and self.device.type == "cuda":
             # captured bucket by bucket on first use, so none stands before the first token
             self.runner.prepare_graphs(min(config.prefill_graph_max_tokens, self.max_model_len))
 

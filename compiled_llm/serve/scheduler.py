@@ -21,10 +21,13 @@ from compiled_llm.serve.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
+    """The scheduler's limits, taken from the engine's options (``EngineConfig``, where their
+    defaults live)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:

@@ -1,0 +1,62 @@
+"""``EngineConfig``: the engine's options, the one place their names, defaults and help live.
+
+``LLM(...)`` takes them as keyword arguments (``EngineConfig.from_options``) and ``run`` /
+``bench`` as flags generated from the fields (``cli/engine_args.py``). Plain Python: building the
+command line imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from compiled_llm.errors import InvalidOptionError
+
+
+def _option(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's options (see the module docstring)."""
+
+    block_size: int = _option(16, "tokens per KV-cache block")
+    max_num_seqs: int = _option(256, "most sequences batched in one step")
+    max_num_batched_tokens: int = _option(4096, "token budget of one step; longer prompts are prefilled in chunks")
+    max_model_len: int | None = _option(None, "longest prompt + output served; unset: the engine's build limit")
+    gpu_memory_utilization: float = _option(
+        0.9, "fraction of GPU memory the engine may use: weights, activations and KV cache")
+    num_blocks: int | None = _option(None, "fixed number of KV-cache blocks; unset: sized from memory")
+    kv_cache_gib: float | None = _option(None, "KV-cache size on a CPU, in GiB; unset: 0.5")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes seen before")
+    enable_chunked_prefill: bool = _option(
+        True, "split prompts longer than the token budget over several steps")
+    enforce_eager: bool = _option(False, "run every step eagerly, without CUDA graphs (the engine is still compiled)")
+    max_graph_batch_size: int = _option(256, "largest decode batch replayed as a CUDA graph")
+    # Queue the next decode step before reading this one's tokens, so the host's bookkeeping
+    # runs while the device computes (see LLMEngine.step).
+    async_scheduling: bool = _option(True, "queue the next decode step before this one's tokens are read")
+    prefill_graph_max_tokens: int = _option(
+        4096, "one-sequence prefills of up to this many tokens replay CUDA graphs (0: none)")
+
+    def __post_init__(self):
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InvalidOptionError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidOptionError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidOptionError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidOptionError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> "EngineConfig":
+        """The config of keyword options, refusing a name that is not an option."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in options if k not in names]
+        if unknown:
+            raise InvalidOptionError(f"unknown engine option {unknown[0]!r}; the options are: {', '.join(names)}")
+        return cls(**options)
