@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -82,6 +83,8 @@ def warm_kernels(engine_dir: Path, device: torch.device, workers: int | None = N
     if workers < 2 or not _warm_in_children(Path(engine_dir), device, workers):
         with triton_cache_at(cache):
             _warm(Path(engine_dir), device)
+    for tmp in list(cache.rglob("tmp.pid_*")):  # half-written entries of a process killed mid-write
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
     gc.collect()
     torch.cuda.empty_cache()
     return sum(1 for p in cache.rglob("*") if p.is_file())
@@ -122,22 +125,34 @@ def _warm(engine_dir: Path, device: torch.device, part: int = 0, parts: int = 1)
 
 def _warm_in_children(engine_dir: Path, device: torch.device, parts: int) -> bool:
     """Run the warm-up's ``parts`` shares in as many fresh processes at once; True when every
-    one of them succeeded."""
+    one of them succeeded. None is left running, whatever happens here."""
     cmd = [sys.executable, "-m", "compiled_llm.kernel_cache", str(engine_dir), str(device), str(parts)]
-    procs = [subprocess.Popen([*cmd, str(part)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for part in range(parts)]
-    ok = True
-    for part, proc in enumerate(procs):
+    deadline = time.monotonic() + _CHILD_TIMEOUT_S
+    with tempfile.TemporaryDirectory(prefix="cllm-warm-") as logs:
+        procs = []
         try:
-            _, err = proc.communicate(timeout=_CHILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode != 0:
-            ok = False
-            last = (err or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-            log.warning("kernel warm-up process %d of %d failed (%s); warming in this process", part, parts, last[0])
-    return ok
+            for part in range(parts):
+                # stderr to a file: a full pipe would stall a child until it is read
+                with open(Path(logs) / f"{part}.err", "w") as err:
+                    procs.append(subprocess.Popen([*cmd, str(part)], stdout=subprocess.DEVNULL, stderr=err))
+            ok = True
+            for part, proc in enumerate(procs):
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                if proc.returncode != 0:
+                    ok = False
+                    last = (Path(logs) / f"{part}.err").read_text(errors="replace").strip().splitlines()[-1:]
+                    log.warning("kernel warm-up process %d of %d failed (%s); warming in this process",
+                                part, parts, last[0] if last else f"exit status {proc.returncode}")
+            return ok
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
 
 _CHILD_TIMEOUT_S = 900

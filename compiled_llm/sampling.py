@@ -35,6 +35,10 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self):
+        for name in ("max_tokens", "top_k", "seed"):  # numpy integers and the like, as plain ints
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_real("temperature", self.temperature, low=0.0)
         _check_int("top_k", self.top_k)

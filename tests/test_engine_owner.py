@@ -192,3 +192,57 @@ def test_a_fault_mid_decode_fails_only_the_step_it_hit(loaded):
         "".join(stream)
     assert_clean(llm)
     assert same(llm.generate(prompts, GREEDY, use_tqdm=False), expected)
+
+
+def test_a_failure_before_any_request_is_in_flight_fails_the_waiting_calls(loaded, monkeypatch):
+    llm = LLM.from_loaded(loaded, **SMALL)
+    prompts = id_prompts(loaded, 3, seed=11)
+    expected = alone(loaded, prompts)
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+
+    def broken():
+        monkeypatch.setattr(scheduler, "schedule", schedule)  # fails once
+        raise PlantedFault("planted scheduling fault")
+
+    monkeypatch.setattr(scheduler, "schedule", broken)
+    with pytest.raises(PlantedFault):  # an error, not a wait that never ends
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_clean(llm)
+    assert same(llm.generate(prompts, GREEDY, use_tqdm=False), expected)
+
+
+def test_a_fault_after_some_rows_finished_fails_the_call_cleanly(loaded, monkeypatch):
+    # two requests finish in the same step and building the second's output raises: the first's
+    # output was made but never delivered, so it too must end with the error, not a lost wait
+    llm = LLM.from_loaded(loaded, **SMALL)
+    prompts = id_prompts(loaded, 2, seed=12, length=(6, 6))  # both prefilled in one step
+    engine = llm.engine
+    make_output, calls = engine._output, [0]
+
+    def faulty(*args):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise PlantedFault("planted output fault")
+        return make_output(*args)
+
+    monkeypatch.setattr(engine, "_output", faulty)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    # two callers' submissions, entering the engine together
+    queues = [q for p in prompts for q in llm._loop.submit([engine.validate(p, params)])]
+    llm._loop.wait(lambda: all(q.ready() for q in queues))
+    for q in queues:
+        with pytest.raises(PlantedFault):
+            q.get_nowait()
+    assert_clean(llm)
+
+
+def test_numpy_integers_are_ordinary_integers(loaded):
+    np = pytest.importorskip("numpy")
+    llm = LLM.from_loaded(loaded, **SMALL)
+    prompt = {"prompt_token_ids": [np.int64(t) for t in id_prompts(loaded, 1, seed=13)[0]["prompt_token_ids"]]}
+    sampled = dict(max_tokens=8, temperature=0.8, ignore_eos=True)
+    a = llm.generate(prompt, SamplingParams(seed=np.int64(7), **sampled), use_tqdm=False)[0]
+    b = llm.generate(prompt, SamplingParams(seed=7, **sampled), use_tqdm=False)[0]
+    assert a.token_ids == b.token_ids
+    assert llm.generate(prompt["prompt_token_ids"], SamplingParams(max_tokens=np.int32(2)), use_tqdm=False)[0].token_ids

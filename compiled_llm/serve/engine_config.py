@@ -41,16 +41,26 @@ class EngineConfig:
         4096, "one-sequence prefills of up to this many tokens replay CUDA graphs (0: none)")
 
     def __post_init__(self):
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size")
-        for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise InvalidOptionError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise InvalidOptionError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise InvalidOptionError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), type(f.default) if f.default is not None else None
+            if value is None and f.default is None:
+                continue
+            if kind is bool:
+                if not isinstance(value, bool):
+                    raise InvalidOptionError(f"{f.name} must be True or False, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidOptionError(f"{f.name} must be a number, got {value!r}")
+        whole = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size", "num_blocks",
+                 "max_model_len", "prefill_graph_max_tokens")
+        for name in whole:
+            value = getattr(self, name)
+            low = 0 if name == "prefill_graph_max_tokens" else 1
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise InvalidOptionError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidOptionError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise InvalidOptionError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "EngineConfig":

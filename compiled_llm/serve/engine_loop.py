@@ -21,7 +21,7 @@ import collections
 import threading
 from typing import Callable, Iterable
 
-from compiled_llm.errors import InvalidRequestError
+from compiled_llm.errors import EngineError, InvalidRequestError
 from compiled_llm.serve.llm_engine import LLMEngine
 from compiled_llm.serve.outputs import RequestOutput
 
@@ -91,10 +91,12 @@ class EngineLoop:
         self._apply_if_idle()
         return queues
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request; at once if no step is running, else before the next step."""
+    def abort(self, request_id: str, now: bool = True) -> None:
+        """Stop a request: at once if no step is running (``now``), else before the next step.
+        ``now=False`` only queues the abort (a finalizer must not take locks)."""
         self._commands.append(("abort", str(request_id)))
-        self._apply_if_idle()
+        if now:
+            self._apply_if_idle()
 
     def wait(self, done: Callable[[], bool]) -> None:
         """Run steps until ``done()`` (checked between steps)."""
@@ -136,10 +138,17 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except BaseException as e:
-            for rid in self.engine.failed_request_ids:
-                self._close(rid, e)
+            failed = self.engine.failed_request_ids
+            if not failed:  # it failed before any request was in flight (scheduling): fail them all
+                failed = list(self._queues)
+                for rid in failed:
+                    self.engine.abort_request(rid)
+            # an interrupt belongs to this thread's caller; the other callers get an error
+            error = e if isinstance(e, Exception) else EngineError(f"the step was interrupted ({type(e).__name__})")
+            for rid in failed:
+                self._close(rid, error)
             if not isinstance(e, Exception):
-                raise  # KeyboardInterrupt and the like belong to this thread's caller too
+                raise
             return
         for out in outputs:
             queue = self._queues.get(out.request_id)
@@ -151,8 +160,7 @@ class EngineLoop:
                 queue.put(out)
 
     def _close(self, request_id: str, last: RequestOutput | BaseException | None) -> None:
-        with self._ids_lock:
-            queue = self._queues.pop(request_id, None)
+        queue = self._queues.pop(request_id, None)  # atomic: no lock (a finalizer may run inside submit)
         if queue is not None and last is not None:
             queue.put(last)
 
@@ -162,8 +170,12 @@ class EngineLoop:
             if command[0] == "add":
                 _, pairs, stream = command
                 for queue, request in pairs:
-                    if queue.request_id in self._queues:  # not aborted while queued
+                    if queue.request_id not in self._queues:  # aborted while queued
+                        continue
+                    try:
                         self.engine.add_request(None, request_id=queue.request_id, stream=stream, _validated=request)
+                    except Exception as e:  # only this request's caller hears of it
+                        self._close(queue.request_id, e)
             else:
                 rid = command[1]
                 self._close(rid, self.engine.abort_request(rid))

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import collections
+import numbers
 from typing import Any, Iterable, Sequence
 
 from compiled_llm.errors import InvalidRequestError
@@ -26,7 +27,7 @@ def _is_single_prompt(prompts: Any) -> bool:
     if isinstance(prompts, (str, bytes, dict)):
         return True
     # a bare list of token ids is one prompt
-    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(isinstance(t, numbers.Integral) for t in prompts)
 
 
 class LLM:
@@ -182,4 +183,5 @@ class TextStream:
             self._loop.abort(self._queue.request_id)
 
     def __del__(self):
-        self.close()
+        if not self._queue.closed:  # a finalizer may run anywhere, so only queue the abort
+            self._loop.abort(self._queue.request_id, now=False)

@@ -301,8 +301,8 @@ class LLMEngine:
         step's tokens are applied."""
         batches = [b for b in (self._in_flight, self._pending and self._pending[0]) if b]
         self._pending = None
-        ids = [s.request_id for b in batches for s in b.seqs if s.request_id in self._requests]
-        ids = list(dict.fromkeys(ids))
+        # every request of the step, finished ones too: their outputs were not returned
+        ids = list(dict.fromkeys(s.request_id for b in batches for s in b.seqs))
         for rid in ids:
             self.abort_request(rid)
         return ids
