@@ -107,10 +107,12 @@ def _warm(engine_dir: Path, device: torch.device, part: int = 0, parts: int = 1)
 
     options = {} if parts == 1 else {"num_blocks": _CHILD_KV_BLOCKS}
     llm = LLM(str(engine_dir), device=device, **options)
-    if parts > 1 and part == 0:
+    # the two extra jobs go to different processes (the last and the one before), so none of
+    # them waits on both
+    if parts > 1 and part == max(parts - 2, 0):
         llm.engine.profile_largest_step()  # what the KV sizing of a real load runs
     llm.engine.capture_cuda_graphs(part, parts)  # graph buckets, on inputs that write nowhere
-    if part == 0:
+    if part == parts - 1:
         # Real steps on top: Triton specialises integer arguments equal to 1 or divisible by
         # 16 (sequence counts, lengths), which the idle capture inputs do not cover. One and
         # three sequences, lengths that cross a multiple of 16, greedy and sampled.
