@@ -20,8 +20,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from compiled_llm import LLM, sampling
-    from compiled_llm import workloads as wl
-    from compiled_llm.build import build_engine
+    from compiled_llm.cli.bench import workloads as wl
+    from compiled_llm.engine.build import build_engine
     from compiled_llm.kernels import triton_paged_attention as pa
 
     tmp = tempfile.TemporaryDirectory(prefix="ab_engine_")

@@ -52,9 +52,9 @@ def main(argv=None) -> int:
     import torch
 
     from compiled_llm import LLM, SamplingParams
-    from compiled_llm import compare as cmp
-    from compiled_llm.build import build_engine
-    from compiled_llm.sources import load_source_params
+    from compiled_llm.engine import compare as cmp
+    from compiled_llm.engine.build import build_engine
+    from compiled_llm.model.sources import load_source_params
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tmp = None

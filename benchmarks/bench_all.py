@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from compiled_llm import workloads as wl  # noqa: E402
+from compiled_llm.cli.bench import workloads as wl  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     tmp = None
     engine = args.engine
     if engine is None:
-        from compiled_llm.build import build_engine
+        from compiled_llm.engine.build import build_engine
 
         tmp = tempfile.TemporaryDirectory(prefix="bench_engine_")
         engine = str(Path(tmp.name) / "engine")

@@ -40,8 +40,8 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from compiled_llm import LLM, SamplingParams
-    from compiled_llm.build import build_engine
-    from compiled_llm.workloads import latency_prompt
+    from compiled_llm.engine.build import build_engine
+    from compiled_llm.cli.bench.workloads import latency_prompt
 
     dev = torch.device("cuda")
     tmp = tempfile.TemporaryDirectory(prefix="prof_engine_")

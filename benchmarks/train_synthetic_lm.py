@@ -90,7 +90,7 @@ class Chain:
 def excluded_ids(hf_config: dict) -> set[int]:
     """Ids the chain must not use: the byte-level tokenizer's specials and the config's EOS ids,
     so generation never stops early and special-token handling never sees a chain token."""
-    from compiled_llm.presets import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
+    from compiled_llm.model.presets import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
 
     eos = hf_config.get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -216,7 +216,7 @@ def train(model, chain: Chain, args, device: torch.device, log) -> list[dict]:
 def save_checkpoint(model, out: Path) -> None:
     """bf16 safetensors + config.json, and the byte-level tokenizer the presets carry, so the
     checkpoint behaves like its preset (text prompts, chat template, EOS ids)."""
-    from compiled_llm.tokenizer import byte_level_tokenizer
+    from compiled_llm.model.tokenizer import byte_level_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(out)  # safetensors is the default (and only) format
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--log-every", type=int, default=20)
     args = ap.parse_args(argv)
 
-    from compiled_llm.presets import preset_hf_config
+    from compiled_llm.model.presets import preset_hf_config
 
     device = torch.device(args.device)
     hf = preset_hf_config(args.preset)

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     import torch
 
     from compiled_llm import LLM
-    from compiled_llm.build import build_engine
+    from compiled_llm.engine.build import build_engine
     from compiled_llm.kernels import launch_configs
     from compiled_llm.serve.cuda_graphs import StepGraphs
 

@@ -8,7 +8,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
 _LAZY = {
     "LLM": "compiled_llm.serve.llm",
-    "SamplingParams": "compiled_llm.sampling",
+    "SamplingParams": "compiled_llm.serve.sampling",
     "RequestOutput": "compiled_llm.serve.outputs",
 }
 

@@ -19,7 +19,7 @@ def _engine_cache_dir(tmp_path_factory):
 def tiny_engine(tmp_path_factory):
     """One tiny-qwen2 CPU engine built for the whole session; tests that change an engine take
     ``tiny_engine_copy``."""
-    from compiled_llm.build import build_engine
+    from compiled_llm.engine.build import build_engine
 
     out = tmp_path_factory.mktemp("tiny_engine") / "tiny-qwen2"
     build_engine("tiny-qwen2", out, dtype="float32", device="cpu", progress=False)
@@ -52,7 +52,7 @@ def lively_bpe_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def lively_bpe_engine(lively_bpe_checkpoint, tmp_path_factory):
     """The lively checkpoint built into a CPU float32 engine."""
-    from compiled_llm.build import build_engine
+    from compiled_llm.engine.build import build_engine
 
     out = tmp_path_factory.mktemp("lively_bpe_engine") / "engine"
     build_engine(str(lively_bpe_checkpoint[0]), out, dtype="float32", device="cpu", progress=False)

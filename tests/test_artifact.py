@@ -8,12 +8,12 @@ import warnings
 import pytest
 import torch
 
-from compiled_llm import artifact
-from compiled_llm.build import build_engine
+from compiled_llm.engine import artifact
+from compiled_llm.engine.build import build_engine
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.spec import forward, kv_cache_shape
-from compiled_llm.sources import load_source_params, resolve_source
+from compiled_llm.model.sources import load_source_params, resolve_source
 
 
 @pytest.fixture

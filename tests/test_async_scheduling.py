@@ -9,7 +9,7 @@ import random
 import pytest
 
 from compiled_llm import LLM, SamplingParams
-from compiled_llm.reference import generate_reference
+from compiled_llm.serve.reference import generate_reference
 
 
 def _llm(async_scheduling: bool) -> LLM:

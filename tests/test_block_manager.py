@@ -2,7 +2,7 @@
 
 import pytest
 
-from compiled_llm.sampling import SamplingParams
+from compiled_llm.serve.sampling import SamplingParams
 from compiled_llm.serve.block_manager import BlockManager
 from compiled_llm.serve.sequence import Sequence
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from compiled_llm import artifact, engine_output
-from compiled_llm.build import build_engine
+from compiled_llm.engine import artifact, output_dir as engine_output
+from compiled_llm.engine.build import build_engine
 from compiled_llm.cli.main import main
 from compiled_llm.errors import CompiledLLMError
 
@@ -226,7 +226,7 @@ def test_user_file_on_a_path_the_new_engine_takes_is_kept_aside_with_a_warning(e
     del manifest["files"]["ir/00_captured.py"]
     (engine / "manifest.json").write_text(json.dumps(manifest))
     (engine / "ir" / "00_captured.py").write_text("# my edited copy\n")
-    with caplog.at_level(logging.WARNING, logger="compiled_llm.engine_output"):
+    with caplog.at_level(logging.WARNING, logger="compiled_llm.engine.output_dir"):
         build(engine)
     assert_loads(engine)
     [aside] = leftovers(engine)
@@ -305,7 +305,7 @@ def test_failing_to_move_the_new_engine_in_puts_the_old_one_back(engine, monkeyp
 
 
 def test_build_interrupted_before_the_swap_leaves_the_old_engine(engine, monkeypatch):
-    import compiled_llm.build as build_module
+    import compiled_llm.engine.build as build_module
 
     before = snapshot(engine)
 
@@ -357,7 +357,7 @@ def test_swap_killed_between_its_renames_is_recovered(engine, caplog):
     user_files = add_user_files(engine)
     aside = engine.parent / ".eng.old-k1ll3d_x"
     engine.rename(aside)
-    with caplog.at_level(logging.WARNING, logger="compiled_llm.engine_output"):
+    with caplog.at_level(logging.WARNING, logger="compiled_llm.engine.output_dir"):
         build(engine)
     assert "put back the engine" in caplog.text
     assert_loads(engine)
@@ -388,7 +388,7 @@ def test_leftover_lookalikes_that_are_not_ours_are_left_alone(engine, caplog):
     shutil.copytree(engine, other_name)
     (other_name / engine_output.BUILD_MARKER).write_text("")
     before = {p: snapshot(p) for p in (unmarked, no_manifest, other_name)}
-    with caplog.at_level(logging.WARNING, logger="compiled_llm.engine_output"):
+    with caplog.at_level(logging.WARNING, logger="compiled_llm.engine.output_dir"):
         build(engine)
     assert {p: snapshot(p) for p in (unmarked, no_manifest, other_name)} == before
     assert str(unmarked) in caplog.text and str(no_manifest) in caplog.text

@@ -5,9 +5,9 @@ and names the first pass that changes the numbers when a wrong rewrite is plante
 import pytest
 import torch
 
-from compiled_llm.build import build_engine
+from compiled_llm.engine.build import build_engine
 from compiled_llm.cli.main import main
-from compiled_llm.compare import compare_engine, judge
+from compiled_llm.engine.compare import compare_engine, judge
 from compiled_llm.passes import default_pass_names, register_pass, unregister_pass
 from compiled_llm.passes.base import Pass, aten, finish, is_call, param_name
 from hf_checkpoints import make_checkpoint

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from compiled_llm.serve.detokenizer import IncrementalDetokenizer
-from compiled_llm.tokenizer import load_tokenizer
+from compiled_llm.model.tokenizer import load_tokenizer
 from test_tokenizer import train_hf_tokenizer
 
 TEXT = "the quick brown fox jumps over a lazy dog while the model engine compiles graphs"

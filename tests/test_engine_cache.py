@@ -27,11 +27,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from compiled_llm import LLM, SamplingParams, engine_cache
-from compiled_llm.artifact import read_manifest
-from compiled_llm.build import auto_dtype, build_engine, checkpoint_dtype, resolve_device, resolve_dtype
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.engine import cache as engine_cache
+from compiled_llm.engine.artifact import read_manifest
+from compiled_llm.engine.build import auto_dtype, build_engine, checkpoint_dtype, resolve_device, resolve_dtype
 from compiled_llm.cli.main import main, make_parser
-from compiled_llm.engine_cache import cached_engine, engine_path, engines_dir
+from compiled_llm.engine.cache import cached_engine, engine_path, engines_dir
 from hf_checkpoints import make_checkpoint
 from test_reference import lively_checkpoint
 
@@ -118,7 +119,7 @@ def test_build_defaults_resolve_to_cpu_and_float32_here(tmp_path, capsys):
 CHILD_LLM = r"""
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-import compiled_llm.build as build
+import compiled_llm.engine.build as build
 
 def refuse(*args, **kwargs):
     raise AssertionError("the engine was built again")
@@ -133,7 +134,7 @@ print(json.dumps({"engine": llm.model.name, "is_engine": llm.model.is_engine, "t
 
 
 def test_llm_on_a_preset_builds_once_and_a_fresh_process_loads_it_without_building(caplog):
-    with caplog.at_level(logging.INFO, logger="compiled_llm.engine_cache"):
+    with caplog.at_level(logging.INFO, logger="compiled_llm.engine.cache"):
         llm = LLM("tiny-qwen2", device="cpu", num_blocks=64)
     (entry,) = entries()
     assert entry.name.startswith("tiny-qwen2-") and len(entry.name) == len("tiny-qwen2-") + 16
@@ -244,7 +245,7 @@ def test_small_files_are_keyed_by_content_and_large_ones_by_size_mtime_and_ends(
 CHILD_BUILD = r"""
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from compiled_llm.engine_cache import cached_engine
+from compiled_llm.engine.cache import cached_engine
 print(cached_engine(sys.argv[1], device="cpu", progress=False))
 """
 
@@ -264,7 +265,7 @@ def test_two_processes_build_one_engine_and_a_damaged_entry_is_rebuilt(caplog):
     assert [p.name for p in engines_dir().iterdir()] and not [p for p in engines_dir().iterdir() if ".building-" in p.name]
 
     (entry / "manifest.json").write_text("{")  # damaged: not an engine any more
-    with caplog.at_level(logging.INFO, logger="compiled_llm.engine_cache"):
+    with caplog.at_level(logging.INFO, logger="compiled_llm.engine.cache"):
         assert cached_engine("tiny-gpt2", device="cpu", progress=False) == entry
     assert any("building engine for tiny-gpt2" in r.getMessage() for r in caplog.records)
     read_manifest(entry)
@@ -281,7 +282,7 @@ def run_json(capsys, *argv) -> list[dict]:
 
 
 def test_run_source_eager_is_the_reference_loop_and_the_default_is_the_cached_engine(tmp_path, capsys, monkeypatch):
-    import compiled_llm.reference as reference
+    import compiled_llm.serve.reference as reference
 
     lively_checkpoint("qwen2", tmp_path / "ckpt")
     calls = []

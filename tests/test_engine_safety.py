@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from compiled_llm import artifact
-from compiled_llm.build import build_engine
+from compiled_llm.engine import artifact
+from compiled_llm.engine.build import build_engine
 from compiled_llm.errors import EngineError
 
 
@@ -226,7 +226,7 @@ def triton_knobs(monkeypatch, tmp_path):
 
 
 def test_kernel_indexes_are_pointed_at_the_local_copy(tmp_path, triton_knobs):
-    from compiled_llm import kernel_cache
+    from compiled_llm.engine import kernel_cache
 
     built = "/somewhere/.e.building-x/engine/kernels/triton/ENTRY"
     manifest = _kernel_engine(tmp_path / "e", {"k.cubin": f"{built}/k.cubin", "k.json": f"{built}/k.json"})
@@ -237,7 +237,7 @@ def test_kernel_indexes_are_pointed_at_the_local_copy(tmp_path, triton_knobs):
 
 
 def test_kernel_indexes_naming_other_files_are_refused(tmp_path, triton_knobs):
-    from compiled_llm import kernel_cache
+    from compiled_llm.engine import kernel_cache
 
     manifest = _kernel_engine(tmp_path / "e", {"k.cubin": "/etc/passwd"})
     with pytest.raises(EngineError, match="outside its entry"):
@@ -245,7 +245,7 @@ def test_kernel_indexes_naming_other_files_are_refused(tmp_path, triton_knobs):
 
 
 def test_engines_carry_no_host_code(tmp_path, triton_knobs):
-    from compiled_llm import kernel_cache
+    from compiled_llm.engine import kernel_cache
 
     manifest = _kernel_engine(tmp_path / "e", {})
     manifest["files"]["kernels/triton/ENTRY/__triton_launcher.so"] = "0"

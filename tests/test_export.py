@@ -8,8 +8,8 @@ import torch
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.export import INPUT_NAMES, PARAM_META, FlatProgram, capture, param_placeholder_names
 from compiled_llm.graph.spec import forward, kv_cache_shape
-from compiled_llm.graph.weights import random_params
-from compiled_llm.presets import preset_config
+from compiled_llm.model.weights import random_params
+from compiled_llm.model.presets import preset_config
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-gpt2"])

@@ -73,7 +73,7 @@ def graph_draws(lively) -> tuple[int, list[str], list[str]]:
 @pytest.fixture(scope="module")
 def engines(trained, tmp_path_factory):
     """dtype -> the trained checkpoint's CUDA engine, built on first use."""
-    from compiled_llm.build import build_engine
+    from compiled_llm.engine.build import build_engine
 
     built = {}
 
@@ -135,7 +135,7 @@ def test_bf16_runtime_agrees_with_transformers_bf16(trained, engines):
 def test_bf16_on_random_weights_reports_where_batching_changes_picks(tmp_path_factory):
     """Random weights at Qwen2.5-0.5B shapes, bf16: top-1/top-2 gaps of a few ulps, so the
     kernels' batch-size-dependent rounding flips picks. Reported, not asserted (no leak is)."""
-    from compiled_llm.build import build_engine
+    from compiled_llm.engine.build import build_engine
 
     out = tmp_path_factory.mktemp("random_bf16") / "engine"
     build_engine("qwen2.5-0.5b", out, dtype="bfloat16", device="cuda", max_model_len=4096, progress=False)

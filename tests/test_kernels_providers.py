@@ -237,10 +237,10 @@ def test_triton_qkv_fallback_keeps_the_input_norm():
 def test_runtime_program_calls_provider_functions_directly_and_keeps_the_saved_graph():
     """The op-by-op runtime program skips the dispatcher for provider ops (host time per call);
     the graph it was made from, which is what an engine saves, still names the ops."""
-    from compiled_llm.backend import PortableProgram
-    from compiled_llm.build import lower
+    from compiled_llm.engine.program import PortableProgram
+    from compiled_llm.engine.build import lower
     from compiled_llm.passes import default_pass_names
-    from compiled_llm.sources import load_source_params, resolve_source
+    from compiled_llm.model.sources import load_source_params, resolve_source
 
     src = resolve_source("tiny-qwen2")
     lowered = lower(src.config, load_source_params(src, torch.float32, "cpu"), default_pass_names(), "cuda", torch.float32, {})

@@ -9,7 +9,7 @@ import torch
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.errors import CompiledLLMError, InvalidRequestError
-from compiled_llm.reference import generate_reference
+from compiled_llm.serve.reference import generate_reference
 from test_reference import hf_greedy, lively_checkpoint
 
 
@@ -259,7 +259,7 @@ def test_decode_buckets_cover_every_batch_size():
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
-    from compiled_llm.build import build_engine
+    from compiled_llm.engine.build import build_engine
 
     out = tmp_path_factory.mktemp("engine") / "tiny"
     build_engine("tiny-qwen2", out, dtype="float32", device="cpu", progress=False)
@@ -325,7 +325,7 @@ def test_bench_latency_on_cpu(engine_dir, capsys):
 
 
 def test_throughput_workload_definition_and_small_run(tiny):
-    from compiled_llm import workloads as wl
+    from compiled_llm.cli.bench import workloads as wl
 
     prompts, max_tokens = wl.throughput_requests()
     assert len(prompts) == len(max_tokens) == 256
@@ -341,8 +341,8 @@ def test_throughput_workload_definition_and_small_run(tiny):
 def test_hf_peer_runs_in_a_child_process_and_reports_back():
     """`bench` measures HF in a fresh interpreter; its result comes back intact (prefill of a
     tiny preset's config on the CPU, the quickest HF workload)."""
-    from compiled_llm import workloads as wl
-    from compiled_llm.presets import preset_hf_config
+    from compiled_llm.cli.bench import workloads as wl
+    from compiled_llm.model.presets import preset_hf_config
 
     result = wl.run_hf_child(preset_hf_config("tiny-qwen2"), torch.float32, "cpu", "prefill")
     assert result.workload == "prefill" and result.system.startswith("hf"), result.note

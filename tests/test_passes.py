@@ -13,18 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiled_llm.build import lower, program_kernels
+from compiled_llm.engine.build import lower, program_kernels
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.export import FlatProgram, capture, param_placeholder_names
 from compiled_llm.graph.spec import forward, kv_cache_shape
-from compiled_llm.graph.weights import random_params
+from compiled_llm.model.weights import random_params
 from compiled_llm.kernels import registry
 from compiled_llm.passes import default_pass_names, get_pass, pipeline
 from compiled_llm.passes import fuse_qkv_rope, fuse_residual
 from compiled_llm.passes.base import PassContext, aten, cllm, is_call, param_name
 from compiled_llm.passes.manager import PassManager, op_histogram, op_name
-from compiled_llm.presets import preset_config
+from compiled_llm.model.presets import preset_config
 
 FAMILIES = ["tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-gpt2"]
 

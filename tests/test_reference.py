@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_llm.config import load_config
+from compiled_llm.model.config import load_config
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.graph.weights import load_params
-from compiled_llm.reference import generate_reference
-from compiled_llm.sampling import SamplingParams
+from compiled_llm.model.weights import load_params
+from compiled_llm.serve.reference import generate_reference
+from compiled_llm.serve.sampling import SamplingParams
 from hf_checkpoints import make_checkpoint
 
 

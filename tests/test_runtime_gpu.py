@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def build(tmp_path_factory, source, dtype, max_model_len=None):
-    from compiled_llm.build import build_engine
+    from compiled_llm.engine.build import build_engine
 
     out = tmp_path_factory.mktemp(source.replace(".", "_")) / "engine"
     t0 = time.perf_counter()
@@ -66,8 +66,8 @@ def test_tiny_engine_graphs_match_eager(tmp_path_factory, dtype):
 
 
 def test_tiny_fp32_engine_matches_reference(tmp_path_factory):
-    from compiled_llm.reference import generate_reference
-    from compiled_llm.sources import load_source_params, resolve_source
+    from compiled_llm.serve.reference import generate_reference
+    from compiled_llm.model.sources import load_source_params, resolve_source
 
     engine = build(tmp_path_factory, "tiny-qwen2", "float32")
     prompts, params = requests(272, 24, 24, seed=3)
@@ -122,7 +122,7 @@ def test_seeded_sampling_repeats_with_graphs(tmp_path_factory):
 def test_capture_failure_warns_and_runs_eagerly():
     """A model source runs the reference ops, whose paged attention syncs with the host (not
     capturable): the runner must warn and decode eagerly, with correct outputs."""
-    from compiled_llm.reference import generate_reference
+    from compiled_llm.serve.reference import generate_reference
 
     from compiled_llm.serve.loader import load_model
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.sampling import SamplingParams, SamplingTensors, make_generator, sample, truncate_logits
+from compiled_llm.serve.sampling import SamplingParams, SamplingTensors, make_generator, sample, truncate_logits
 
 V = 8
 # fixed logits with distinct, known probabilities

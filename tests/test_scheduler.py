@@ -1,7 +1,7 @@
 """Scheduler: token budget, decodes before prefills, chunked prefill, preemption by recompute,
 aborts and stop conditions."""
 
-from compiled_llm.sampling import SamplingParams
+from compiled_llm.serve.sampling import SamplingParams
 from compiled_llm.serve.block_manager import BlockManager
 from compiled_llm.serve.scheduler import Scheduler, SchedulerConfig
 from compiled_llm.serve.sequence import Sequence, SequenceStatus

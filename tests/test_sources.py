@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from compiled_llm.config import config_from_hf, load_config
+from compiled_llm.model.config import config_from_hf, load_config
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.spec import param_shapes
-from compiled_llm.graph.weights import load_params
-from compiled_llm.presets import PRESET_NAMES, preset_config, preset_hf_config
-from compiled_llm.sources import (
+from compiled_llm.model.weights import load_params
+from compiled_llm.model.presets import PRESET_NAMES, preset_config, preset_hf_config
+from compiled_llm.model.sources import (
     load_source_params,
     load_source_tokenizer,
     resolve_source,

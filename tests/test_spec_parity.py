@@ -4,10 +4,10 @@ sequences of different lengths and 8 decode steps through a non-contiguous paged
 import pytest
 import torch
 
-from compiled_llm.config import load_config
+from compiled_llm.model.config import load_config
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.spec import forward, kv_cache_shape
-from compiled_llm.graph.weights import load_params
+from compiled_llm.model.weights import load_params
 from hf_checkpoints import make_checkpoint
 
 BLOCK = 16

@@ -13,8 +13,8 @@ import random
 import numpy as np
 import torch
 
-from compiled_llm.config import ModelConfig
-from compiled_llm.sampling import SamplingParams
+from compiled_llm.model.config import ModelConfig
+from compiled_llm.serve.sampling import SamplingParams
 from compiled_llm.serve.llm_engine import EngineConfig, LLMEngine
 from compiled_llm.serve.loader import LoadedModel
 

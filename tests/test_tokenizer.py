@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.tokenizer import (
+from compiled_llm.model.tokenizer import (
     CHATML_TEMPLATE,
     DEFAULT_SYSTEM_PROMPT,
     byte_level_tokenizer,

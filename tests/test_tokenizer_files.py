@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from compiled_llm.tokenizer import (
+from compiled_llm.model.tokenizer import (
     DEFAULT_SYSTEM_PROMPT,
     Tokenizer,
     _Transformers,
@@ -577,7 +577,7 @@ def test_load_path_imports_no_transformers(family_dirs):
     dirs = [str(d) for d in family_dirs.values()]
     code = (
         "import sys\n"
-        "from compiled_llm.tokenizer import load_tokenizer\n"
+        "from compiled_llm.model.tokenizer import load_tokenizer\n"
         f"for d in {dirs!r}:\n"
         "    t = load_tokenizer(d); t.encode('hi'); t.decode([1, 2]); t.encode_chat('hi')\n"
         "    if t.has_chat_template: t.apply_chat_template([{'role': 'user', 'content': 'a'}, "
@@ -599,7 +599,7 @@ def test_save_writes_files_the_fast_loader_reads(family_dirs, family, tmp_path):
 
 @pytest.mark.parametrize("family", ["llama2-hub", "llama3", "qwen3", "gpt2-clean-up"])
 def test_save_without_transformers_writes_equivalent_files(family_dirs, family, tmp_path, monkeypatch):
-    from compiled_llm import tokenizer as tokenizer_module
+    from compiled_llm.model import tokenizer as tokenizer_module
 
     def no_transformers(self):
         raise ImportError("no transformers")
@@ -614,7 +614,7 @@ def test_save_without_transformers_writes_equivalent_files(family_dirs, family, 
 def test_in_memory_byte_level_matches_its_transformers_twin():
     from transformers import PreTrainedTokenizerFast
 
-    from compiled_llm.tokenizer import CHATML_TEMPLATE
+    from compiled_llm.model.tokenizer import CHATML_TEMPLATE
 
     tok = byte_level_tokenizer()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok._backend.raw, eos_token="<|im_end|>", pad_token="<|endoftext|>",

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from compiled_llm import LLM, SamplingParams
-from compiled_llm.build import build_engine
-from compiled_llm.presets import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, TINY_VOCAB
+from compiled_llm.engine.build import build_engine
+from compiled_llm.model.presets import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, TINY_VOCAB
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import agreement_check  # noqa: E402
@@ -102,7 +102,7 @@ def test_engine_built_from_checkpoint_generates_the_chain(trained, tmp_path):
 
 
 def test_agreement_check_passes_on_cpu_with_the_prompts_file(trained, capsys, monkeypatch):
-    from compiled_llm import compare
+    from compiled_llm.engine import compare
 
     out, _ = trained
     monkeypatch.setattr(compare, "random_prompts", lambda *a, **k: pytest.fail("random prompts despite --prompts-file"))

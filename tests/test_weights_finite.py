@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from compiled_llm.build import build_engine
+from compiled_llm.engine.build import build_engine
 from compiled_llm.cli.main import main
 from compiled_llm.errors import WeightLoadError
-from compiled_llm.graph.weights import load_params
-from compiled_llm.sources import load_source_params, resolve_source
+from compiled_llm.model.weights import load_params
+from compiled_llm.model.sources import load_source_params, resolve_source
 from hf_checkpoints import make_checkpoint
 
 QWEN_TENSOR = "model.layers.0.mlp.down_proj.weight"

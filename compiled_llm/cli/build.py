@@ -56,7 +56,7 @@ def format_summary(manifest: dict) -> str:
 
 
 def run(args) -> int:
-    from compiled_llm.build import build_engine
+    from compiled_llm.engine.build import build_engine
 
     manifest = build_engine(
         args.source, args.output,

@@ -23,7 +23,7 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from compiled_llm.compare import compare_engine
+    from compiled_llm.engine.compare import compare_engine
 
     verdict, _ = compare_engine(
         args.engine, num_prompts=args.num_prompts, max_tokens=args.max_tokens, reference=args.reference,

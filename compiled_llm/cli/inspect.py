@@ -21,7 +21,7 @@ def stage_file(engine_dir, manifest: dict, name: str, suffix: str = ".py"):
     """The IR file of a stage named by pass name, 'captured' or its full stage name."""
     from pathlib import Path
 
-    from compiled_llm.artifact import IR_DIR
+    from compiled_llm.engine.artifact import IR_DIR
     from compiled_llm.errors import CompiledLLMError
 
     stages = manifest.get("ir_stages", [])
@@ -49,7 +49,7 @@ def run(args) -> int:
     import difflib
     import json
 
-    from compiled_llm.artifact import read_manifest
+    from compiled_llm.engine.artifact import read_manifest
 
     manifest = read_manifest(args.engine)
     if args.json:

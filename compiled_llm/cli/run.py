@@ -1,10 +1,10 @@
 """`compiled-llm run`: generate text from a model.
 
 SOURCE is a checkpoint directory, a built-in preset, a hub id, or a built engine directory (one
-holding manifest.json). Everything runs on the compiled runtime (``compiled_llm.serve.cli_run``):
-a model source is first built into the engine cache (``compiled_llm.engine_cache``; once, later
+holding manifest.json). Everything runs on the compiled runtime (``compiled_llm.cli.run_engine``):
+a model source is first built into the engine cache (``compiled_llm.engine.cache``; once, later
 runs load the cached engine). ``--eager`` runs a model source on the eager reference loop
-(``compiled_llm.reference``) instead, which is also what the runtime is checked against.
+(``compiled_llm.serve.reference``) instead, which is also what the runtime is checked against.
 
 The helpers below (prompt parsing, sampling, output records) are shared with the engine path so
 both print exactly the same formats.
@@ -24,7 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 def add_parser(subparsers):
-    from compiled_llm.presets import PRESET_NAMES
+    from compiled_llm.model.presets import PRESET_NAMES
 
     p = subparsers.add_parser(
         "run",
@@ -119,7 +119,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 def sampling_from_args(args):
     """One SamplingParams for every prompt of the command (validated: bad values raise)."""
-    from compiled_llm.sampling import SamplingParams
+    from compiled_llm.serve.sampling import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -144,7 +144,7 @@ def check_prompt_args(args) -> None:
 def prompts_from_args(args, tokenizer) -> list[list[int]]:
     """Token ids of every prompt: the --prompt texts (chat-wrapped with --chat), then --prompt-ids."""
     from compiled_llm.errors import CompiledLLMError
-    from compiled_llm.tokenizer import DEFAULT_SYSTEM_PROMPT
+    from compiled_llm.model.tokenizer import DEFAULT_SYSTEM_PROMPT
 
     texts = args.prompt or []
     if not texts and not args.prompt_ids:
@@ -174,7 +174,7 @@ def resolve_device(name: str):
 
 def resolve_dtype(name: str, device, source=None):
     """--dtype for ``device``; "auto" follows the checkpoint of ``source`` (build.resolve_dtype)."""
-    from compiled_llm.build import resolve_dtype as resolve
+    from compiled_llm.engine.build import resolve_dtype as resolve
 
     return resolve(name, device, source)
 
@@ -256,18 +256,18 @@ def run(args) -> int:
                 "directory: an engine is already compiled; use --enforce-eager to skip CUDA graphs"
             )
         try:
-            from compiled_llm.serve.cli_run import run_engine
+            from compiled_llm.cli.run_engine import run_engine
         except ModuleNotFoundError as e:
-            if e.name != "compiled_llm.serve.cli_run":
+            if e.name != "compiled_llm.cli.run_engine":
                 raise  # a real bug inside the runtime, not a missing runtime
             raise CompiledLLMError(
                 f"{args.source} is an engine directory, but this install has no engine runtime "
-                "(compiled_llm.serve.cli_run); run a checkpoint directory or preset instead"
+                "(compiled_llm.cli.run_engine); run a checkpoint directory or preset instead"
             ) from None
         return int(run_engine(args) or 0)
     if args.eager:
         return run_reference(args)
-    from compiled_llm.serve.cli_run import run_engine
+    from compiled_llm.cli.run_engine import run_engine
 
     return int(run_engine(args) or 0)
 
@@ -275,9 +275,9 @@ def run(args) -> int:
 def run_reference(args) -> int:
     import time
 
-    from compiled_llm.reference import check_request, generate_reference
-    from compiled_llm.sampling import SamplingParams
-    from compiled_llm.sources import load_source_params, load_source_tokenizer, resolve_source, source_eos_token_ids
+    from compiled_llm.serve.reference import check_request, generate_reference
+    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.model.sources import load_source_params, load_source_tokenizer, resolve_source, source_eos_token_ids
 
     sampling = sampling_from_args(args)  # bad values fail before anything loads
     device = resolve_device(args.device)

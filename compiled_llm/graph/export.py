@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.export import Dim
 
-from compiled_llm.config import ModelConfig
+from compiled_llm.model.config import ModelConfig
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.spec import BATCH_FIELDS, PackedBatch, SpecModule, kv_cache_shape
 

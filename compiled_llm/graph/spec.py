@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from compiled_llm.config import ModelConfig
+from compiled_llm.model.config import ModelConfig
 from compiled_llm.graph import ops
 
 ROPE_PARAM = "rope.cos_sin"

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule, Node
 
-from compiled_llm.config import ModelConfig
+from compiled_llm.model.config import ModelConfig
 from compiled_llm.graph import fused_ops as _fused_ops, ops as _ops  # noqa: F401  (registers cllm:: ops)
 from compiled_llm.graph.export import INPUT_NAMES, PARAM_META
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from compiled_llm.config import ModelConfig
+from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.spec import kv_cache_shape
 

@@ -15,7 +15,7 @@ import numbers
 from typing import Any, Iterable, Sequence
 
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.sampling import SamplingParams
+from compiled_llm.serve.sampling import SamplingParams
 from compiled_llm.serve.engine_loop import EngineLoop, RequestQueue
 from compiled_llm.serve.engine_config import EngineConfig
 from compiled_llm.serve.llm_engine import LLMEngine
@@ -38,7 +38,7 @@ class LLM:
 
     - ``LLM(ENGINE_DIR)`` loads the engine;
     - ``LLM(SOURCE)`` takes the compiled path too: the source is built into the engine cache
-      (``compiled_llm.engine_cache``, ``~/.cache/compiled_llm`` or ``$COMPILED_LLM_CACHE_DIR``)
+      (``compiled_llm.engine.cache``, ``~/.cache/compiled_llm`` or ``$COMPILED_LLM_CACHE_DIR``)
       on first use and loaded from there afterwards, in this and any later process. ``dtype``
       and ``device`` ("auto" or None: cuda when available; the checkpoint's float16/bfloat16
       on a GPU, float32 on a CPU) are part of the cached engine's key;
@@ -55,7 +55,7 @@ class LLM:
     def __init__(self, model: str, dtype=None, device=None, **engine_options):
         config = EngineConfig.from_options(engine_options)
         if not config.enforce_eager and not is_engine_dir(model):
-            from compiled_llm.engine_cache import cached_engine
+            from compiled_llm.engine.cache import cached_engine
 
             model = cached_engine(str(model), dtype=dtype, device=device)
         self._init_engine(load_model(model, dtype=dtype, device=device), config)

@@ -18,7 +18,7 @@ import torch
 
 from compiled_llm.errors import EngineError, InvalidOptionError, InvalidRequestError
 from compiled_llm.serve.engine_config import EngineConfig
-from compiled_llm.sampling import SamplingParams, make_generator
+from compiled_llm.serve.sampling import SamplingParams, make_generator
 from compiled_llm.serve import kv_cache as kvc
 from compiled_llm.serve.block_manager import BlockManager, cdiv
 from compiled_llm.serve.detokenizer import IncrementalDetokenizer

@@ -1,7 +1,7 @@
 """Loading what the engine runs: a built engine directory (manifest.json, via
-compiled_llm.artifact.load_engine) or a model source (checkpoint directory, preset, hub id; run
+compiled_llm.engine.artifact.load_engine) or a model source (checkpoint directory, preset, hub id; run
 through the eager spec). ``LLM`` hands a source here as it is only with ``enforce_eager=True``;
-otherwise it builds it through ``compiled_llm.engine_cache`` first and loads the engine."""
+otherwise it builds it through ``compiled_llm.engine.cache`` first and loads the engine."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from compiled_llm.config import ModelConfig
+from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import CompiledLLMError
 
 
@@ -23,7 +23,7 @@ class LoadedModel:
     config: ModelConfig
     params: dict[str, torch.Tensor]
     program: Callable  # (params, PackedBatch, kv_cache) -> logits
-    tokenizer: Any  # compiled_llm.tokenizer.Tokenizer | None
+    tokenizer: Any  # compiled_llm.model.tokenizer.Tokenizer | None
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
@@ -81,10 +81,10 @@ def load_model(model: str | Path, dtype=None, device=None) -> LoadedModel:
 
 def _load_engine(path: Path, dtype, device: torch.device) -> LoadedModel:
     try:
-        from compiled_llm.artifact import load_engine
+        from compiled_llm.engine.artifact import load_engine
     except ImportError:
-        raise CompiledLLMError(f"{path} is an engine directory but this install cannot load engines (no compiled_llm.artifact)") from None
-    from compiled_llm.tokenizer import load_tokenizer
+        raise CompiledLLMError(f"{path} is an engine directory but this install cannot load engines (no compiled_llm.engine.artifact)") from None
+    from compiled_llm.model.tokenizer import load_tokenizer
 
     eng = load_engine(path, device=device)
     t0 = time.perf_counter()
@@ -113,11 +113,11 @@ def _load_engine(path: Path, dtype, device: torch.device) -> LoadedModel:
 
 
 def _load_source(source: str, dtype, device: torch.device) -> LoadedModel:
-    from compiled_llm.sources import load_source_params, load_source_tokenizer, resolve_source, source_eos_token_ids
+    from compiled_llm.model.sources import load_source_params, load_source_tokenizer, resolve_source, source_eos_token_ids
 
     src = resolve_source(source)
     if dtype is None:  # "auto": the same rule as a build's
-        from compiled_llm.build import resolve_dtype as resolve_auto_dtype
+        from compiled_llm.engine.build import resolve_dtype as resolve_auto_dtype
 
         dtype = resolve_auto_dtype("auto", device, src)
     tokenizer = load_source_tokenizer(src)

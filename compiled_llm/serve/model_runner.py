@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from compiled_llm.config import ModelConfig
+from compiled_llm.model.config import ModelConfig
 from compiled_llm.graph.spec import PackedBatch
-from compiled_llm.sampling import SamplingTensors, greedy_ids, sample
+from compiled_llm.serve.sampling import SamplingTensors, greedy_ids, sample
 from compiled_llm.serve.block_manager import cdiv
 from compiled_llm.serve.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
 from compiled_llm.serve.scheduler import ScheduledBatch
@@ -439,7 +439,7 @@ def profile_step(
     """The largest step the engine runs: a prefill of num_tokens tokens, then sampling (with
     top-k/top-p sorting) of num_seqs rows of logits. Used to measure the activation peak."""
     from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-    from compiled_llm.sampling import SamplingParams
+    from compiled_llm.serve.sampling import SamplingParams
     from compiled_llm.serve import kv_cache as kvc
 
     gen = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from compiled_llm.sampling import SamplingParams
+from compiled_llm.serve.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -2,7 +2,7 @@
 workloads on a built engine, with Hugging Face transformers measured in the same run (built
 from the engine's source config with random weights) and one table comparing them.
 
-The workload code lives in compiled_llm/workloads.py (also used by
+The workload code lives in compiled_llm/cli/bench/workloads.py (also used by
 benchmarks/bench_all.py).
 """
 
@@ -48,14 +48,14 @@ def hf_config_of(llm) -> dict | None:
     manifest = llm.model.manifest or {}
     source = manifest.get("source", {})
     if source.get("preset"):
-        from compiled_llm.presets import preset_hf_config
+        from compiled_llm.model.presets import preset_hf_config
 
         return preset_hf_config(source["preset"])
     model_dir = source.get("model_dir")
     if model_dir and (Path(model_dir) / "config.json").is_file():
         return json.loads((Path(model_dir) / "config.json").read_text())
     if not llm.model.is_engine:
-        from compiled_llm.presets import is_preset, preset_hf_config
+        from compiled_llm.model.presets import is_preset, preset_hf_config
 
         if is_preset(llm.model.name):
             return preset_hf_config(llm.model.name)
@@ -69,18 +69,18 @@ def run(args) -> int:
     from compiled_llm.cli.run import is_engine_dir, resolve_device
     from compiled_llm.serve.llm import LLM
 
-    from compiled_llm import workloads as wl
+    from compiled_llm.cli.bench import workloads as wl
 
     workloads = (*wl.WORKLOADS, "coldstart") if args.workload == "all" else (args.workload,)
     device = resolve_device(args.device)
     engine = args.engine
     if not is_engine_dir(engine):  # a model source: its cached engine (so --enforce-eager still compiles)
-        from compiled_llm.engine_cache import cached_engine
+        from compiled_llm.engine.cache import cached_engine
 
         engine = str(cached_engine(engine, device=device))
     cold = []
     if "coldstart" in workloads:  # first: its fresh processes need the device to themselves
-        from compiled_llm import coldstart
+        from compiled_llm.cli.bench import coldstart
 
         cold = coldstart.measure(engine, device.type, with_hf=not args.no_hf)
         workloads = tuple(w for w in workloads if w != "coldstart")
@@ -109,7 +109,7 @@ def run(args) -> int:
             results.append(wl.run_hf_child(hf_cfg, dtype, device, w, args.num_requests))
     table = wl.format_table(results)
     if cold:
-        from compiled_llm import coldstart
+        from compiled_llm.cli.bench import coldstart
 
         table += "\n\n" + coldstart.format_table(cold)
     _print_results(args, cold + results, device, dtype, table)

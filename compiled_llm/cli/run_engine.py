@@ -1,5 +1,5 @@
 """`compiled-llm run ENGINE_DIR|SOURCE`: the compiled runtime behind the run command (a model
-SOURCE is built into the engine cache first, or loaded from it: compiled_llm.engine_cache).
+SOURCE is built into the engine cache first, or loaded from it: compiled_llm.engine.cache).
 
 Same prompts, sampling options and output formats as the reference path (cli/run.py), plus
 --stream, --interactive (chat REPL), --profile and the engine sizing knobs. Prints a perf
@@ -19,7 +19,7 @@ def engine_of(args, device) -> str:
 
     if is_engine_dir(args.source):
         return args.source
-    from compiled_llm.engine_cache import cached_engine
+    from compiled_llm.engine.cache import cached_engine
 
     return str(cached_engine(args.source, dtype=args.dtype, device=device))
 
@@ -101,7 +101,7 @@ def chat(llm, sampling, system_prompt=None, stdin=None, stdout=None) -> int:
     """A chat REPL: each line is a user message; the reply streams. With a chat template the
     conversation is multi-turn; otherwise each message stands alone."""
     from compiled_llm.errors import CompiledLLMError
-    from compiled_llm.tokenizer import DEFAULT_SYSTEM_PROMPT
+    from compiled_llm.model.tokenizer import DEFAULT_SYSTEM_PROMPT
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from compiled_llm.config import ModelConfig
+from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import WeightLoadError
 from compiled_llm.graph.spec import derived_params, param_shapes
 

@@ -21,11 +21,11 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from compiled_llm.config import ModelConfig
+from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.spec import forward, kv_cache_shape
-from compiled_llm.sampling import SamplingParams, SamplingTensors, make_generator, sample
+from compiled_llm.serve.sampling import SamplingParams, SamplingTensors, make_generator, sample
 
 BLOCK_SIZE = 16
 

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from compiled_llm.config import ModelConfig
+from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import EngineError
 
 # 2: program.json replaced program.pt2 (pickle-free), kernels/triton added, Inductor cache gone
@@ -361,8 +361,8 @@ def load_engine(
     verify: bool = True,
 ) -> LoadedEngine:
     """Validate and load an engine directory; ``stage_seconds`` says where the time went."""
-    from compiled_llm import kernel_cache
-    from compiled_llm.backend import PortableProgram
+    from compiled_llm.engine import kernel_cache
+    from compiled_llm.engine.program import PortableProgram
 
     times: dict[str, float] = {}
     t0 = time.perf_counter()

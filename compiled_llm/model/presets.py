@@ -3,8 +3,8 @@
 Each preset is the ``config.json`` a Hugging Face checkpoint of that model would have, so the
 same ``config_from_hf`` reads it and a preset can be rebuilt in transformers for comparisons
 (``transformers.AutoConfig.for_model(**preset_hf_config(name))``). Weights are
-``graph.weights.random_params`` with a fixed seed; the tokenizer is the byte-level one from
-``compiled_llm.tokenizer``, whose specials are the presets' EOS ids.
+``model.weights.random_params`` with a fixed seed; the tokenizer is the byte-level one from
+``compiled_llm.model.tokenizer``, whose specials are the presets' EOS ids.
 
 The ``tiny-*`` presets are small enough to build and run in seconds on a CPU.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compiled_llm.config import ModelConfig, config_from_hf
+from compiled_llm.model.config import ModelConfig, config_from_hf
 from compiled_llm.errors import CompiledLLMError
 
 PRESET_SEED = 0

@@ -165,7 +165,7 @@ def spec_step(config, params) -> StepFn:
 
 def source_of(manifest: dict):
     """The ModelSource an engine was built from (for the spec reference and bisection)."""
-    from compiled_llm.sources import resolve_source
+    from compiled_llm.model.sources import resolve_source
 
     src = manifest.get("source") or {}
     if src.get("preset"):
@@ -186,7 +186,7 @@ def reference_logits(kind: str, engine, prompts, tokens: Tensor, max_tokens: int
             raise CompiledLLMError("--reference hf needs the source checkpoint directory, which this engine was not built from or which is gone")
         return hf_logits(engine.source_dir, prompts, tokens, engine.dtype, engine.device)
     if kind == "spec":
-        from compiled_llm.sources import load_source_params
+        from compiled_llm.model.sources import load_source_params
 
         params = load_source_params(source_of(engine.manifest), engine.dtype, engine.device)
         step = spec_step(engine.config, params)
@@ -206,9 +206,9 @@ def bisect_passes(engine, ref_kind: str, prompts, max_tokens: int, on_step=None)
     """Rebuild the engine in memory with passes[:k], k = 0, 1, ...; name the first stage whose
     program fails the check ("capture" when even no passes fail, "artifact" when every
     in-memory rebuild passes and only the saved engine fails)."""
-    from compiled_llm.backend import PortableProgram
-    from compiled_llm.build import lower
-    from compiled_llm.sources import load_source_params
+    from compiled_llm.engine.program import PortableProgram
+    from compiled_llm.engine.build import lower
+    from compiled_llm.model.sources import load_source_params
 
     manifest = engine.manifest
     names = [p["name"] for p in manifest["passes"]]
@@ -237,7 +237,7 @@ def compare_engine(
     out: Callable[[str], None] = print,
 ) -> tuple[Verdict, str | None]:
     """Run the comparison, printing per-prompt lines; returns (verdict, culprit or None)."""
-    from compiled_llm.artifact import load_engine
+    from compiled_llm.engine.artifact import load_engine
 
     if num_prompts < 1 or max_tokens < 1:
         raise CompiledLLMError("--num-prompts and --max-tokens must be at least 1")

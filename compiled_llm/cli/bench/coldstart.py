@@ -40,9 +40,9 @@ def _child_engine(engine_dir: str, device: str) -> dict:
     t0 = time.perf_counter()
     import torch
 
-    from compiled_llm.sampling import SamplingParams
+    from compiled_llm.serve.sampling import SamplingParams
     from compiled_llm.serve.llm import LLM
-    from compiled_llm.workloads import latency_prompt
+    from compiled_llm.cli.bench.workloads import latency_prompt
 
     t1 = time.perf_counter()
     llm = LLM(engine_dir, device=device)
@@ -69,7 +69,7 @@ def _child_hf(model_dir: str, dtype: str, device: str) -> dict:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     t2 = time.perf_counter()
-    from compiled_llm.workloads import latency_prompt
+    from compiled_llm.cli.bench.workloads import latency_prompt
 
     ids = torch.tensor([latency_prompt(model.config.vocab_size, PROMPT_LEN)], device=device)
     with torch.no_grad():
@@ -80,10 +80,10 @@ def _child_hf(model_dir: str, dtype: str, device: str) -> dict:
 
 
 def _run_child(args: list[str], env: dict[str, str] | None = None) -> dict:
-    """Start ``python -m compiled_llm.coldstart ARGS``; its stage times, with ``interpreter``
+    """Start ``python -m compiled_llm.cli.bench.coldstart ARGS``; its stage times, with ``interpreter``
     (process start to the child's first line) and ``wall`` (process start to its last stage)."""
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "compiled_llm.coldstart", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "compiled_llm.cli.bench.coldstart", *args], capture_output=True, text=True,
                           timeout=CHILD_TIMEOUT_S, env={**os.environ, **(env or {})})
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), None)
     if proc.returncode != 0 or line is None:
@@ -106,7 +106,7 @@ def _hf_checkpoint(manifest: dict, dtype: str, scratch: Path) -> str | None:
     import torch
     import transformers
 
-    from compiled_llm.presets import preset_hf_config
+    from compiled_llm.model.presets import preset_hf_config
 
     cfg = dict(preset_hf_config(source["preset"]))
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "architectures"})
@@ -132,8 +132,8 @@ def _build_args(manifest: dict, out: Path) -> list[str]:
 def measure(engine_dir: str | Path, device: str, with_hf: bool = True, with_build: bool = True):
     """Results of the cold-start workload (``workloads.Result``): ours cold and warm, the
     transformers peer, and the build."""
-    from compiled_llm.artifact import read_manifest
-    from compiled_llm.workloads import Result
+    from compiled_llm.engine.artifact import read_manifest
+    from compiled_llm.cli.bench.workloads import Result
 
     manifest = read_manifest(engine_dir)
     dtype = manifest["build_options"]["dtype"]
@@ -188,7 +188,7 @@ def _count_files(root: Path) -> int:
 
 
 def _kernel_files(manifest: dict) -> int:
-    from compiled_llm.kernel_cache import engine_kernel_files
+    from compiled_llm.engine.kernel_cache import engine_kernel_files
 
     return len(engine_kernel_files(manifest))
 

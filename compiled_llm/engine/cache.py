@@ -2,7 +2,7 @@
 
 ``compiled-llm run SOURCE`` and ``LLM(SOURCE)`` (SOURCE a checkpoint directory, a preset or a hub
 id; anything but an engine directory) call ``cached_engine``. The first use of a source with a
-given set of build options builds it (``compiled_llm.build.build_engine``) into
+given set of build options builds it (``compiled_llm.engine.build.build_engine``) into
 
     <root>/engines/<name>-<key16>
 
@@ -227,7 +227,7 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _is_engine(path: Path) -> bool:
-    from compiled_llm.artifact import read_manifest
+    from compiled_llm.engine.artifact import read_manifest
     from compiled_llm.errors import EngineError
 
     try:
@@ -238,8 +238,8 @@ def _is_engine(path: Path) -> bool:
 
 
 def _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs):
-    from compiled_llm.build import _check_max_len, resolve_device, resolve_dtype
-    from compiled_llm.sources import resolve_source
+    from compiled_llm.engine.build import _check_max_len, resolve_device, resolve_dtype
+    from compiled_llm.model.sources import resolve_source
 
     src = resolve_source(str(source))
     dev = resolve_device(device)
@@ -278,7 +278,7 @@ def cached_engine(
     """The engine directory of ``source`` built with these options: the cached one, or built
     now (under the entry's lock) when there is none or it is not a valid engine.
     ``progress``: build progress bars; None (the default) shows them when stderr is a terminal."""
-    from compiled_llm.build import build_engine
+    from compiled_llm.engine.build import build_engine
 
     src, dev, torch_dtype, max_len, path = _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs)
     path.parent.mkdir(parents=True, exist_ok=True)

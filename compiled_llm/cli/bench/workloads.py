@@ -276,7 +276,7 @@ def hf_prefill(hf_config: dict, dtype, device, length: int = 1024, repeats: int 
 
 
 def run_hf_child(hf_config: dict, dtype, device, workload: str, num_requests: int = 256) -> Result:
-    """One HF workload in a fresh interpreter (``python -m compiled_llm.workloads``): its
+    """One HF workload in a fresh interpreter (``python -m compiled_llm.cli.bench.workloads``): its
     torch.compile and CUDA graphs then share nothing with our engine's, and a crash there (seen:
     a segfault in torch 2.11's CUDA-graph trees) cannot take our finished numbers with it. The
     latency peer retries with the next compile variant when one crashes."""
@@ -288,7 +288,7 @@ def run_hf_child(hf_config: dict, dtype, device, workload: str, num_requests: in
     for variant in HF_COMPILE_VARIANTS if workload == "latency" else (None,):
         spec = {"config": hf_config, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
                 "workload": workload, "variant": variant, "num_requests": num_requests}
-        proc = subprocess.run([sys.executable, "-m", "compiled_llm.workloads", json.dumps(spec)],
+        proc = subprocess.run([sys.executable, "-m", "compiled_llm.cli.bench.workloads", json.dumps(spec)],
                               capture_output=True, text=True, timeout=600)
         for line in reversed(proc.stdout.splitlines()):
             if line.startswith("{"):

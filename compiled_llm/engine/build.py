@@ -4,7 +4,7 @@ Stages, each timed and shown as a tqdm bar: load (config, weights, tokenizer), c
 (torch.export of the spec), passes (the PassManager, one bar step per pass), write (program.json,
 weights, tokenizer, ir/, manifest with checksums), kernels (CUDA: the runtime run once over the
 written engine so every Triton kernel it launches is compiled into the engine; kernel_cache.py).
-The finished engine is swapped into place only at the end (engine_output.py).
+The finished engine is swapped into place only at the end (output_dir.py).
 
 ``lower`` is the in-memory part (capture + passes) that ``compare`` also uses to rebuild with a
 prefix of the pass list.
@@ -20,8 +20,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from compiled_llm import engine_output
-from compiled_llm.config import ModelConfig
+from compiled_llm.engine import output_dir as engine_output
+from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import CompiledLLMError
 
 DTYPES = {
@@ -74,8 +74,8 @@ def source_checkpoint_dtype(source) -> str | None:
     config.json, or for a preset the HF config the preset stands for."""
     import json
 
-    from compiled_llm.presets import preset_hf_config
-    from compiled_llm.sources import ModelSource, resolve_source
+    from compiled_llm.model.presets import preset_hf_config
+    from compiled_llm.model.sources import ModelSource, resolve_source
 
     src = source if isinstance(source, ModelSource) else resolve_source(str(source))
     if src.preset is not None:
@@ -224,9 +224,9 @@ def build_engine(
     manifest. ``device`` "auto" is cuda when available, else cpu; ``dtype`` "auto" is
     ``auto_dtype`` (the checkpoint's float16/bfloat16 on a GPU, float32 on a CPU).
     ``pass_names`` replaces the default pipeline (tests plant passes this way)."""
-    from compiled_llm import artifact, kernel_cache
+    from compiled_llm.engine import artifact, kernel_cache
     from compiled_llm.passes import pipeline
-    from compiled_llm.sources import load_source_params, load_source_tokenizer, resolve_source
+    from compiled_llm.model.sources import load_source_params, load_source_tokenizer, resolve_source
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, source)

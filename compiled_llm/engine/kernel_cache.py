@@ -42,7 +42,7 @@ from typing import Iterator
 
 import torch
 
-from compiled_llm.artifact import KERNELS_DIR
+from compiled_llm.engine.artifact import KERNELS_DIR
 from compiled_llm.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ _CHILD_KV_BLOCKS = 64
 
 def _warm(engine_dir: Path, device: torch.device, part: int = 0, parts: int = 1) -> None:
     """Share ``part`` of ``parts`` of the warm-up (all of it by default), in this process."""
-    from compiled_llm.sampling import SamplingParams
+    from compiled_llm.serve.sampling import SamplingParams
     from compiled_llm.serve.llm import LLM
 
     options = {} if parts == 1 else {"num_blocks": _CHILD_KV_BLOCKS}
@@ -128,7 +128,7 @@ def _warm(engine_dir: Path, device: torch.device, part: int = 0, parts: int = 1)
 def _warm_in_children(engine_dir: Path, device: torch.device, parts: int) -> bool:
     """Run the warm-up's ``parts`` shares in as many fresh processes at once; True when every
     one of them succeeded. None is left running, whatever happens here."""
-    cmd = [sys.executable, "-m", "compiled_llm.kernel_cache", str(engine_dir), str(device), str(parts)]
+    cmd = [sys.executable, "-m", "compiled_llm.engine.kernel_cache", str(engine_dir), str(device), str(parts)]
     deadline = time.monotonic() + _CHILD_TIMEOUT_S
     with tempfile.TemporaryDirectory(prefix="cllm-warm-") as logs:
         procs = []
@@ -161,7 +161,7 @@ _CHILD_TIMEOUT_S = 900
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m compiled_llm.kernel_cache ENGINE_DIR DEVICE PARTS PART``: one share of a
+    """``python -m compiled_llm.engine.kernel_cache ENGINE_DIR DEVICE PARTS PART``: one share of a
     build's warm-up (see ``warm_kernels``)."""
     engine_dir, device, parts, part = Path(argv[0]), torch.device(argv[1]), int(argv[2]), int(argv[3])
     with triton_cache_at(engine_dir / KERNELS_DIR):
@@ -197,7 +197,7 @@ def install_local(engine_dir: Path, manifest: dict, host: Path | None) -> None:
 
 def local_dir(files: dict[str, str]) -> Path:
     """This user's Triton cache directory for one set of engine kernel files."""
-    from compiled_llm.engine_cache import cache_root
+    from compiled_llm.engine.cache import cache_root
 
     digest = hashlib.sha256("\n".join(f"{rel} {files[rel]}" for rel in sorted(files)).encode()).hexdigest()
     return cache_root() / "triton" / digest[:16]

@@ -16,9 +16,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from compiled_llm.config import ModelConfig, load_config
+from compiled_llm.model.config import ModelConfig, load_config
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.presets import PRESET_NAMES, PRESET_SEED, is_preset, preset_config
+from compiled_llm.model.presets import PRESET_NAMES, PRESET_SEED, is_preset, preset_config
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*")
 # Files a checkpoint needs; everything else in a hub repo (other formats, images) is skipped.
@@ -88,7 +88,7 @@ def _first_line(e: BaseException) -> str:
 
 def load_source_params(src: ModelSource, dtype, device) -> dict:
     """The spec's params for ``src``: the checkpoint's weights, or a preset's seeded random ones."""
-    from compiled_llm.graph.weights import load_params, random_params
+    from compiled_llm.model.weights import load_params, random_params
 
     if src.model_dir is None:
         return random_params(src.config, dtype=dtype, device=device, seed=PRESET_SEED)
@@ -97,7 +97,7 @@ def load_source_params(src: ModelSource, dtype, device) -> dict:
 
 def load_source_tokenizer(src: ModelSource):
     """The source's Tokenizer, or None when a checkpoint directory has no tokenizer files."""
-    from compiled_llm.tokenizer import byte_level_tokenizer, load_tokenizer
+    from compiled_llm.model.tokenizer import byte_level_tokenizer, load_tokenizer
 
     if src.model_dir is None:
         return byte_level_tokenizer()
