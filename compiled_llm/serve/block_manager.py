@@ -163,7 +163,6 @@ class BlockManager:
                     self.free.move_to_end(b, last=False)  # holds nothing reusable: reuse first
         seq.block_table = []
         seq.num_committed_blocks = 0
-        seq.table_epoch += 1
 
     def check_invariants(self) -> None:
         """Consistency of counts, free queue and cache (used by tests)."""

@@ -2,9 +2,9 @@
 CUDA graph for a decode step), samples.
 
 Host work per step is kept small: inputs are written into preallocated (pinned, on CUDA) numpy
-views and copied to preallocated device buffers with non_blocking copies; each running
-sequence's block table is mirrored in a numpy array row that only receives its new blocks; the
-only host sync of a step is fetching the sampled ids.
+views and copied to preallocated device buffers with non_blocking copies (``StepInputs``); each
+running request's block table is mirrored in a numpy array row that only receives its new blocks
+(``RequestRows``, owned here); the only host sync of a step is fetching the sampled ids.
 """
 
 from __future__ import annotations
@@ -17,13 +17,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from compiled_llm.model.config import ModelConfig
+from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.spec import PackedBatch
-from compiled_llm.serve.sampling import SamplingTensors, greedy_ids, sample
+from compiled_llm.model.config import ModelConfig
+from compiled_llm.serve import kv_cache as kvc
 from compiled_llm.serve.block_manager import cdiv
 from compiled_llm.serve.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
+from compiled_llm.serve.request_rows import RequestRows
+from compiled_llm.serve.sampling import SamplingParams, SamplingTensors, greedy_ids, sample
 from compiled_llm.serve.scheduler import ScheduledBatch
 from compiled_llm.serve.sequence import Sequence
+from compiled_llm.serve.step_inputs import StepInputs
 
 Program = Callable[[dict, PackedBatch, Tensor], Tensor]
 
@@ -36,51 +40,6 @@ class StepHandle:
     ids: Tensor | None  # [len(sample_rows)] int64 on the device; None when nothing is sampled
     host: Tensor | None
     event: "torch.cuda.Event | None"
-
-
-class DecodeStaging:
-    """The inputs of a decode step of up to ``max_rows`` sequences in one pinned host buffer and
-    one device buffer with the same byte layout: tok, pos, slot (int64), sl, qsl (int32), then the
-    block table (int32, rows x width) last. A step of ``rows`` rows uses a prefix of every field,
-    so everything it needs lies in the first ``nbytes(rows)`` bytes and goes over in one copy
-    (six separate small copies cost ~1 µs of device time each plus their gaps, on the critical
-    path of every decode step). The few KB of unused field tails that ride along cost nothing
-    measurable."""
-
-    FIELDS = (("tok", torch.int64), ("pos", torch.int64), ("slot", torch.int64), ("sl", torch.int32),
-              ("qsl", torch.int32), ("bt", torch.int32))
-
-    def __init__(self, max_rows: int, width: int, device: torch.device):
-        self.width = width
-        counts = {"tok": max_rows, "pos": max_rows, "slot": max_rows, "sl": max_rows, "qsl": max_rows + 1,
-                  "bt": max_rows * width}
-        self.offset: dict[str, int] = {}
-        end = 0
-        for name, dtype in self.FIELDS:
-            end = -(-end // 16) * 16  # every field 16-byte aligned
-            self.offset[name] = end
-            end += counts[name] * dtype.itemsize
-        self.max_rows = max_rows
-        cuda = torch.device(device).type == "cuda"
-        self.host_bytes = torch.zeros(end, dtype=torch.uint8)
-        # on a CPU the program reads the host buffer itself
-        self.host_bytes = self.host_bytes.pin_memory() if cuda else self.host_bytes
-        self.dev_bytes = torch.zeros(end, dtype=torch.uint8, device=device) if cuda else self.host_bytes
-
-        def view(buf: Tensor, name: str, dtype: torch.dtype) -> Tensor:
-            return buf[self.offset[name]: self.offset[name] + counts[name] * dtype.itemsize].view(dtype)
-
-        self.host = {name: view(self.host_bytes, name, dt) for name, dt in self.FIELDS}
-        self.np = {name: t.numpy() for name, t in self.host.items()}
-        self.dev = {name: view(self.dev_bytes, name, dt) for name, dt in self.FIELDS}
-
-    def nbytes(self, rows: int) -> int:
-        return self.offset["bt"] + rows * self.width * 4
-
-    def copy_in(self, rows: int) -> None:
-        if self.dev_bytes is not self.host_bytes:
-            n = self.nbytes(rows)
-            self.dev_bytes[:n].copy_(self.host_bytes[:n], non_blocking=True)
 
 
 def _label(enabled: bool, name: str):
@@ -114,35 +73,16 @@ class ModelRunner:
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.profile_labels = False
         cuda = self.device.type == "cuda"
-
-        def host(n: int, dtype: torch.dtype) -> Tensor:
-            t = torch.zeros(n, dtype=dtype)
-            return t.pin_memory() if cuda else t
-
-        n, s = self.max_tokens, max_num_seqs
-        self._host = {
-            "tok": host(n, torch.int64),
-            "pos": host(n, torch.int64),
-            "slot": host(n, torch.int64),
-            "qsl": host(s + 1, torch.int32),
-            "sl": host(s, torch.int32),
-            "bt": host(s * self.width, torch.int32),
-        }
-        self._np = {k: v.numpy() for k, v in self._host.items()}
-        # on a CPU the program reads the host buffers themselves
-        self._dev = {k: v.to(self.device) if cuda else v for k, v in self._host.items()}
+        s = max_num_seqs
+        self.inputs = StepInputs(self.max_tokens, s, self.width, self.device)  # general steps
+        self._decode_inputs: StepInputs | None = None  # bucketed decode steps, made with the graphs
         self._copied = torch.cuda.Event() if cuda else None
         self._readback = torch.cuda.Stream(self.device) if cuda else None
-        self._arange = np.arange(s + 1, dtype=np.int32)
-        # block-table mirror: one row per running sequence (Sequence.row)
-        self._tables = np.zeros((s, self.width), dtype=np.int32)
-        self._row_key: list[tuple | None] = [None] * s
-        self._row_synced = [0] * s
-        self._staging: DecodeStaging | None = None  # bucketed decode steps' inputs (CUDA)
+        self.rows = RequestRows(s, self.width)
         self.graphs = StepGraphs()  # decode, by batch size
         self.decode_buckets: list[int] = []
         self.prefill_graphs = StepGraphs()  # prefill of one sequence, by token count
-        self._ids_host = [host(s, torch.int64) for _ in range(2)] if cuda else []
+        self._ids_host = [torch.zeros(s, dtype=torch.int64).pin_memory() for _ in range(2)] if cuda else []
         self._ids_turn = 0
 
     # ---- CUDA graphs --------------------------------------------------------------------------
@@ -160,15 +100,15 @@ class ModelRunner:
         if self.device.type != "cuda" or not self.decode_buckets:
             return False
         pool = torch.cuda.graph_pool_handle()
-        st = self._decode_staging()
+        decode = self.decode_inputs()
         self.graphs.prepare(
-            self.decode_buckets, lambda b: self._run_program(self._views(b, b, self.width, st.dev)),
+            self.decode_buckets, lambda b: self._run_program(decode.views(b, b, self.width)),
             max(self.decode_buckets), self.device, pool,
         )
         if prefill_max_tokens > 0:
             self.prefill_graphs.prepare(
                 prefill_buckets(min(prefill_max_tokens, self.max_tokens)),
-                lambda t: self._run_program(self._views(t, 1, self.width)), 1, self.device, pool,
+                lambda t: self._run_program(self.inputs.views(t, 1, self.width)), 1, self.device, pool,
             )
         return True
 
@@ -180,33 +120,33 @@ class ModelRunner:
         if not self.graphs.enabled:
             return False
         self.idle_decode_inputs()
-        self._np["tok"][:] = 0
-        self._np["pos"][:] = 0
-        self._np["slot"][:] = -1
-        self._np["bt"][:] = 0
-        self._np["qsl"][:2] = (0, 1)
-        self._np["sl"][:1] = 1
-        for k in self._dev:
-            self._dev[k].copy_(self._host[k])
+        self._wait_for_copies()
+        general = self.inputs
+        general.pad_tokens(0, general.max_tokens)
+        general.pad_seqs(0, 1, self.width, seq_len=1)
+        self._copy_in(general, general.max_tokens, 1, self.width)
         jobs = [(self.graphs, b) for b in self.graphs.buckets]
         if self.prefill_graphs.enabled:
             jobs += [(self.prefill_graphs, b) for b in self.prefill_graphs.buckets]
         return all([graphs.capture(b) for graphs, b in jobs[part::parts]])
 
-    def idle_decode_inputs(self) -> DecodeStaging:
+    def decode_inputs(self) -> StepInputs:
+        """The bucketed decode steps' input buffers, sized for the largest bucket (made once,
+        before the graphs that read them are captured)."""
+        need = max(self.decode_buckets)
+        if self._decode_inputs is None or self._decode_inputs.max_seqs < need:
+            self._decode_inputs = StepInputs(need, need, self.width, self.device)
+        return self._decode_inputs
+
+    def idle_decode_inputs(self) -> StepInputs:
         """The bucketed decode inputs set so that every row attends to one token of block 0 and
         writes nowhere (what graphs are captured with; profiling replays them too)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # a queued step's copies have read the host buffers
-        st = self._decode_staging()
-        st.np["tok"][:] = 0
-        st.np["pos"][:] = 0
-        st.np["slot"][:] = -1
-        st.np["sl"][:] = 1
-        st.np["qsl"][:] = self._arange[: st.np["qsl"].shape[0]]
-        st.np["bt"][:] = 0
-        st.copy_in(st.max_rows)
-        return st
+        self._wait_for_copies()
+        decode = self.decode_inputs()
+        decode.pad_tokens(0, decode.max_tokens)
+        decode.pad_seqs(0, decode.max_seqs, self.width, seq_len=1)
+        self._copy_in(decode, decode.max_tokens, decode.max_seqs, self.width)
+        return decode
 
     # ---- a step -------------------------------------------------------------------------------
 
@@ -258,56 +198,51 @@ class ModelRunner:
                  ahead_rows: list[int] | None = None) -> Tensor:
         seqs = batch.seqs
         S = len(seqs)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copies have read the host buffers
-        self._sync_tables(seqs)
+        self._wait_for_copies()
+        self.rows.release(batch.released_request_ids)
+        rows = self.rows.rows_of(seqs)
         ahead = 0 if ahead_of is None else 1
         assert ahead == 0 or batch.is_decode, "only decode steps are scheduled ahead"
         if batch.is_decode:
             bucket = self.graphs.bucket_for(S) if self.decode_buckets else None
             if bucket is not None:
                 # Padded to the bucket at full width, with or without graphs: eager decode
-                # runs exactly the kernels and shapes the graphs replay. Inputs go over in one
-                # copy (DecodeStaging).
-                st = self._decode_staging()
-                self._fill_decode(seqs, bucket, self.width, ahead, st.np)
-                st.copy_in(bucket)
-                if self._copied is not None:
-                    self._copied.record()
-                self._tokens_from(ahead_of, ahead_rows, S, st.dev["tok"])
-                if self.graphs.enabled:
-                    return self.graphs.run(bucket, S)
-                return self._run_program(self._views(bucket, bucket, self.width, st.dev))[:S]
-            width = max(len(s.block_table) for s in seqs)
-            self._fill_decode(seqs, S, width, ahead)
-            self._copy_in(S, S, width)
-            self._tokens_from(ahead_of, ahead_rows, S, self._dev["tok"])
-            return self._run_program(self._views(S, S, width))
-        elif S == 1 and self.prefill_graphs.enabled:
+                # runs exactly the kernels and shapes the graphs replay.
+                inputs, T, width = self.decode_inputs(), bucket, self.width
+                graphs = self.graphs if self.graphs.enabled else None
+            else:
+                inputs, T, width, graphs = self.inputs, S, self._width_of(seqs), None
+            self._fill_decode(inputs, seqs, rows, T, width, ahead)
+            self._copy_in(inputs, T, T, width)
+            self._tokens_from(ahead_of, ahead_rows, S, inputs.dev["tok"])
+            if graphs is not None:
+                return graphs.run(T, S)
+            return self._run_program(inputs.views(T, T, width))[:S]
+        inputs = self.inputs
+        bucket = None
+        if S == 1 and self.prefill_graphs.enabled:
             bucket = self.prefill_graphs.bucket_for(batch.num_new_tokens[0])
-            if bucket is not None:
-                T = self._fill_mixed(seqs, batch.num_new_tokens, self.width)
-                # rows T..bucket-1 belong to no sequence: they write nowhere
-                self._np["tok"][T:bucket] = 0
-                self._np["pos"][T:bucket] = 0
-                self._np["slot"][T:bucket] = -1
-                self._copy_in(bucket, 1, self.width)
-                return self.prefill_graphs.run(bucket, 1)
-            width = max(len(s.block_table) for s in seqs)
-            T = self._fill_mixed(seqs, batch.num_new_tokens, width)
-        else:
-            width = max(len(s.block_table) for s in seqs)
-            T = self._fill_mixed(seqs, batch.num_new_tokens, width)
-        self._copy_in(T, S, width)
-        return self._run_program(self._views(T, S, width))
+        width = self.width if bucket is not None else self._width_of(seqs)
+        T = self._fill_mixed(inputs, seqs, rows, batch.num_new_tokens, width)
+        if bucket is not None:
+            inputs.pad_tokens(T, bucket)
+            self._copy_in(inputs, bucket, 1, width)
+            return self.prefill_graphs.run(bucket, 1)
+        self._copy_in(inputs, T, S, width)
+        return self._run_program(inputs.views(T, S, width))
 
-    def _decode_staging(self) -> DecodeStaging:
-        """The bucketed decode steps' input buffers, sized for the largest bucket (made once,
-        before the graphs that read them are captured)."""
-        need = max(self.decode_buckets)
-        if self._staging is None or self._staging.max_rows < need or self._staging.width != self.width:
-            self._staging = DecodeStaging(need, self.width, self.device)
-        return self._staging
+    @staticmethod
+    def _width_of(seqs: list[Sequence]) -> int:
+        return max(len(s.block_table) for s in seqs)
+
+    def _wait_for_copies(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the host buffers
+
+    def _copy_in(self, inputs: StepInputs, T: int, S: int, width: int) -> None:
+        inputs.copy_in(T, S, width)
+        if self._copied is not None:
+            self._copied.record()
 
     def _tokens_from(self, handle: StepHandle | None, rows: list[int] | None, S: int, tok: Tensor) -> None:
         """Input tokens of a step scheduled ahead: the earlier step's sampled ids, copied into
@@ -348,47 +283,30 @@ class ModelRunner:
 
     # ---- host-side batch building -------------------------------------------------------------
 
-    def _sync_tables(self, seqs: list[Sequence]) -> None:
-        """Copy new block-table entries of each sequence into its mirror row."""
-        for s in seqs:
-            r = s.row
-            key = (s.request_id, s.table_epoch)
-            if self._row_key[r] != key:
-                self._row_key[r] = key
-                self._row_synced[r] = 0
-            k, n = self._row_synced[r], len(s.block_table)
-            if n > k:
-                self._tables[r, k:n] = s.block_table[k:n]
-                self._row_synced[r] = n
-
-    def _fill_decode(self, seqs: list[Sequence], padded: int, width: int, ahead: int = 0,
-                     npb: dict[str, np.ndarray] | None = None) -> None:
+    def _fill_decode(self, inputs: StepInputs, seqs: list[Sequence], rows: np.ndarray, padded: int,
+                     width: int, ahead: int = 0) -> None:
         """One new token per sequence (its last); rows S..padded-1 are padding. ``ahead`` = 1:
-        the token after the last, not sampled yet (its id is copied in on the device). ``npb``:
-        the host arrays to fill (the general step buffers by default)."""
+        the token after the last, not sampled yet (its id is copied in on the device)."""
         S = len(seqs)
-        npb = self._np if npb is None else npb
-        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=S)
+        npb = inputs.np
+        tables = self.rows.tables
         pos = np.fromiter((s.num_computed_tokens + ahead for s in seqs), dtype=np.int64, count=S)
         npb["tok"][:S] = 0 if ahead else [s.token_ids[-1] for s in seqs]
         npb["pos"][:S] = pos
         bs = self.block_size
-        npb["slot"][:S] = self._tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        npb["slot"][:S] = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
         npb["sl"][:S] = pos + 1
-        npb["qsl"][: padded + 1] = self._arange[: padded + 1]
-        bt = npb["bt"][: padded * width].reshape(padded, width)
-        bt[:S] = self._tables[rows, :width]
+        npb["qsl"][: S + 1] = np.arange(S + 1, dtype=np.int32)
+        inputs.block_table(S, width)[:] = tables[rows, :width]
         if padded > S:
-            npb["tok"][S:padded] = 0
-            npb["pos"][S:padded] = 0
-            npb["slot"][S:padded] = -1
-            npb["sl"][S:padded] = 0
-            bt[S:] = 0
+            inputs.pad_tokens(S, padded)
+            inputs.pad_seqs(S, padded, width, seq_len=0)
 
-    def _fill_mixed(self, seqs: list[Sequence], num_new: list[int], width: int) -> int:
-        npb = self._np
+    def _fill_mixed(self, inputs: StepInputs, seqs: list[Sequence], rows: np.ndarray, num_new: list[int],
+                    width: int) -> int:
+        npb = inputs.np
         bs = self.block_size
-        bt = npb["bt"][: len(seqs) * width].reshape(len(seqs), width)
+        bt = inputs.block_table(len(seqs), width)
         t = 0
         npb["qsl"][0] = 0
         for i, (s, n) in enumerate(zip(seqs, num_new)):
@@ -396,32 +314,13 @@ class ModelRunner:
             npb["tok"][t:t + n] = s.token_ids[c:c + n]
             pos = np.arange(c, c + n, dtype=np.int64)
             npb["pos"][t:t + n] = pos
-            row = self._tables[s.row]
-            npb["slot"][t:t + n] = row[pos // bs].astype(np.int64) * bs + pos % bs
+            table = self.rows.tables[rows[i]]
+            npb["slot"][t:t + n] = table[pos // bs].astype(np.int64) * bs + pos % bs
             npb["sl"][i] = c + n
-            bt[i] = row[:width]
+            bt[i] = table[:width]
             t += n
             npb["qsl"][i + 1] = t
         return t
-
-    def _copy_in(self, T: int, S: int, width: int) -> None:
-        if self._copied is None:
-            return
-        sizes = {"tok": T, "pos": T, "slot": T, "qsl": S + 1, "sl": S, "bt": S * width}
-        for k, n in sizes.items():
-            self._dev[k][:n].copy_(self._host[k][:n], non_blocking=True)
-        self._copied.record()
-
-    def _views(self, T: int, S: int, width: int, d: dict[str, Tensor] | None = None) -> PackedBatch:
-        d = self._dev if d is None else d
-        return PackedBatch(
-            token_ids=d["tok"][:T],
-            positions=d["pos"][:T],
-            query_start_loc=d["qsl"][: S + 1],
-            seq_lens=d["sl"][:S],
-            block_tables=d["bt"][: S * width].view(S, width),
-            slot_mapping=d["slot"][:T],
-        )
 
 
 @torch.inference_mode()
@@ -438,10 +337,6 @@ def profile_step(
 ) -> None:
     """The largest step the engine runs: a prefill of num_tokens tokens, then sampling (with
     top-k/top-p sorting) of num_seqs rows of logits. Used to measure the activation peak."""
-    from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-    from compiled_llm.serve.sampling import SamplingParams
-    from compiled_llm.serve import kv_cache as kvc
-
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (max(num_tokens, 2),), generator=gen).tolist()
     # two sequences splitting the tokens (programs are exported for >= 2 sequences)

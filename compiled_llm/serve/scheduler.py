@@ -40,12 +40,15 @@ class SchedulerConfig:
 class ScheduledBatch:
     """One step: seqs[i] computes num_new_tokens[i] tokens starting at its num_computed_tokens
     (as it was when scheduled). sample_rows lists the rows that reach the end of their tokens
-    and therefore sample a new token; the others are prefill chunks."""
+    and therefore sample a new token; the others are prefill chunks. released_request_ids are
+    the requests that stopped running (finished, aborted, preempted) since the previous
+    schedule: the runner gives their rows back before it places this step's requests."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    released_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +73,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(stop_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self._released: list[str] = []
         self.num_preemptions = 0
 
     # ---- requests -----------------------------------------------------------------------------
@@ -91,7 +94,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self._release_row(seq)
+            self._released.append(seq.request_id)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
@@ -99,13 +102,9 @@ class Scheduler:
         seq.finish_reason = reason
         seq.metrics.finished_time = time.perf_counter()
 
-    def _release_row(self, seq: Sequence) -> None:
-        self._free_rows.append(seq.row)
-        seq.row = -1
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release_row(seq)
+        self._released.append(seq.request_id)
         self.bm.free_seq(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -116,7 +115,8 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(released_request_ids=self._released)
+        self._released = []
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
 
@@ -165,7 +165,6 @@ class Scheduler:
                 seq.metrics.num_cached_tokens = cached
             seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
-            seq.row = self._free_rows.pop()
             self.running.append(seq)
             self._add(batch, seq, n)
             budget -= n

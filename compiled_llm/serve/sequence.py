@@ -51,10 +51,6 @@ class Sequence:
     # Chained hashes of the full blocks of token_ids (tokens never change, so this only grows).
     block_hashes: list[int] = field(default_factory=list)
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
-    # Bumped whenever block_table is dropped (preemption), so a runner that mirrors the table
-    # knows to copy it again.
-    table_epoch: int = 0
-    row: int = -1  # the runner's slot for this sequence while it runs
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
