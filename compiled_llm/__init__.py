@@ -4,6 +4,8 @@
 ``compiled-llm --help``) does not pull in torch.
 """
 
+import importlib
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
 _LAZY = {
@@ -15,8 +17,6 @@ _LAZY = {
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value

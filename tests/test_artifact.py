@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from compiled_llm.engine import artifact
+from compiled_llm.engine import artifact, kernel_cache
 from compiled_llm.engine.build import build_engine
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
@@ -46,8 +46,8 @@ def test_artifact_holds_what_run_needs(engine):
 def test_loaded_engine_computes_the_spec(engine):
     e = artifact.load_engine(engine)
     assert e.device.type == "cpu" and e.dtype == torch.float32
-    assert list(e.stage_seconds) == ["manifest", "weights", "program", "verify", "kernels"]
-    assert e.tokenizer_dir == engine / "tokenizer" and e.source_dir is None
+    assert list(e.load_stages) == ["manifest", "weights", "program", "verify", "kernels", "tokenizer"]
+    assert e.tokenizer is not None and e.source_dir is None and e.engine_dir == engine
     assert "layers.0.qkv.weight" in e.params and "layers.0.q.weight" not in e.params
     src = resolve_source("tiny-qwen2")
     params = load_source_params(src, torch.float32, "cpu")
@@ -137,7 +137,7 @@ def test_cuda_build_ships_its_kernels_and_a_load_compiles_none(tmp_path, monkeyp
     out = tmp_path / "eng"
     m = build_engine("tiny-qwen2", out, dtype="bfloat16", device="cuda", progress=False)
     kernels = [f for f in m["files"] if f.startswith(m["kernel_cache"] + "/")]
-    assert m["kernel_cache"] == artifact.KERNELS_DIR and any(f.endswith(".cubin") for f in kernels)
+    assert m["kernel_cache"] == kernel_cache.KERNELS_DIR and any(f.endswith(".cubin") for f in kernels)
     e = artifact.load_engine(out)
     cache_dir = triton.knobs.cache.dir
     assert cache_dir.startswith(str(tmp_path / "cache"))

@@ -13,12 +13,12 @@ import shlex
 import subprocess
 import sys
 import sysconfig
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from compiled_llm.cli import run as cli_run
 from compiled_llm.cli.main import main, make_parser
 from compiled_llm.model.tokenizer import DEFAULT_SYSTEM_PROMPT, plain_chat_prompt
 from hf_checkpoints import make_checkpoint
@@ -215,17 +215,9 @@ def test_engine_directory_is_handed_to_the_runtime(tmp_path, monkeypatch, capsys
         seen["source"] = args.source
         return 0
 
-    monkeypatch.setitem(sys.modules, "compiled_llm.cli.run_engine", types.SimpleNamespace(run_engine=run_engine))
+    monkeypatch.setattr(cli_run, "run_engine", run_engine)
     assert main(["run", str(tmp_path), "--prompt", "hi"]) == 0
     assert seen == {"source": str(tmp_path)}
-
-
-def test_engine_directory_without_runtime_is_a_clear_error(tmp_path, monkeypatch, capsys):
-    (tmp_path / "manifest.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "compiled_llm.cli.run_engine", None)  # import fails
-    assert main(["run", str(tmp_path), "--prompt", "hi"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and "engine" in err[0]
 
 
 # --- help ----------------------------------------------------------------------------------------

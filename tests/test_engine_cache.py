@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.engine import cache as engine_cache
 from compiled_llm.engine.artifact import read_manifest
-from compiled_llm.engine.build import auto_dtype, build_engine, checkpoint_dtype, resolve_device, resolve_dtype
+from compiled_llm.engine.build import build_engine
+from compiled_llm.model.placement import auto_dtype, checkpoint_dtype, resolve_device, resolve_dtype
 from compiled_llm.cli.main import main, make_parser
 from compiled_llm.engine.cache import cached_engine, engine_path, engines_dir
 from hf_checkpoints import make_checkpoint

@@ -15,7 +15,7 @@ import pytest
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.serve.loader import load_model
+from compiled_llm.engine.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=48, num_blocks=64, block_size=8)

@@ -28,7 +28,7 @@ import pytest
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.serve.block_manager import cdiv
-from compiled_llm.serve.loader import load_model
+from compiled_llm.engine.loader import load_model
 from lively import greedy_continuation
 from test_tokenizer import WORDS
 

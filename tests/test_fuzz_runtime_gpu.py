@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from compiled_llm import LLM, SamplingParams
-from compiled_llm.serve.loader import load_model
+from compiled_llm.engine.loader import load_model
 from lively import Continuation
 from test_fuzz_runtime import MAX_NEW_TOKENS, run_draw
 

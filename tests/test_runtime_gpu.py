@@ -124,7 +124,7 @@ def test_capture_failure_warns_and_runs_eagerly():
     capturable): the runner must warn and decode eagerly, with correct outputs."""
     from compiled_llm.serve.reference import generate_reference
 
-    from compiled_llm.serve.loader import load_model
+    from compiled_llm.engine.loader import load_model
 
     # LLM("tiny-qwen2") would build an engine, and LLM(..., enforce_eager=True) captures no
     # graphs: the eager spec with CUDA graphs on is from_loaded over the loaded source

@@ -16,7 +16,7 @@ import torch
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.serve.sampling import SamplingParams
 from compiled_llm.serve.llm_engine import EngineConfig, LLMEngine
-from compiled_llm.serve.loader import LoadedModel
+from compiled_llm.engine.loaded_model import LoadedModel
 
 V = 61
 EOS = 0

@@ -13,11 +13,15 @@ both print exactly the same formats.
 from __future__ import annotations
 
 import argparse
-import json
+import statistics
 import sys
-from pathlib import Path
+import time
 
-from compiled_llm.cli.engine_args import add_engine_arguments
+from compiled_llm.cli.engine_args import add_engine_arguments, engine_options
+from compiled_llm.cli.run_io import (check_prompt_args, format_perf, print_outputs, print_run_header, prompts_from_args,
+                                     sampling_from_args)
+from compiled_llm.errors import CompiledLLMError
+from compiled_llm.model.tokenizer import DEFAULT_SYSTEM_PROMPT
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -98,156 +102,12 @@ def add_parser(subparsers):
 # ---------------------------------------------------------------------------------------------
 # Shared helpers (reference and engine paths)
 # ---------------------------------------------------------------------------------------------
-
-
-def is_engine_dir(source: str) -> bool:
-    return (Path(source).expanduser() / "manifest.json").is_file()
-
-
-def parse_prompt_ids(text: str) -> list[int]:
-    from compiled_llm.errors import InvalidRequestError
-
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        ids = [int(p) for p in parts]
-    except ValueError:
-        raise InvalidRequestError(f"--prompt-ids {text!r} is not a comma-separated list of integers") from None
-    if not ids:
-        raise InvalidRequestError("--prompt-ids is empty; give at least one token id")
-    return ids
-
-
-def sampling_from_args(args):
-    """One SamplingParams for every prompt of the command (validated: bad values raise)."""
-    from compiled_llm.serve.sampling import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
-
-
-def check_prompt_args(args) -> None:
-    """The prompt mistakes that need no tokenizer, found before anything loads or builds."""
-    from compiled_llm.errors import CompiledLLMError
-
-    if not args.prompt and not args.prompt_ids and not getattr(args, "interactive", False):
-        raise CompiledLLMError("no prompt given; pass --prompt TEXT or --prompt-ids 1,2,3")
-    for text in args.prompt_ids or []:
-        parse_prompt_ids(text)
-
-
-def prompts_from_args(args, tokenizer) -> list[list[int]]:
-    """Token ids of every prompt: the --prompt texts (chat-wrapped with --chat), then --prompt-ids."""
-    from compiled_llm.errors import CompiledLLMError
-    from compiled_llm.model.tokenizer import DEFAULT_SYSTEM_PROMPT
-
-    texts = args.prompt or []
-    if not texts and not args.prompt_ids:
-        raise CompiledLLMError("no prompt given; pass --prompt TEXT or --prompt-ids 1,2,3")
-    if texts and tokenizer is None:
-        raise CompiledLLMError(
-            f"--prompt needs a tokenizer but {args.source} has none (no tokenizer.json, "
-            "tokenizer_config.json or tokenizer.model); pass --prompt-ids instead"
-        )
-    system = args.system_prompt if args.system_prompt is not None else DEFAULT_SYSTEM_PROMPT
-    prompts = [tokenizer.encode_chat(t, system) if args.chat else tokenizer.encode(t) for t in texts]
-    prompts += [parse_prompt_ids(s) for s in args.prompt_ids or []]
-    return prompts
-
-
-def resolve_device(name: str):
-    import torch
-
-    from compiled_llm.errors import CompiledLLMError
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise CompiledLLMError("--device cuda was given but no CUDA GPU is available to torch")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device, source=None):
-    """--dtype for ``device``; "auto" follows the checkpoint of ``source`` (build.resolve_dtype)."""
-    from compiled_llm.engine.build import resolve_dtype as resolve
-
-    return resolve(name, device, source)
-
-
-def output_record(prompt_token_ids, token_ids, text: str | None, finish_reason: str) -> dict:
-    """The --json line of one prompt."""
-    return {
-        "prompt_token_ids": list(prompt_token_ids),
-        "token_ids": list(token_ids),
-        "text": text or "",
-        "finish_reason": finish_reason,
-    }
-
-
-def print_json_record(record: dict, file=None) -> None:
-    print(json.dumps(record, ensure_ascii=False), file=file or sys.stdout, flush=True)
-
-
-def print_readable(index: int, prompt_text: str, record: dict, file=None) -> None:
-    out = file or sys.stdout
-    n_prompt, n_out = len(record["prompt_token_ids"]), len(record["token_ids"])
-    print(f"=== prompt {index} ({n_prompt} tokens) ===", file=out)
-    print(prompt_text, file=out)
-    print(f"--- output ({n_out} tokens, finish: {record['finish_reason']}) ---", file=out)
-    text = record["text"]
-    if text.strip():
-        print(text, file=out)
-    else:  # empty or only whitespace (random-weight presets often say "\n" 32 times)
-        print(f"{text!r} (token ids {record['token_ids']})", file=out)
-    print(file=out, flush=True)
-
-
-def print_outputs(outputs, prompt_texts: list[str], as_json: bool) -> None:
-    """One JSON line or one readable block per output (anything with prompt_token_ids,
-    token_ids, text and finish_reason)."""
-    for i, (o, prompt_text) in enumerate(zip(outputs, prompt_texts)):
-        record = output_record(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason)
-        if as_json:
-            print_json_record(record)
-        else:
-            print_readable(i, prompt_text, record)
-
-
-def print_run_header(name: str, device, dtype, path: str, preset: str | None) -> None:
-    print(f"{name} on {torch_device_type(device)}, {str(dtype).removeprefix('torch.')}, {path}")
-    if preset:
-        print(f"note: {preset} is a preset with random weights: its text is noise, its speed is real")
-
-
-def torch_device_type(device) -> str:
-    return getattr(device, "type", str(device))
-
-
-def format_perf(load_s: float, prefill_s: float, prompt_tokens: int, decode_s: float,
-                decode_tokens: int, new_tokens: int) -> str:
-    """The perf summary printed after readable output."""
-    rate = lambda n, s: f"{n / s:,.1f} tok/s" if s > 0 else "n/a"  # noqa: E731
-    rows = [
-        ("load", f"{load_s:.3f} s", "weights and warm-up"),
-        ("prefill", f"{prefill_s:.3f} s", f"{prompt_tokens} prompt tokens, {rate(prompt_tokens, prefill_s)}"),
-        ("decode", f"{decode_s:.3f} s", f"{decode_tokens} tokens, {rate(decode_tokens, decode_s)}"),
-        ("total", f"{prefill_s + decode_s:.3f} s", f"{new_tokens} new tokens, {rate(new_tokens, prefill_s + decode_s)}"),
-    ]
-    return "perf:\n" + "\n".join(f"  {name:<8}{t:>10}   {detail}".rstrip() for name, t, detail in rows)
-
-
-# ---------------------------------------------------------------------------------------------
-# Entry point
+# Entry point: torch and the runtime are imported only here, so that --help stays instant
 # ---------------------------------------------------------------------------------------------
 
 
 def run(args) -> int:
-    from compiled_llm.errors import CompiledLLMError
+    from compiled_llm.engine.loader import is_engine_dir
 
     if is_engine_dir(args.source):
         if args.eager:
@@ -255,29 +115,17 @@ def run(args) -> int:
                 f"--eager runs a model source on the reference loop, but {args.source} is an engine "
                 "directory: an engine is already compiled; use --enforce-eager to skip CUDA graphs"
             )
-        try:
-            from compiled_llm.cli.run_engine import run_engine
-        except ModuleNotFoundError as e:
-            if e.name != "compiled_llm.cli.run_engine":
-                raise  # a real bug inside the runtime, not a missing runtime
-            raise CompiledLLMError(
-                f"{args.source} is an engine directory, but this install has no engine runtime "
-                "(compiled_llm.cli.run_engine); run a checkpoint directory or preset instead"
-            ) from None
-        return int(run_engine(args) or 0)
+        return run_engine(args)
     if args.eager:
         return run_reference(args)
-    from compiled_llm.cli.run_engine import run_engine
-
-    return int(run_engine(args) or 0)
+    return run_engine(args)
 
 
 def run_reference(args) -> int:
-    import time
-
+    from compiled_llm.model.placement import resolve_device, resolve_dtype
+    from compiled_llm.model.sources import load_source_params, load_source_tokenizer, resolve_source, source_eos_token_ids
     from compiled_llm.serve.reference import check_request, generate_reference
     from compiled_llm.serve.sampling import SamplingParams
-    from compiled_llm.model.sources import load_source_params, load_source_tokenizer, resolve_source, source_eos_token_ids
 
     sampling = sampling_from_args(args)  # bad values fail before anything loads
     device = resolve_device(args.device)
@@ -313,3 +161,114 @@ def run_reference(args) -> int:
             new_tokens=sum(len(o.token_ids) for o in outputs),
         ))
     return 0
+
+
+def engine_of(args, device) -> str:
+    """The engine directory to run: SOURCE itself, or its cached engine (built on first use)."""
+    from compiled_llm.engine.cache import cached_engine
+    from compiled_llm.engine.loader import is_engine_dir
+
+    if is_engine_dir(args.source):
+        return args.source
+    return str(cached_engine(args.source, dtype=args.dtype, device=device))
+
+
+def build_llm(args):
+    from compiled_llm.model.placement import resolve_device
+    from compiled_llm.serve.llm import LLM
+
+    device = resolve_device(args.device)
+    dtype = None if args.dtype == "auto" else args.dtype
+    return LLM(engine_of(args, device), dtype=dtype, device=device, **engine_options(args))
+
+
+def run_engine(args) -> int:
+    from compiled_llm.engine.loader import is_engine_dir
+    from compiled_llm.serve.profiling import profile_engine
+
+    sampling = sampling_from_args(args)  # bad values fail before anything loads (or builds)
+    check_prompt_args(args)
+    t0 = time.perf_counter()
+    llm = build_llm(args)
+    load_s = time.perf_counter() - t0
+    engine = llm.engine
+    if args.interactive:
+        return chat(llm, sampling, args.system_prompt)
+    prompts = prompts_from_args(args, llm.tokenizer)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    texts = list(args.prompt or []) + list(args.prompt_ids or [])
+
+    t_run = time.perf_counter()
+    with profile_engine(args.profile, engine, engine.device):
+        if args.stream and not args.json:
+            outputs = []
+            for i, (req, text) in enumerate(zip(requests, texts)):
+                print(f"=== prompt {i} ({len(req['prompt_token_ids'])} tokens) ===\n{text}\n--- output ---", flush=True)
+                stream = llm.stream(req, sampling)
+                for delta in stream:
+                    print(delta, end="", flush=True)
+                out = stream.output
+                outputs.append(out)
+                print(f"\n--- ({len(out.token_ids)} tokens, finish: {out.finish_reason}) ---\n", flush=True)
+        else:
+            outputs = llm.generate(requests, sampling, use_tqdm=not args.json and sys.stderr.isatty())
+    wall = time.perf_counter() - t_run
+
+    if not args.stream or args.json:
+        print_outputs(outputs, texts, args.json)
+    if not args.json:
+        preset = ((llm.model.manifest or {}).get("source") or {}).get("preset")
+        where = "compiled runtime" if is_engine_dir(args.source) else f"compiled runtime, cached engine {llm.model.name}"
+        print_run_header(args.source, engine.device, llm.model.dtype, where, preset)
+        print(perf_summary(llm, outputs, load_s, wall))
+    return 0
+
+
+def perf_summary(llm, outputs, load_s: float, wall_s: float) -> str:
+    st = llm.stats
+    ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
+    rate = lambda n, s: f"{n / s:,.1f} tok/s" if s > 0 else "n/a"  # noqa: E731
+    graphs = f"{st.graph_capture_s:.3f} s" if st.graphs_captured else "-"
+    pc = llm.engine.block_manager.stats
+    rows = [
+        ("load", f"{load_s:.3f} s", f"KV cache {st.kv_num_blocks} blocks"),
+        ("graphs", graphs, f"{st.graphs_captured} decode buckets captured" if st.graphs_captured else "eager decode"),
+        ("ttft", f"{(statistics.median(ttfts) if ttfts else 0):.3f} s", "median time to first token"),
+        ("prefill", f"{st.prefill_s:.3f} s", f"{st.prefill_tokens} tokens, {rate(st.prefill_tokens, st.prefill_s)}"),
+        ("decode", f"{st.decode_s:.3f} s", f"{st.decode_tokens} tokens, {rate(st.decode_tokens, st.decode_s)}"),
+        ("total", f"{wall_s:.3f} s", f"{st.generated_tokens} tokens generated, {rate(st.generated_tokens, wall_s)}"),
+        ("cache", "", f"prefix-cache hits {pc.hit_tokens} tokens, preemptions {llm.engine.scheduler.num_preemptions}"),
+    ]
+    return "perf:\n" + "\n".join(f"  {n:<8}{t:>10}   {d}".rstrip() for n, t, d in rows)
+
+
+def chat(llm, sampling, system_prompt=None, stdin=None, stdout=None) -> int:
+    """A chat REPL: each line is a user message; the reply streams. With a chat template the
+    conversation is multi-turn; otherwise each message stands alone."""
+    stdin = stdin or sys.stdin
+    stdout = stdout or sys.stdout
+    tok = llm.tokenizer
+    if tok is None:
+        raise CompiledLLMError("--interactive needs a tokenizer, and this engine has none")
+    system = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
+    multi_turn = tok.has_chat_template
+    messages = [{"role": "system", "content": system}] if system else []
+    print("chat: type a message, empty line or Ctrl-D to quit", file=stdout, flush=True)
+    while True:
+        print("> ", end="", file=stdout, flush=True)
+        line = stdin.readline()
+        if not line or not line.strip():
+            return 0
+        user = line.rstrip("\n")
+        if multi_turn:
+            messages.append({"role": "user", "content": user})
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        else:
+            ids = tok.encode_chat(user, system)
+        reply = []
+        for delta in llm.stream({"prompt_token_ids": list(ids)}, sampling):
+            reply.append(delta)
+            print(delta, end="", file=stdout, flush=True)
+        print(file=stdout, flush=True)
+        if multi_turn:
+            messages.append({"role": "assistant", "content": "".join(reply)})

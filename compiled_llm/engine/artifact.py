@@ -31,17 +31,25 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from compiled_llm.model.config import ModelConfig
+import compiled_llm
+from compiled_llm.engine import kernel_cache
+from compiled_llm.engine.kernel_cache import KERNELS_DIR
+from compiled_llm.engine.loaded_model import LoadedModel
+from compiled_llm.engine.program import PortableProgram
 from compiled_llm.errors import EngineError
+from compiled_llm.graph.serialize import graph_from_json, graph_to_json
+from compiled_llm.kernels import registry
+from compiled_llm.model.config import ModelConfig
+from compiled_llm.model.tokenizer import load_tokenizer
 
 # 2: program.json replaced program.pt2 (pickle-free), kernels/triton added, Inductor cache gone
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 PROGRAM_FILE = "program.json"
-KERNELS_DIR = "kernels/triton"
 IR_DIR = "ir"
 TOKENIZER_DIR = "tokenizer"
 # First bytes of what pickle-based formats write: a pickle stream (protocol 2-5) or a zip archive
@@ -50,32 +58,12 @@ TOKENIZER_DIR = "tokenizer"
 _PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK\x03\x04")
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadedEngine:
-    engine_dir: Path
-    config: ModelConfig
-    manifest: dict
-    params: dict[str, Tensor]  # post-pass names, on device
-    program: Callable  # program(params, batch: PackedBatch, kv_cache) -> logits[S, V]
-    dtype: torch.dtype
-    device: torch.device
-    tokenizer_dir: Path | None
-    source_dir: Path | None
-    stage_seconds: dict[str, float]  # manifest, weights, program, verify, kernels (load order)
-
-    @property
-    def max_model_len(self) -> int:
-        return int(self.manifest["build_options"]["max_model_len"])
-
-
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
 
 
 def _versions() -> dict[str, Any]:
-    import compiled_llm
-
     try:
         import triton  # optional: CPU installs may not have it
 
@@ -112,8 +100,6 @@ def make_manifest(*, config, source, build_options, lowered, stage_seconds) -> d
 
 def write_program(engine_dir: Path, gm: torch.fx.GraphModule) -> None:
     """The post-pass graph as ``program.json`` (see graph/serialize.py)."""
-    from compiled_llm.graph.serialize import graph_to_json
-
     (Path(engine_dir) / PROGRAM_FILE).write_text(json.dumps(graph_to_json(gm), separators=(",", ":")) + "\n")
 
 
@@ -134,8 +120,6 @@ def _all_files(engine_dir: Path) -> list[str]:
 def save_engine(engine_dir: Path, manifest: dict, params: dict[str, Tensor], tokenizer=None) -> None:
     """Write weights, tokenizer and the manifest (with checksums of everything else) into
     ``engine_dir``, which already holds the program, ir/ and any kernels."""
-    from safetensors.torch import save_file
-
     engine_dir = Path(engine_dir)
     save_file({n: t.detach().contiguous().cpu() for n, t in params.items()}, str(engine_dir / WEIGHTS_FILE),
               metadata={"format": "pt"})
@@ -312,8 +296,6 @@ def _device(manifest: dict, device: str | torch.device | None) -> torch.device:
 def _check_kernels(manifest: dict) -> None:
     """Every provider the program calls is registered here. Only engines that call kernel
     providers import them (a CPU engine calls the reference ops and needs no Triton)."""
-    from compiled_llm.kernels import registry
-
     if all(p == registry.REFERENCE for p in manifest["kernels"].values()):
         return
     registry.load_providers()
@@ -329,8 +311,6 @@ def _check_kernels(manifest: dict) -> None:
 
 
 def _load_program(engine_dir: Path, manifest: dict) -> torch.fx.GraphModule:
-    from compiled_llm.graph.serialize import graph_from_json
-
     rel = manifest["program"]["file"]
     try:
         data = json.loads(inside(engine_dir, rel).read_bytes())
@@ -340,8 +320,6 @@ def _load_program(engine_dir: Path, manifest: dict) -> torch.fx.GraphModule:
 
 
 def _load_weights(engine_dir: Path, manifest: dict, device: torch.device) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
-
     try:
         tensors = load_file(str(inside(engine_dir, WEIGHTS_FILE)), device=str(device))
     except Exception as e:
@@ -359,11 +337,8 @@ def load_engine(
     engine_dir: str | Path,
     device: str | torch.device | None = None,
     verify: bool = True,
-) -> LoadedEngine:
-    """Validate and load an engine directory; ``stage_seconds`` says where the time went."""
-    from compiled_llm.engine import kernel_cache
-    from compiled_llm.engine.program import PortableProgram
-
+) -> LoadedModel:
+    """Validate and load an engine directory; ``load_stages`` says where the time went."""
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     engine_dir = Path(engine_dir)
@@ -391,17 +366,23 @@ def load_engine(
     kernel_cache.use_engine_kernels(engine_dir, manifest, dev)
     times["kernels"] = time.perf_counter() - t4
 
+    t5 = time.perf_counter()
     tok = manifest.get("tokenizer")
+    tokenizer = load_tokenizer(inside(engine_dir, tok)) if tok else None
+    eos = list(config.eos_token_ids) + list(tokenizer.eos_token_ids if tokenizer else ())
+    times["tokenizer"] = time.perf_counter() - t5
     source_dir = (manifest.get("source") or {}).get("model_dir")
-    return LoadedEngine(
-        engine_dir=engine_dir,
+    return LoadedModel(
+        name=str(engine_dir),
         config=config,
-        manifest=manifest,
         params=params,
         program=program,
+        tokenizer=tokenizer,
+        eos_token_ids=tuple(i for i in dict.fromkeys(eos) if 0 <= i < config.vocab_size),
         dtype=dtype,
         device=dev,
-        tokenizer_dir=inside(engine_dir, tok) if tok else None,
+        manifest=manifest,
+        engine_dir=engine_dir,
         source_dir=Path(source_dir) if source_dir and Path(source_dir).is_dir() else None,
-        stage_seconds=times,
+        load_stages=times,
     )

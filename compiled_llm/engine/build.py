@@ -19,93 +19,19 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
+from compiled_llm.engine import artifact, kernel_cache
 from compiled_llm.engine import output_dir as engine_output
-from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import CompiledLLMError
-
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise CompiledLLMError(f"unsupported dtype {name!r}; choose from float32, bfloat16, float16")
-    return DTYPES[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise CompiledLLMError(f"unknown device {name!r}; use cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):
-        raise CompiledLLMError(f"unsupported device {name!r}; use cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CompiledLLMError("--device cuda asked for, but no CUDA device is available")
-    return device
-
-
-def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
-    """``"auto"`` (or None): cuda when ``torch.cuda.is_available()``, else cpu (as vLLM)."""
-    if name is None or name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return parse_device(str(name))
-
-
-def checkpoint_dtype(hf_config: dict) -> str | None:
-    """The dtype a checkpoint's config.json says its weights are in (``dtype`` in newer
-    transformers, ``torch_dtype`` in older ones), e.g. "bfloat16"; None when it says nothing."""
-    value = hf_config.get("dtype") or hf_config.get("torch_dtype")
-    return str(value).removeprefix("torch.") if value else None
-
-
-def source_checkpoint_dtype(source) -> str | None:
-    """``checkpoint_dtype`` of a model source (a ModelSource or a SOURCE string): its
-    config.json, or for a preset the HF config the preset stands for."""
-    import json
-
-    from compiled_llm.model.presets import preset_hf_config
-    from compiled_llm.model.sources import ModelSource, resolve_source
-
-    src = source if isinstance(source, ModelSource) else resolve_source(str(source))
-    if src.preset is not None:
-        return checkpoint_dtype(preset_hf_config(src.preset))
-    path = src.model_dir / "config.json"
-    try:
-        return checkpoint_dtype(json.loads(path.read_text()))
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def auto_dtype(device_type: str, ckpt_dtype: str | torch.dtype | None) -> torch.dtype:
-    """vLLM's ``--dtype auto``: on a GPU the checkpoint's own float16/bfloat16, and bfloat16
-    when the checkpoint is float32 or does not say; on a CPU always float32."""
-    if device_type != "cuda":
-        return torch.float32
-    if isinstance(ckpt_dtype, torch.dtype):
-        ckpt_dtype = dtype_name(ckpt_dtype)
-    return torch.float16 if ckpt_dtype in ("float16", "fp16", "half") else torch.bfloat16
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str, source=None) -> torch.dtype:
-    """The one place ``dtype`` is resolved for a build or a run: an explicit dtype is parsed;
-    ``"auto"`` (or None) is ``auto_dtype`` for ``device`` and the dtype ``source`` (ModelSource or
-    SOURCE string; read only on a GPU) was saved in."""
-    if dtype is None or dtype == "auto":
-        device_type = torch.device(device).type
-        ckpt = source_checkpoint_dtype(source) if device_type == "cuda" and source is not None else None
-        return auto_dtype(device_type, ckpt)
-    return parse_dtype(dtype)
+from compiled_llm.graph.export import capture, param_placeholder_names
+from compiled_llm.kernels import registry
+from compiled_llm.model.config import ModelConfig
+from compiled_llm.model.placement import dtype_name, resolve_device, resolve_dtype
+from compiled_llm.model.sources import load_source_params, load_source_tokenizer, resolve_source
+from compiled_llm.passes import get_pass, pipeline
+from compiled_llm.passes.base import PassContext
+from compiled_llm.passes.manager import PassManager
 
 
 @dataclasses.dataclass
@@ -149,11 +75,6 @@ def lower(
     progress: bool = False,
 ) -> Lowered:
     """Capture the spec and run the named passes (in order) on it."""
-    from compiled_llm.graph.export import capture, param_placeholder_names
-    from compiled_llm.kernels import registry
-    from compiled_llm.passes import get_pass
-    from compiled_llm.passes.base import PassContext
-    from compiled_llm.passes.manager import PassManager
 
     registry.load_providers()
     t0 = time.perf_counter()
@@ -183,8 +104,6 @@ def lower(
 
 
 def _bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=f"{desc:>8}", disable=not enabled, leave=True, dynamic_ncols=True)
 
 
@@ -224,9 +143,6 @@ def build_engine(
     manifest. ``device`` "auto" is cuda when available, else cpu; ``dtype`` "auto" is
     ``auto_dtype`` (the checkpoint's float16/bfloat16 on a GPU, float32 on a CPU).
     ``pass_names`` replaces the default pipeline (tests plant passes this way)."""
-    from compiled_llm.engine import artifact, kernel_cache
-    from compiled_llm.passes import pipeline
-    from compiled_llm.model.sources import load_source_params, load_source_tokenizer, resolve_source
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, source)
@@ -237,7 +153,7 @@ def build_engine(
     with _Stage("load", times, progress):
         src = resolve_source(str(source))
         config = src.config
-        max_len = _check_max_len(max_model_len, config)
+        max_len = check_max_len(max_model_len, config)
         params = load_source_params(src, torch_dtype, dev)
         tokenizer = load_source_tokenizer(src)
 
@@ -282,7 +198,7 @@ def build_engine(
                 host = kernel_cache.split_host_binaries(work)
         manifest = artifact.write_manifest(work, {
             **artifact.read_manifest(work),
-            "kernel_cache": artifact.KERNELS_DIR if dev.type == "cuda" else None,
+            "kernel_cache": kernel_cache.KERNELS_DIR if dev.type == "cuda" else None,
             "stage_seconds": {k: round(v, 4) for k, v in times.items()},
         })
         if dev.type == "cuda":
@@ -293,7 +209,7 @@ def build_engine(
     return artifact.read_manifest(out_dir)
 
 
-def _check_max_len(max_model_len: int | None, config: ModelConfig) -> int:
+def check_max_len(max_model_len: int | None, config: ModelConfig) -> int:
     if max_model_len is None:
         return config.max_position_embeddings
     if max_model_len < 2 or max_model_len > config.max_position_embeddings:

@@ -35,6 +35,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -46,23 +47,21 @@ from typing import Iterator, Sequence
 
 import torch
 
+import compiled_llm
+from compiled_llm.engine.artifact import read_manifest
+from compiled_llm.engine.build import build_engine, check_max_len
+from compiled_llm.engine.cache_dir import cache_root
+from compiled_llm.errors import EngineError
+from compiled_llm.model.placement import resolve_device, resolve_dtype
+from compiled_llm.model.sources import resolve_source
+
 log = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "COMPILED_LLM_CACHE_DIR"
 KEY_VERSION = 1  # bump when the key's layout changes
 KEY_CHARS = 16
 FULL_HASH_MAX_BYTES = 64 << 20
 EDGE_BYTES = 1 << 20
 _CODE_SUFFIXES = (".py", ".cu", ".cuh", ".cpp", ".c", ".h")
-
-
-def cache_root() -> Path:
-    """``$COMPILED_LLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/compiled_llm``, else ``~/.cache/compiled_llm``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "compiled_llm"
 
 
 def engines_dir() -> Path:
@@ -123,8 +122,6 @@ def source_fingerprint(src) -> dict:
 @functools.lru_cache(maxsize=None)
 def _code_hash() -> str:
     """sha256 of compiled_llm's own source files (the passes, spec and kernels an engine is made of)."""
-    import compiled_llm
-
     root = Path(compiled_llm.__file__).parent
     h = hashlib.sha256()
     for path in sorted(root.rglob("*")):
@@ -136,18 +133,14 @@ def _code_hash() -> str:
 
 def versions(device: torch.device) -> dict:
     """The versions an engine depends on (the key's "versions")."""
-    import compiled_llm
-
     try:
-        import triton
+        import triton  # optional: CPU installs may not have it
 
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
     try:
-        from importlib.metadata import version
-
-        package_version = version("compiled_llm")
+        package_version = importlib.metadata.version("compiled_llm")
     except Exception:  # not installed (e.g. run from a checkout through PYTHONPATH)
         package_version = getattr(compiled_llm, "__version__", None)
     arch = None
@@ -227,9 +220,6 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _is_engine(path: Path) -> bool:
-    from compiled_llm.engine.artifact import read_manifest
-    from compiled_llm.errors import EngineError
-
     try:
         read_manifest(path)
         return True
@@ -238,13 +228,10 @@ def _is_engine(path: Path) -> bool:
 
 
 def _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs):
-    from compiled_llm.engine.build import _check_max_len, resolve_device, resolve_dtype
-    from compiled_llm.model.sources import resolve_source
-
     src = resolve_source(str(source))
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, src)
-    max_len = _check_max_len(max_model_len, src.config)
+    max_len = check_max_len(max_model_len, src.config)
     payload = key_payload(src, dtype=torch_dtype, device=dev, max_model_len=max_len,
                           disabled_passes=disabled_passes, kernel_prefs=kernel_prefs)
     path = engines_dir() / f"{_entry_name(src)}-{engine_key(payload)[:KEY_CHARS]}"
@@ -278,8 +265,6 @@ def cached_engine(
     """The engine directory of ``source`` built with these options: the cached one, or built
     now (under the entry's lock) when there is none or it is not a valid engine.
     ``progress``: build progress bars; None (the default) shows them when stderr is a terminal."""
-    from compiled_llm.engine.build import build_engine
-
     src, dev, torch_dtype, max_len, path = _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(path.parent / f"{path.name}.lock"):

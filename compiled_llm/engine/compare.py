@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from compiled_llm.engine.artifact import load_engine
+from compiled_llm.engine.build import lower
+from compiled_llm.engine.program import PortableProgram
 from compiled_llm.errors import CompiledLLMError
+from compiled_llm.graph.batch import ScheduledSeq, pack_batch
+from compiled_llm.graph.spec import forward, kv_cache_shape
+from compiled_llm.model.sources import load_source_params, resolve_source
 
 BLOCK_SIZE = 16
 FP32_REL_TOL = 1e-4
@@ -84,8 +91,6 @@ def run_steps(
 
     Returns (logits [K, N, V] float32, tokens [N, K]): greedy picks of this side, or ``forced``
     (the other side's tokens) fed instead when given."""
-    from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-    from compiled_llm.graph.spec import kv_cache_shape
 
     tables, num_blocks = _tables(prompts, max_tokens)
     kv = torch.zeros(kv_cache_shape(config, num_blocks, BLOCK_SIZE), dtype=dtype, device=device)
@@ -104,7 +109,7 @@ def run_steps(
 
 def hf_logits(model_dir, prompts, tokens: Tensor, dtype: torch.dtype, device) -> Tensor:
     """transformers' logits [K, N, V] for each prompt followed by the given tokens."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # the HF peer: seconds to import, only for --reference hf
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
@@ -158,22 +163,17 @@ def program_step(program, params) -> StepFn:
 
 
 def spec_step(config, params) -> StepFn:
-    from compiled_llm.graph.spec import forward
-
     return lambda batch, kv: forward(config, params, batch, kv)
 
 
 def source_of(manifest: dict):
     """The ModelSource an engine was built from (for the spec reference and bisection)."""
-    from compiled_llm.model.sources import resolve_source
 
     src = manifest.get("source") or {}
     if src.get("preset"):
         return resolve_source(src["preset"])
     model_dir = src.get("model_dir")
     if model_dir:
-        from pathlib import Path
-
         if not Path(model_dir).is_dir():
             raise CompiledLLMError(f"the engine's source checkpoint {model_dir} is not at hand; compare needs it")
         return resolve_source(model_dir)
@@ -186,8 +186,6 @@ def reference_logits(kind: str, engine, prompts, tokens: Tensor, max_tokens: int
             raise CompiledLLMError("--reference hf needs the source checkpoint directory, which this engine was not built from or which is gone")
         return hf_logits(engine.source_dir, prompts, tokens, engine.dtype, engine.device)
     if kind == "spec":
-        from compiled_llm.model.sources import load_source_params
-
         params = load_source_params(source_of(engine.manifest), engine.dtype, engine.device)
         step = spec_step(engine.config, params)
     else:
@@ -206,9 +204,6 @@ def bisect_passes(engine, ref_kind: str, prompts, max_tokens: int, on_step=None)
     """Rebuild the engine in memory with passes[:k], k = 0, 1, ...; name the first stage whose
     program fails the check ("capture" when even no passes fail, "artifact" when every
     in-memory rebuild passes and only the saved engine fails)."""
-    from compiled_llm.engine.program import PortableProgram
-    from compiled_llm.engine.build import lower
-    from compiled_llm.model.sources import load_source_params
 
     manifest = engine.manifest
     names = [p["name"] for p in manifest["passes"]]
@@ -237,7 +232,6 @@ def compare_engine(
     out: Callable[[str], None] = print,
 ) -> tuple[Verdict, str | None]:
     """Run the comparison, printing per-prompt lines; returns (verdict, culprit or None)."""
-    from compiled_llm.engine.artifact import load_engine
 
     if num_prompts < 1 or max_tokens < 1:
         raise CompiledLLMError("--num-prompts and --max-tokens must be at least 1")

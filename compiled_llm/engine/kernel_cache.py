@@ -42,10 +42,12 @@ from typing import Iterator
 
 import torch
 
-from compiled_llm.engine.artifact import KERNELS_DIR
+from compiled_llm.engine.cache_dir import cache_root
 from compiled_llm.errors import EngineError
 
 log = logging.getLogger(__name__)
+
+KERNELS_DIR = "kernels/triton"  # inside an engine directory
 
 # What Triton's cache holds for a compiled kernel (the group index is JSON); host-side
 # launchers and driver helpers are shared libraries, which engines never carry.
@@ -55,7 +57,7 @@ GPU_ARTIFACTS = (".cubin", ".json", ".ptx", ".ttir", ".ttgir", ".llir", ".source
 @contextlib.contextmanager
 def triton_cache_at(path: Path) -> Iterator[None]:
     """Triton's compile cache is ``path`` for the duration (restored afterwards)."""
-    import triton  # only CUDA builds come here
+    import triton  # optional: CPU installs may not have it; only CUDA builds come here
 
     knobs = triton.knobs.cache
     previous = knobs.dir
@@ -73,16 +75,18 @@ def warm_kernels(engine_dir: Path, device: torch.device, workers: int | None = N
     Triton compiles on the host, one kernel at a time per process, so the work is split over
     ``workers`` processes (``warm_workers()``) that share the cache directory (Triton writes
     each entry with an atomic rename): each captures its share of the graph buckets, and one
-    also runs the KV-sizing step and real steps. If any of them fails, this process warms
-    everything itself, compiling only what is still missing."""
+    also runs the KV-sizing step and real steps (``compiled_llm.serve.kernel_warmup``). If any
+    of them fails, one process warms everything, compiling only what is still missing."""
     cache = Path(engine_dir) / KERNELS_DIR
     cache.mkdir(parents=True, exist_ok=True)
     gc.collect()
     torch.cuda.empty_cache()  # the build's own copies of the weights must not shrink the KV cache
     workers = warm_workers() if workers is None else workers
-    if workers < 2 or not _warm_in_children(Path(engine_dir), device, workers):
-        with triton_cache_at(cache):
-            _warm(Path(engine_dir), device)
+    if not _warm_in_children(Path(engine_dir), device, workers) and workers > 1:
+        # a share failed (say, several processes did not fit on the GPU at once): one process
+        # does all of it, compiling only what is still missing
+        if not _warm_in_children(Path(engine_dir), device, 1):
+            raise EngineError("the build's kernel warm-up failed (see the warning above)")
     for tmp in list(cache.rglob("tmp.pid_*")):  # half-written entries of a process killed mid-write
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
     gc.collect()
@@ -96,39 +100,10 @@ def warm_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
-# a KV cache big enough for the real steps below, small enough for several processes at once
-_CHILD_KV_BLOCKS = 64
-
-
-def _warm(engine_dir: Path, device: torch.device, part: int = 0, parts: int = 1) -> None:
-    """Share ``part`` of ``parts`` of the warm-up (all of it by default), in this process."""
-    from compiled_llm.serve.sampling import SamplingParams
-    from compiled_llm.serve.llm import LLM
-
-    options = {} if parts == 1 else {"num_blocks": _CHILD_KV_BLOCKS}
-    llm = LLM(str(engine_dir), device=device, **options)
-    # the two extra jobs go to different processes (the last and the one before), so none of
-    # them waits on both
-    if parts > 1 and part == max(parts - 2, 0):
-        llm.engine.profile_largest_step()  # what the KV sizing of a real load runs
-    llm.engine.capture_cuda_graphs(part, parts)  # graph buckets, on inputs that write nowhere
-    if part == parts - 1:
-        # Real steps on top: Triton specialises integer arguments equal to 1 or divisible by
-        # 16 (sequence counts, lengths), which the idle capture inputs do not cover. One and
-        # three sequences, lengths that cross a multiple of 16, greedy and sampled.
-        for temperature in (0.0, 0.7):
-            params = SamplingParams(max_tokens=4, temperature=temperature, ignore_eos=True)
-            for lengths in ([14], [5, 37, 16]):
-                prompts = [{"prompt_token_ids": [1 + (i % 7) for i in range(n)]} for n in lengths]
-                llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize(device)
-    del llm
-
-
 def _warm_in_children(engine_dir: Path, device: torch.device, parts: int) -> bool:
     """Run the warm-up's ``parts`` shares in as many fresh processes at once; True when every
     one of them succeeded. None is left running, whatever happens here."""
-    cmd = [sys.executable, "-m", "compiled_llm.engine.kernel_cache", str(engine_dir), str(device), str(parts)]
+    cmd = [sys.executable, "-m", "compiled_llm.serve.kernel_warmup", str(engine_dir), str(device), str(parts)]
     deadline = time.monotonic() + _CHILD_TIMEOUT_S
     with tempfile.TemporaryDirectory(prefix="cllm-warm-") as logs:
         procs = []
@@ -147,7 +122,7 @@ def _warm_in_children(engine_dir: Path, device: torch.device, parts: int) -> boo
                 if proc.returncode != 0:
                     ok = False
                     last = (Path(logs) / f"{part}.err").read_text(errors="replace").strip().splitlines()[-1:]
-                    log.warning("kernel warm-up process %d of %d failed (%s); warming in this process",
+                    log.warning("kernel warm-up process %d of %d failed (%s)",
                                 part, parts, last[0] if last else f"exit status {proc.returncode}")
             return ok
         finally:
@@ -158,15 +133,6 @@ def _warm_in_children(engine_dir: Path, device: torch.device, parts: int) -> boo
 
 
 _CHILD_TIMEOUT_S = 900
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m compiled_llm.engine.kernel_cache ENGINE_DIR DEVICE PARTS PART``: one share of a
-    build's warm-up (see ``warm_kernels``)."""
-    engine_dir, device, parts, part = Path(argv[0]), torch.device(argv[1]), int(argv[2]), int(argv[3])
-    with triton_cache_at(engine_dir / KERNELS_DIR):
-        _warm(engine_dir, device, part, parts)
-    return 0
 
 
 def split_host_binaries(engine_dir: Path) -> Path | None:
@@ -197,8 +163,6 @@ def install_local(engine_dir: Path, manifest: dict, host: Path | None) -> None:
 
 def local_dir(files: dict[str, str]) -> Path:
     """This user's Triton cache directory for one set of engine kernel files."""
-    from compiled_llm.engine.cache import cache_root
-
     digest = hashlib.sha256("\n".join(f"{rel} {files[rel]}" for rel in sorted(files)).encode()).hexdigest()
     return cache_root() / "triton" / digest[:16]
 
@@ -228,7 +192,7 @@ def use_engine_kernels(engine_dir: Path, manifest: dict, device: torch.device) -
     except OSError as e:  # a read-only or full cache directory: run, compiling kernels as needed
         log.warning("cannot unpack the engine's kernels into %s (%s); Triton will compile them", target, e)
         return None
-    import triton
+    import triton  # optional: CPU installs may not have it; only CUDA engines come here
 
     triton.knobs.cache.dir = str(target)
     return target
@@ -275,7 +239,3 @@ def _rehome_group(group: Path, tmp: Path, target: Path) -> None:
             raise EngineError(f"kernel index {group.name} names {path!r}, outside its entry; refusing to load")
         children[name] = str(target / entry.relative_to(tmp) / base)
     group.write_text(json.dumps({**data, "child_paths": children}))
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -35,7 +35,7 @@ import stat
 import tempfile
 from pathlib import Path, PurePosixPath
 
-from compiled_llm.engine.artifact import MANIFEST, read_manifest
+from compiled_llm.engine.artifact import FORMAT_VERSION, MANIFEST, read_manifest
 from compiled_llm.errors import CompiledLLMError, EngineError
 
 try:
@@ -130,7 +130,6 @@ def _older_engine_manifest(target: Path) -> dict | None:
     """The manifest of an engine an earlier compiled_llm wrote (an older format_version, which
     loads no more but may be rebuilt in place), or None. Its file list is only ever used to
     remove regular files strictly inside the directory."""
-    from compiled_llm.engine.artifact import FORMAT_VERSION
 
     try:
         manifest = json.loads((target / MANIFEST).read_text())

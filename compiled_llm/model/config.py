@@ -208,7 +208,7 @@ def load_config(model_dir: Path) -> ModelConfig:
     # Check the architecture on the raw file first so an unknown model gets our message, then
     # let transformers fill in the class defaults that save_pretrained leaves out of the file.
     arch = check_architecture(raw)
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # seconds to import: only checkpoints need it, engines never
 
     try:
         full = AutoConfig.from_pretrained(str(model_dir)).to_dict()

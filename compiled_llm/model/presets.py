@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from compiled_llm.model.config import ModelConfig, config_from_hf
 from compiled_llm.errors import CompiledLLMError
+from compiled_llm.model.config import ModelConfig, config_from_hf
 
 PRESET_SEED = 0
 # Ids of the byte-level tokenizer's specials (see tokenizer.byte_level_tokenizer).

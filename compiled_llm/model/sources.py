@@ -16,9 +16,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from compiled_llm.model.config import ModelConfig, load_config
 from compiled_llm.errors import CompiledLLMError
+from compiled_llm.model.config import ModelConfig, load_config
 from compiled_llm.model.presets import PRESET_NAMES, PRESET_SEED, is_preset, preset_config
+from compiled_llm.model.tokenizer import byte_level_tokenizer, load_tokenizer
+from compiled_llm.model.weights import load_params, random_params
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*")
 # Files a checkpoint needs; everything else in a hub repo (other formats, images) is skipped.
@@ -58,7 +60,7 @@ def _offline() -> bool:
 def _hub_snapshot(repo_id: str) -> Path:
     """A local snapshot of ``repo_id``: the cached one, else a fresh download."""
     try:
-        import huggingface_hub
+        import huggingface_hub  # optional: only hub ids need it
     except ImportError:
         raise CompiledLLMError(
             f"{repo_id!r} looks like a hub id but huggingface_hub is not installed; pass a local directory"
@@ -88,7 +90,6 @@ def _first_line(e: BaseException) -> str:
 
 def load_source_params(src: ModelSource, dtype, device) -> dict:
     """The spec's params for ``src``: the checkpoint's weights, or a preset's seeded random ones."""
-    from compiled_llm.model.weights import load_params, random_params
 
     if src.model_dir is None:
         return random_params(src.config, dtype=dtype, device=device, seed=PRESET_SEED)
@@ -97,7 +98,6 @@ def load_source_params(src: ModelSource, dtype, device) -> dict:
 
 def load_source_tokenizer(src: ModelSource):
     """The source's Tokenizer, or None when a checkpoint directory has no tokenizer files."""
-    from compiled_llm.model.tokenizer import byte_level_tokenizer, load_tokenizer
 
     if src.model_dir is None:
         return byte_level_tokenizer()

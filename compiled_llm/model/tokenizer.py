@@ -19,12 +19,20 @@ them); ``load_tokenizer(dir)`` reads them back.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
-import functools
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+import jinja2
+import jinja2.ext
+import sentencepiece
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as RawTokenizer
 
 from compiled_llm.errors import CompiledLLMError
 
@@ -226,7 +234,7 @@ class _TokenizerFile:
             hf.save_pretrained(str(directory))
 
     def _as_transformers(self) -> Any:
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # seconds to import; engine loads never need it
 
         if self.source_dir is not None:
             return AutoTokenizer.from_pretrained(str(self.source_dir))
@@ -354,7 +362,7 @@ def _load_hf_files(directory: Path) -> _TokenizerFile | _Transformers:
         except Exception as e:  # transformers gets its chance; broken files fail there too
             fast_error = e
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # seconds to import; engine loads never need it
 
         return _Transformers(AutoTokenizer.from_pretrained(str(directory)))
     except Exception:
@@ -371,7 +379,6 @@ def _read_json(path: Path) -> Any:
 def _load_tokenizer_json(directory: Path) -> _TokenizerFile:
     """What transformers' AutoTokenizer.from_pretrained(directory) builds for a directory with a
     tokenizer.json (TokenizersBackend.from_pretrained and __init__), without transformers."""
-    from tokenizers import Tokenizer as RawTokenizer
 
     config_path = directory / TOKENIZER_CONFIG
     config = _read_json(config_path) if config_path.is_file() else {}
@@ -428,7 +435,6 @@ def _load_tokenizer_json(directory: Path) -> _TokenizerFile:
     _add_config_tokens(raw, added, named, extra)
     named_text = {k: _token_text(v) for k, v in named.items()}
     if tokenizer_class == "Qwen2Tokenizer":  # Qwen2Tokenizer.__init__ adds every special token again
-        from tokenizers import AddedToken
 
         raw.add_tokens([AddedToken(t, special=True) for t in dict.fromkeys([*named_text.values(), *extra])])
     raw.encode_special_tokens = bool(config.get("split_special_tokens", False))
@@ -470,8 +476,6 @@ _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized
 def _added_token(value: Any) -> Any:
     """A token of tokenizer_config.json: text, or a serialized AddedToken made into one."""
     if isinstance(value, dict) and "content" in value:
-        from tokenizers import AddedToken
-
         return AddedToken(**{k: v for k, v in value.items() if k in _ADDED_TOKEN_FIELDS})
     return value
 
@@ -485,7 +489,6 @@ def _token_text(token: Any) -> str:
 def _add_config_tokens(raw: Any, added: dict[int, Any], named: dict[str, Any], extra: list[str]) -> None:
     """TokenizersBackend.__init__: the config's added tokens (in id order), then the named and
     extra special tokens the tokenizer does not have yet, named ones marked special."""
-    from tokenizers import AddedToken
 
     to_add = [tok for _, tok in sorted(added.items())]
     known = {t.content for t in raw.get_added_tokens_decoder().values()} | {_token_text(t) for t in to_add}
@@ -510,8 +513,6 @@ def _llama_tokenizer(tokenizer_json: dict, config: dict) -> tuple[Any, dict[int,
     tokenizer.json and builds the rest itself: byte-fallback BPE behind a Metaspace pre-tokenizer
     (no normalizer), so files written by older converters tokenize the way transformers does.
     Returns the tokenizer without added tokens and the file's added tokens."""
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as RawTokenizer
 
     model = tokenizer_json.get("model") or {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
@@ -578,8 +579,6 @@ def _clean_up_tokenization(text: str) -> str:
 
 
 def _load_sentencepiece(path: Path) -> Tokenizer:
-    import sentencepiece
-
     sp = sentencepiece.SentencePieceProcessor()
     try:
         sp.Load(str(path))
@@ -601,7 +600,6 @@ def render_chat_template(
     """Render a Hugging Face chat template as transformers' apply_chat_template(tokenize=False)
     does: messages without their None fields, the reasoning under its usual names, and the
     named special tokens (``bos_token``, ``eos_token``, ...) as template variables."""
-    import jinja2
 
     chat = []
     for message in messages:
@@ -638,11 +636,7 @@ def _plain(value: Any) -> Any:
 def _compile_chat_template(template: str) -> Any:
     """transformers' chat template environment: a sandbox with trim_blocks and lstrip_blocks, loop
     controls, the ``{% generation %}`` tag, and the globals and filters templates rely on."""
-    from datetime import datetime
 
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationTag(jinja2.ext.Extension):
         """``{% generation %}`` marks assistant text for training masks; rendering keeps it as is."""
@@ -708,8 +702,6 @@ def byte_level_tokenizer() -> Tokenizer:
     """A tokenizer that needs no files: byte-level BPE without merges, so token id b is byte b
     (0..255), then <|endoftext|>=256, <|im_start|>=257, <|im_end|>=258; ChatML chat template.
     Any text round-trips exactly."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
 
     raw = RawTokenizer(models.BPE(vocab=_byte_vocab(), merges=[]))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
-from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import WeightLoadError
 from compiled_llm.graph.spec import derived_params, param_shapes
+from compiled_llm.model.config import ModelConfig
 
 # A mapping rule: HF tensor -> list of (spec name, tensor) pairs.
 Mapper = Callable[[Tensor], list[tuple[str, Tensor]]]
@@ -139,8 +140,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[Path, str, Tensor]]:
-    from safetensors import safe_open
-
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:

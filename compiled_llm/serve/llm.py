@@ -14,13 +14,17 @@ import collections
 import numbers
 from typing import Any, Iterable, Sequence
 
+from tqdm.auto import tqdm
+
+from compiled_llm.engine.cache import cached_engine
+from compiled_llm.engine.loaded_model import LoadedModel
+from compiled_llm.engine.loader import is_engine_dir, load_model
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.serve.sampling import SamplingParams
-from compiled_llm.serve.engine_loop import EngineLoop, RequestQueue
 from compiled_llm.serve.engine_config import EngineConfig
+from compiled_llm.serve.engine_loop import EngineLoop, RequestQueue
 from compiled_llm.serve.llm_engine import LLMEngine
-from compiled_llm.serve.loader import LoadedModel, is_engine_dir, load_model
 from compiled_llm.serve.outputs import RequestOutput
+from compiled_llm.serve.sampling import SamplingParams
 
 
 def _is_single_prompt(prompts: Any) -> bool:
@@ -55,8 +59,6 @@ class LLM:
     def __init__(self, model: str, dtype=None, device=None, **engine_options):
         config = EngineConfig.from_options(engine_options)
         if not config.enforce_eager and not is_engine_dir(model):
-            from compiled_llm.engine.cache import cached_engine
-
             model = cached_engine(str(model), dtype=dtype, device=device)
         self._init_engine(load_model(model, dtype=dtype, device=device), config)
 
@@ -114,8 +116,6 @@ class LLM:
         left = len(queues)
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
             # disable=None: no bar when stderr is not a terminal
             bar = tqdm(total=len(queues), desc="requests", unit="req", dynamic_ncols=True, disable=None)
         try:

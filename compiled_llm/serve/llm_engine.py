@@ -22,7 +22,7 @@ from compiled_llm.serve.sampling import SamplingParams, make_generator
 from compiled_llm.serve import kv_cache as kvc
 from compiled_llm.serve.block_manager import BlockManager, cdiv
 from compiled_llm.serve.detokenizer import IncrementalDetokenizer
-from compiled_llm.serve.loader import LoadedModel
+from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.serve.model_runner import ModelRunner, _label, profile_step
 from compiled_llm.serve.outputs import CompletionOutput, RequestOutput
 from compiled_llm.serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig

@@ -66,7 +66,8 @@ def hf_config_of(llm) -> dict | None:
 
 
 def run(args) -> int:
-    from compiled_llm.cli.run import is_engine_dir, resolve_device
+    from compiled_llm.engine.loader import is_engine_dir
+    from compiled_llm.model.placement import resolve_device
     from compiled_llm.serve.llm import LLM
 
     from compiled_llm.cli.bench import workloads as wl

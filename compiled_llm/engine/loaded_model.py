@@ -1,0 +1,41 @@
+"""LoadedModel: what the runtime runs, from a built engine or (``enforce_eager``) from a model
+source run through the eager spec."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from compiled_llm.model.config import ModelConfig
+from compiled_llm.model.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    params: dict[str, torch.Tensor]  # an engine's post-pass names, on ``device``
+    program: Callable  # program(params, batch: PackedBatch, kv_cache) -> logits[S, V]
+    tokenizer: Tokenizer | None
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    manifest: dict | None = None  # engines only
+    engine_dir: Path | None = None  # engines only
+    source_dir: Path | None = None  # the checkpoint directory, when it is on this machine
+    load_stages: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds, in load order
+    load_s: float = 0.0
+
+    @property
+    def is_engine(self) -> bool:
+        return self.manifest is not None
+
+    @property
+    def max_model_len(self) -> int | None:
+        """An engine's build-time limit (None for a model source)."""
+        if self.manifest is None:
+            return None
+        return int(self.manifest["build_options"].get("max_model_len") or self.config.max_position_embeddings)
