@@ -1,10 +1,7 @@
-"""`compiled-llm bench ENGINE_DIR --workload latency|throughput|prefill|all`: the PERF.md
-workloads on a built engine, with Hugging Face transformers measured in the same run (built
-from the engine's source config with random weights) and one table comparing them.
-
-The workload code lives in compiled_llm/cli/bench/workloads.py (also used by
-benchmarks/bench_all.py).
-"""
+"""`compiled-llm bench ENGINE_DIR --workload latency|throughput|prefill|coldstart|all`: the
+project's workloads (``workloads.py``, ``coldstart.py``) on a built engine, with Hugging Face
+transformers measured in the same run (built from the engine's source config with random
+weights) and one table comparing them. Results are recorded in BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -17,8 +14,11 @@ def add_parser(subparsers):
     p = subparsers.add_parser(
         "bench",
         help="benchmark an engine on the latency / throughput / prefill workloads (vs HF transformers)",
-        description="Run the workloads of PERF.md on ENGINE_DIR and, unless --no-hf, the same workloads "
-                    "on Hugging Face transformers in the same process; print one table.",
+        description="Run the benchmark workloads on ENGINE_DIR and, unless --no-hf, the same workloads "
+                    "on Hugging Face transformers in the same run; print one table. latency: batch 1, a "
+                    "128-token prompt, 256 greedy tokens; throughput: 256 requests with prompt and output "
+                    "lengths uniform in 100..1024, temperature 0.6; prefill: one 1024-token prompt; "
+                    "coldstart: fresh processes from start to first token.",
     )
     p.add_argument("engine", metavar="ENGINE_DIR",
                    help="an engine directory made by 'compiled-llm build', or a model source (built into the "
@@ -30,7 +30,7 @@ def add_parser(subparsers):
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to run; auto = cuda when available")
     p.add_argument("--num-requests", type=int, default=256, metavar="N",
-                   help="requests of the throughput workload (default 256, as PERF.md defines it)")
+                   help="requests of the throughput workload (default 256)")
     # the workloads' longest sequence is 2,048 tokens: a shorter limit than a model's keeps the
     # block tables (and the graphs' inputs) small
     add_engine_arguments(p.add_argument_group("engine options"), defaults={"max_model_len": 4096})

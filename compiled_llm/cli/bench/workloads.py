@@ -1,5 +1,5 @@
-"""The project's benchmark workloads (/work/shared/PERF.md), for compiled_llm and for Hugging
-Face transformers, measured the same way in the same process.
+"""The benchmark workloads, for compiled_llm and for Hugging Face transformers, measured the same
+way in the same run.
 
 - latency: batch 1, a 128-token random prompt, 256 new tokens greedy, EOS ignored; decode
   tok/s (prefill excluded) and time to first token.
@@ -18,7 +18,6 @@ first and reports the median of its repeats.
 from __future__ import annotations
 
 import random
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -331,47 +330,6 @@ def run_hf(hf_config: dict, dtype, device, workloads=WORKLOADS) -> list[Result]:
 # ---------------------------------------------------------------------------------------------
 # Ceilings measured in the same run, and what the workloads reach of them
 # ---------------------------------------------------------------------------------------------
-
-
-def measure_ceilings(device) -> dict[str, float]:
-    """Device-to-device copy bandwidth (bytes read + written) and the bf16 8192^3 matmul rate,
-    medians of triton.testing.do_bench on random data (PERF.md's two ceilings)."""
-    import torch
-    from triton.testing import do_bench
-
-    x = torch.empty(1 << 30, dtype=torch.bfloat16, device=device).normal_()  # 2 GiB
-    y = torch.empty_like(x)
-    copy_ms = do_bench(lambda: y.copy_(x), warmup=10, rep=100, return_mode="median")
-    del x, y
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    mm_ms = do_bench(lambda: a @ b, warmup=10, rep=100, return_mode="median")
-    return {"copy_gb_s": 2 * (1 << 30) * 2 / (copy_ms * 1e-3) / 1e9, "matmul_tflop_s": 2 * n ** 3 / (mm_ms * 1e-3) / 1e12}
-
-
-def weight_bytes(config, dtype_bytes: int = 2) -> int:
-    """Bytes a batch-1 decode step must read: every weight once (a tied embedding once, as the
-    lm_head)."""
-    from compiled_llm.graph.spec import param_shapes
-
-    return dtype_bytes * sum(math.prod(shape) for shape in param_shapes(config).values())
-
-
-def prefill_flops(config, tokens: int) -> dict[str, float]:
-    """FLOPs of one prefill of ``tokens`` tokens: "executed" counts the layers' matmuls
-    (2 x weights x tokens), causal attention (QK^T and PV over the causal half) and the lm_head of
-    the one sampled row; "2N" is the usual 2 x parameters x tokens."""
-    from compiled_llm.graph.spec import param_shapes
-
-    c = config
-    h, q, kv = c.hidden_size, c.q_size, c.kv_size
-    mlp_mats = 3 if c.mlp_type == "silu_glu" else 2
-    per_layer = h * (q + 2 * kv) + q * h + mlp_mats * h * c.intermediate_size
-    attention = 2 * tokens * tokens * q * c.num_layers  # 2 matmuls x 2 FLOPs x T^2 / 2 x q width
-    executed = 2 * tokens * per_layer * c.num_layers + attention + 2 * h * c.vocab_size
-    params = sum(math.prod(shape) for shape in param_shapes(c).values())
-    return {"executed": float(executed), "2N": float(2 * params * tokens)}
 
 
 # ---------------------------------------------------------------------------------------------
