@@ -7,7 +7,7 @@ tokens with a clear margin. No weights can be downloaded, so this script makes s
 the preset's exact shapes (``transformers.AutoModelForCausalLM.from_config`` on the preset's
 config.json), trained for a few hundred steps on text drawn from a low-entropy source, saved as
 an ordinary Hugging Face checkpoint (bf16 safetensors, config.json, the presets' byte-level
-tokenizer) that ``compiled-llm build`` and ``benchmarks/agreement_check.py --source DIR`` read.
+tokenizer) that ``compiled-llm build`` and ``benchmarks/kernel_bench.py agree --source DIR`` read.
 
 The corpus is a first-order Markov chain over ``--states`` token ids (a random subset of the
 vocabulary, specials excluded, in random order). The states sit on a cycle by that order: the
@@ -37,7 +37,7 @@ held-out tokens, top-1/top-2 gap median 2.2 and 1st percentile 1.2.
 
 Prints the training loss and, on held-out walks, how often the model's argmax is the chain's
 most likely successor and the median / 1st-percentile top-1 minus top-2 logit gap; writes
-``prompts.json`` (``--num-prompts`` walks of 8..32 tokens, for ``agreement_check.py
+``prompts.json`` (``--num-prompts`` walks of 8..32 tokens, for ``kernel_bench.py agree
 --prompts-file``) and ``training.json`` (the chain and the log).
 
     python benchmarks/train_synthetic_lm.py --out /tmp/cllm_trained [--preset qwen2.5-0.5b] [--steps 300]

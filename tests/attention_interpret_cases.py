@@ -7,9 +7,9 @@ hold NaN, so a read past a context or a write outside the batch's slots shows.
 
 What is specified here:
   * decode is one launch that stores the new k/v itself and reduces its splits itself, with the
-    same cache and (to fp32 rounding) the same output as the reference, for one split and
-    several, with the fused reduce on and off (LAUNCHES 1/2/3), for GQA groups 1/3/7 and
-    head_dim 64/128, padding rows included; its ticket counters are back at 0 after every call,
+    same cache and (to fp32 rounding) the same output as the reference, for one split (no
+    reduce) and several (the fused reduce), for GQA groups 1/3/7 and head_dim 64/128, padding
+    rows included; its ticket counters are back at 0 after every call,
     so consecutive calls (decode steps, layers) reuse them;
   * prefill / mixed batches (chunked prefill over a cached prefix, decode rows among prompts)
     with the GQA group stacked into one tile, for groups 3 and 7, block sizes 4 and 16, tiles
@@ -43,11 +43,11 @@ def _default_configs():
     launch_configs.use_configs(None)
 
 
-def use_decode_config(block_n: int, max_splits: int, launches: int = 1, combine_splits: int = 16) -> None:
+def use_decode_config(block_n: int, max_splits: int, combine_splits: int = 16) -> None:
     """Decode knobs for the test; PROGRAMS_PER_SM is large so MAX_SPLITS (and the context)
     decide the number of splits, not the interpreter's stand-in SM count."""
     launch_configs.use_configs({"paged_attention_decode": {"inf": {
-        "BLOCK_N": block_n, "MAX_SPLITS": max_splits, "PROGRAMS_PER_SM": 64, "LAUNCHES": launches,
+        "BLOCK_N": block_n, "MAX_SPLITS": max_splits, "PROGRAMS_PER_SM": 64,
         "COMBINE_SPLITS": combine_splits, "num_warps": 4, "num_stages": 1}}})
 
 
@@ -104,10 +104,9 @@ def decode_steps(case: AttnCase, steps: int, pad_rows: int = 0) -> list[AttnCase
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("launches", [1, 2, 3])
 @pytest.mark.parametrize("max_splits", [1, 3, pytest.param(8, marks=SLOW)])
-def test_decode_matches_reference_for_every_launch_mode_and_split_count(max_splits, launches):
-    use_decode_config(block_n=16, max_splits=max_splits, launches=launches)
+def test_decode_matches_reference_for_every_split_count(max_splits):
+    use_decode_config(block_n=16, max_splits=max_splits)
     # contexts from 1 token to several splits' worth: a new token at a block start, mid-block,
     # at a block end; a wide block table like a runtime's
     case = decode_steps(attention_case([(0, 1), (16, 1), (40, 1), (70, 1), (7, 1)], num_heads=6, num_kv_heads=2,
@@ -116,7 +115,6 @@ def test_decode_matches_reference_for_every_launch_mode_and_split_count(max_spli
     assert pa.is_decode_batch(case.q, case.query_start_loc)
     plan = pa.decode_plan(7, 2, 32 * 4, CPU)  # at 8 splits, the longest context leaves 3 empty
     assert plan["NUM_SPLITS"] == max_splits
-    assert plan["REDUCE"] == (pa.PARTIALS if launches > 1 else pa.DIRECT if max_splits == 1 else pa.FUSED)
     out, ref, cache, ref_cache = run_both(case)
     assert same_cache(cache, ref_cache)
     assert rel_err(out, ref) <= TOL, rel_err(out, ref)
@@ -165,28 +163,12 @@ def test_decode_row_with_slot_minus_one_writes_nothing_and_reads_the_cache():
     assert rel_err(out, ref) <= TOL
 
 
-def test_separate_launches_take_any_slot():
-    # LAUNCHES 3 (the earlier path) stores before attending, so a slot inside the attended
-    # context is fine there: row 0 overwrites its own position 1 and must see the new value
-    use_decode_config(block_n=16, max_splits=4, launches=3)
-    case = decode_steps(attention_case([(5, 1), (2, 1)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
-                                       dtype=F32, device="cpu", seed=9), steps=1)[0]
-    case.seq_lens = case.seq_lens - 1  # the cached tokens
-    case.slot_mapping = torch.tensor([int(case.block_tables[0, 0]) * 4 + 1, -1])
-    out, ref, cache, ref_cache = run_both(case)
-    assert same_cache(cache, ref_cache)
-    assert not same_cache(cache, case.kv_cache)  # the cached token was overwritten
-    assert rel_err(out, ref) <= TOL
-
-
 def test_decode_splits_follow_shapes_and_knobs_only():
     a = pa.num_decode_splits(1, 2, 4096, 64, 32, CPU)
     assert a == pa.num_decode_splits(1, 2, 4096, 64, 32, CPU)
     assert pa.num_decode_splits(1, 2, 4096, 64, 32, CPU, programs_per_sm=64) == 32  # capped by MAX_SPLITS
     assert pa.num_decode_splits(1, 2, 100, 64, 32, CPU, programs_per_sm=64) == 2  # two tiles of table
     assert pa.num_decode_splits(64, 8, 4096, 64, 32, CPU) == 1  # the batch alone fills the GPU
-    launch_configs.use_configs(None)
-    assert pa.decode_plan(1, 2, 4096, CPU)["LAUNCHES"] == 1  # one launch by default
 
 
 def test_split_counters_grow_and_keep_old_buffers_alive():

@@ -120,7 +120,7 @@ def test_fused_decode_is_deterministic_across_replays():
     m = MODELS["qwen2.5-0.5b"]
     (case,) = _decode_sets(m, torch.bfloat16, [[4096, 3000, 130, 2047]], 0, seed=5)
     static = list(case.args(case.kv_cache.clone()))
-    assert pa.decode_plan(4, m["Hkv"], WIDTH * BLOCK, torch.device(DEV))["REDUCE"] == pa.FUSED
+    assert pa.decode_plan(4, m["Hkv"], WIDTH * BLOCK, torch.device(DEV))["NUM_SPLITS"] > 1  # the fused reduce
     graph, out = _capture(static)
     runs = []
     for _ in range(5):
@@ -131,11 +131,10 @@ def test_fused_decode_is_deterministic_across_replays():
     assert _counters_zero()
 
 
-@pytest.mark.parametrize("launches", [1, 2, 3])
 @pytest.mark.parametrize("max_splits", [1, 8, 32])
-def test_decode_launch_modes_agree(launches, max_splits):
+def test_decode_split_counts_agree(max_splits):
     launch_configs.use_configs({"paged_attention_decode": {"inf": {
-        "BLOCK_N": 64, "MAX_SPLITS": max_splits, "PROGRAMS_PER_SM": 64, "LAUNCHES": launches,
+        "BLOCK_N": 64, "MAX_SPLITS": max_splits, "PROGRAMS_PER_SM": 64,
         "COMBINE_SPLITS": 16, "num_warps": 4, "num_stages": 2}}})
     m = MODELS["llama-3.2-1b"]
     (case,) = _decode_sets(m, torch.bfloat16, [[4096, 1, 700, 1500, 64, 65]], 2, seed=7)

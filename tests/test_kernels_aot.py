@@ -43,30 +43,23 @@ def _cases(dt):
         **_stride_args("stride_kt", "stride_kh", "stride_kd", "stride_vt", "stride_vh", "stride_vd"),
     }, dict(NUM_KV_HEADS=2, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_HK=2, BLOCK_D=64)
     for head_dim, group, block_n in ((64, 7, 32), (128, 2, 64)):
-        for reduce, store in ((0, True), (1, False), (2, True)):  # direct, separate reduce, fused
-            yield f"decode D{head_dim} reduce={reduce}", pa._decode_kernel, 4, {
+        for splits in (1, 16):  # the output written directly; the fused split reduce
+            yield f"decode D{head_dim} splits={splits}", pa._decode_kernel, 4, {
                 **ptr("q_ptr", "k_ptr", "v_ptr", "cache_ptr", "out_ptr"), **idx, "slot_ptr": "*i64",
                 "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "counter_ptr": "*i32", **cache_strides,
                 **_stride_args("stride_qt", "stride_qh", "stride_qd", "stride_kt", "stride_kh", "stride_kd",
                                "stride_vt", "stride_vh", "stride_vd", "stride_bt_s", "stride_bt_b", "stride_ot",
                                "stride_oh", "stride_od", "stride_mo_s", "stride_mo_h", "stride_mo_p",
                                "stride_ml_s", "stride_ml_h"),
-            }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, NUM_SPLITS=1 if reduce == 0 else 16,
-                    STORE_KV=store, REDUCE=reduce, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=head_dim,
-                    BLOCK_G=triton.next_power_of_2(group), BLOCK_P=16, IEEE=ieee, PDL=reduce == 2)
-        tokens = 64 // group
-        for flat in (False, True):
-            yield f"prefill D{head_dim} flat={flat}", pa._prefill_kernel, 4, {
-                **ptr("q_ptr", "cache_ptr", "out_ptr"), **idx, **cache_strides,
-                **_stride_args("stride_qt", "stride_qh", "stride_qd", "stride_bt_s", "stride_bt_b", "stride_ot",
-                               "stride_oh", "stride_od", "NUM_SEQS", "T"),
-            }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, TOKENS=tokens, BLOCK_M=64, BLOCK_N=64,
-                    BLOCK_D=head_dim, IEEE=ieee, FLAT=flat)
-    yield "decode_reduce", pa._decode_reduce_kernel, 2, {
-        "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", **ptr("out_ptr"),
-        **_stride_args("stride_mo_s", "stride_mo_h", "stride_mo_p", "stride_ml_s", "stride_ml_h", "stride_ot",
-                       "stride_oh", "stride_od"),
-    }, dict(HEAD_DIM=64, NUM_SPLITS=3, BLOCK_P=4, BLOCK_D=64)
+            }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, NUM_SPLITS=splits,
+                    BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=head_dim,
+                    BLOCK_G=triton.next_power_of_2(group), BLOCK_P=16, IEEE=ieee, PDL=splits > 1)
+        yield f"prefill D{head_dim}", pa._prefill_kernel, 4, {
+            **ptr("q_ptr", "cache_ptr", "out_ptr"), **idx, **cache_strides,
+            **_stride_args("stride_qt", "stride_qh", "stride_qd", "stride_bt_s", "stride_bt_b", "stride_ot",
+                           "stride_oh", "stride_od", "NUM_SEQS", "T"),
+        }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, TOKENS=64 // group, BLOCK_M=64, BLOCK_N=64,
+                BLOCK_D=head_dim, IEEE=ieee)
     for rms in (True, False):
         yield f"norm rms={rms}", tn._norm_kernel, 4, {
             **ptr("x_ptr", "res_ptr", "w_ptr", "b_ptr", "out_ptr", "sum_ptr"),

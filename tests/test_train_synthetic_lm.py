@@ -1,6 +1,7 @@
 """benchmarks/train_synthetic_lm.py: the synthetic chain is what its docstring says, a few CPU
 steps on tiny-qwen2 learn it, and the checkpoint it writes loads in transformers, builds with
-compiled_llm and passes benchmarks/agreement_check.py with its prompts.json."""
+compiled_llm and passes the agreement check (``benchmarks/kernel_bench.py agree``) with its
+prompts.json."""
 
 import json
 import math
@@ -15,7 +16,7 @@ from compiled_llm.engine.build import build_engine
 from compiled_llm.model.presets import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, TINY_VOCAB
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import agreement_check  # noqa: E402
+import kernel_bench  # noqa: E402
 import train_synthetic_lm as tsl  # noqa: E402
 
 SPECIALS = {ENDOFTEXT_ID, IM_START_ID, IM_END_ID}
@@ -106,8 +107,8 @@ def test_agreement_check_passes_on_cpu_with_the_prompts_file(trained, capsys, mo
 
     out, _ = trained
     monkeypatch.setattr(compare, "random_prompts", lambda *a, **k: pytest.fail("random prompts despite --prompts-file"))
-    rc = agreement_check.main(["--source", str(out), "--prompts-file", str(out / "prompts.json"),
-                               "--dtype", "float32", "--prompts", "2", "--tokens", "4"])
+    rc = kernel_bench.main(["agree", "--source", str(out), "--prompts-file", str(out / "prompts.json"),
+                            "--dtype", "float32", "--prompts", "2", "--tokens", "4"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "greedy agreement 100.00% (8/8)" in text and "PASS" in text
@@ -117,4 +118,4 @@ def test_agreement_check_refuses_a_short_prompts_file(tmp_path):
     path = tmp_path / "prompts.json"
     path.write_text(json.dumps([[1, 2, 3]]))
     with pytest.raises(SystemExit, match="at least 2 prompts"):
-        agreement_check.main(["--source", "tiny-qwen2", "--prompts-file", str(path), "--prompts", "2"])
+        kernel_bench.main(["agree", "--source", "tiny-qwen2", "--prompts-file", str(path), "--prompts", "2"])

@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from compiled_llm.graph.ops import layer_norm_ref, rms_norm_ref
+from compiled_llm.kernels import triton_norm_mlp
+
 SOURCE = Path(__file__).parent / "csrc" / "norm_mlp.cu"
 CPP_DECLS = """
 #include <torch/extension.h>
@@ -47,6 +50,7 @@ def toolchain_available() -> bool:
     """Cheap check (no compile): a CUDA torch and an nvcc to build with."""
     if torch.version.cuda is None:
         return False
+    # cpp_extension is only needed (and its import only paid) where the extension may be built
     from torch.utils.cpp_extension import CUDA_HOME
 
     return shutil.which("nvcc") is not None or (CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists())
@@ -69,6 +73,7 @@ def extension():
         _build_error = "no CUDA toolchain (nvcc) or a CPU-only torch"
         return None
     try:
+        # see toolchain_available: imported only where the extension is built
         from torch.utils.cpp_extension import load_inline
 
         source = SOURCE.read_text()
@@ -118,8 +123,6 @@ def _gemv_ok(ext, x2, H: int, inter: int, tensors) -> bool:
 def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weight):
     ext = extension()
     if ext is None:
-        from compiled_llm.kernels import triton_norm_mlp
-
         return triton_norm_mlp.fused_rms_norm_glu_mlp(x, norm_weight, eps, gate_up_weight, down_weight)
     x2 = x.reshape(-1, x.shape[-1])
     H, inter = x2.shape[1], down_weight.shape[1]
@@ -139,8 +142,6 @@ def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weig
 def fused_layer_norm_gelu_mlp(x, norm_weight, norm_bias, eps: float, fc_weight, fc_bias, proj_weight, proj_bias):
     ext = extension()
     if ext is None:
-        from compiled_llm.kernels import triton_norm_mlp
-
         return triton_norm_mlp.fused_layer_norm_gelu_mlp(
             x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias
         )
@@ -160,8 +161,6 @@ def fused_layer_norm_gelu_mlp(x, norm_weight, norm_bias, eps: float, fc_weight, 
 
 def _norm(ext, x2, weight, bias, eps):
     """The CUDA norm kernel where its contract holds, else the torch reference."""
-    from compiled_llm.graph.ops import layer_norm_ref, rms_norm_ref
-
     tensors = (weight,) if bias is None else (weight, bias)
     if x2.is_cuda and x2.dtype in SUPPORTED_DTYPES and x2.shape[1] % 8 == 0 and _aligned(x2, *tensors) \
             and all(t.dtype == x2.dtype for t in tensors):

@@ -2,9 +2,9 @@
 
 One config per dynamic-shape bucket, not one for all shapes: a block size that streams weights
 well at T=1 wastes a GPU at T=512 (a known pitfall of reusing one autotune result across dynamic
-shapes). The table is plain JSON-able data so a build can store the table it used in the engine
-artifact and a runtime can install it again with ``use_configs``; nothing here autotunes at run
-time, so the first call inside a CUDA-graph capture never benchmarks.
+shapes). The table is plain JSON-able data: ``to_json`` writes it and ``use_configs`` installs one
+(the tuning tools of benchmarks/kernel_bench.py install their candidates this way); nothing here
+autotunes at run time, so the first call inside a CUDA-graph capture never benchmarks.
 
 Buckets are upper bounds on the number of tokens T: the config under key "16" serves
 4 < T <= 16 when the keys are "1", "4", "16", "inf".
@@ -19,32 +19,29 @@ from typing import Any, Mapping
 
 from compiled_llm.errors import CompiledLLMError
 
-# Every kernel's knobs. Values were chosen for H100/H200-class GPUs (132 SMs) and head_dim 64/128.
+# Every kernel's knobs. Values were chosen for H100/H200-class GPUs (132 SMs) and head_dim 64/128,
+# by the tools of benchmarks/kernel_bench.py (`sweep`, `tune`, `attention`); what they measured is in
+# benchmarks/NOTES.md.
 DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
-    # split-K decode attention: BLOCK_N keys per inner step; at most MAX_SPLITS splits per
-    # sequence, fewer when the batch alone gives PROGRAMS_PER_SM programs per SM (see
-    # triton_paged_attention; splits past a short context exit at once). LAUNCHES 1: KV store,
-    # attention and split reduce in one kernel; 2: separate reduce kernel; 3: separate kv_store,
-    # split and reduce kernels (the earlier path, for comparison). COMBINE_SPLITS: splits the
-    # fused reduce combines per step (registers: group x COMBINE_SPLITS x head_dim fp32).
+    # split-K decode attention, one launch (KV store, attention and split reduce in one kernel):
+    # BLOCK_N keys per inner step; at most MAX_SPLITS splits per sequence, fewer when the batch
+    # alone gives PROGRAMS_PER_SM programs per SM (see triton_paged_attention; splits past a
+    # short context exit at once). COMBINE_SPLITS: splits the fused reduce combines per step
+    # (registers: group x COMBINE_SPLITS x head_dim fp32).
     # Batch 1 (contexts ~128-4096) gets up to 32 splits of >= 64 keys: at 4096 that is 64
     # programs on 2 kv heads, at 384 six live splits of one tile each.
     "paged_attention_decode": {
-        "1": {"BLOCK_N": 32, "MAX_SPLITS": 32, "PROGRAMS_PER_SM": 2, "LAUNCHES": 1, "COMBINE_SPLITS": 16,
+        "1": {"BLOCK_N": 32, "MAX_SPLITS": 32, "PROGRAMS_PER_SM": 2, "COMBINE_SPLITS": 16,
               "num_warps": 4, "num_stages": 2},
-        "16": {"BLOCK_N": 32, "MAX_SPLITS": 16, "PROGRAMS_PER_SM": 2, "LAUNCHES": 1, "COMBINE_SPLITS": 16,
+        "16": {"BLOCK_N": 32, "MAX_SPLITS": 16, "PROGRAMS_PER_SM": 2, "COMBINE_SPLITS": 16,
                "num_warps": 4, "num_stages": 2},
-        "inf": {"BLOCK_N": 64, "MAX_SPLITS": 8, "PROGRAMS_PER_SM": 2, "LAUNCHES": 1, "COMBINE_SPLITS": 8,
+        "inf": {"BLOCK_N": 64, "MAX_SPLITS": 8, "PROGRAMS_PER_SM": 2, "COMBINE_SPLITS": 8,
                 "num_warps": 4, "num_stages": 2},
-    },
-    "paged_attention_reduce": {
-        "inf": {"num_warps": 2},
     },
     # varlen causal prefill over the paged cache. BLOCK_M: rows of the q tile, which stacks the
     # GQA group's heads (BLOCK_M // group query tokens per program; each K/V tile is loaded once
-    # per program, so L2 -> SM traffic scales with 1 / BLOCK_M). 64 rows: on an H200 at
-    # Qwen2.5-0.5B heads and T = 1,024 it ran in 19.7 us against 22.3 us for 128 rows (SDPA:
-    # 14.3 us); benchmarks/bench_attention.py sweeps alternatives.
+    # per program, so L2 -> SM traffic scales with 1 / BLOCK_M, while a smaller tile has more
+    # programs to spread over the SMs at one prompt's length).
     "paged_attention_prefill": {
         "inf": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     },
@@ -55,13 +52,12 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # the problem's N sets the bytes in flight. num_warps is a cap: the wrappers lay warps along K
     # only (warps_along_k). num_stages does not change the generated code of these loops today
     # (no tl.dot to pipeline for); it stays a knob for Triton versions that pipeline plain loads.
-    # Values: the best of benchmarks/sweep_gemv.py on an H200 (2026-11-22) over the Qwen2.5-0.5B
-    # and Llama-3.2-1B shapes, as were the dispatch limits below (the token counts up to which
-    # the GEMV forms beat cuBLAS); the T = 1 buckets then by benchmarks/tune_decode.py on the whole
-    # batch-1 decode graph (norm_mlp_decode BLOCK_I 8, attention BLOCK_N 32: 608 -> 556 us).
+    # T > 1 buckets and the dispatch limits below (the token counts up to which the GEMV forms
+    # beat cuBLAS) come from `kernel_bench.py sweep` over the Qwen2.5-0.5B and Llama-3.2-1B shapes.
     # The T = 1 buckets of gemv, norm_mlp_down, norm_mlp_decode and qkv_decode serve the one-row
-    # forms (one fp32 accumulator per weight row and thread; see _gemv_one_row_kernel), tuned by
-    # benchmarks/tune_decode.py on the whole batch-1 graph (H200, 2026-11-22, third session).
+    # forms (one fp32 accumulator per weight row and thread; see triton_gemv) and come from
+    # `kernel_bench.py tune`, on the whole batch-1 decode graph: a kernel timed alone misses what
+    # programmatic dependent launch overlaps with its neighbours.
     "gemv": {
         "1": {"BLOCK_T": 1, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 1, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},

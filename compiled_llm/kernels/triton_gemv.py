@@ -1,8 +1,8 @@
 """Weight-streaming GEMV for decode: ``out = x @ W^T (+ bias) (+ residual)`` for a few rows of x.
 
 At batch-1 decode a linear layer does ~1 FMA per weight element it reads, so its time is the time
-to stream W once. tl.dot needs >= 16 rows, so the previous decode MLP kernel padded T to 16 and
-reached 26% of copy bandwidth (benchmarks/NOTES.md); with a few rows there is nothing for tensor
+to stream W once. tl.dot needs >= 16 rows, and a kernel that padded a few rows to 16 streamed W
+far below the copy bandwidth (benchmarks/NOTES.md); with a few rows there is nothing for tensor
 cores to do, so this kernel uses plain FMAs and spends its effort on keeping loads in flight.
 
 Tiling. W is [N, K] with K contiguous. A program owns BLOCK_N rows of W and BLOCK_T rows of x and
@@ -29,9 +29,8 @@ returns), then + residual in fp32, rounded (what aten.add returns).
 
 One row (batch-1 decode) runs ``_gemv_one_row_kernel`` instead: the same streaming, with the tile
 laid out [BLOCK_N, BLOCK_K / 8, 8] so each thread sums its own 16-byte vector every step and the
-accumulator is one fp32 per weight row and thread (8x fewer registers). In PDL chains on an H200
-the down GEMV went from 4.3 to 3.7 us (benchmarks/gemv_layout_probe.py) and the whole batch-1
-step from 0.573 to 0.52 ms.
+accumulator is one fp32 per weight row and thread (8x fewer registers), which streams faster in
+PDL chains (benchmarks/NOTES.md).
 
 The norm + MLP and q/k/v kernels reuse this structure and the helpers below (``norm_stats``,
 ``input_chunk``, ``weight_tile``, ``tile_config``). Large T goes to cuBLAS (``dense_linear``): once
@@ -200,8 +199,8 @@ def _gemv_one_row_kernel(
     with a thread's 16-byte vector on the last axis, and each step sums its product with x over
     that axis inside the thread. The accumulator holds one fp32 per weight row and thread instead
     of one per element (the general kernel's [BLOCK_T, BLOCK_N, BLOCK_K] tile): 8x fewer registers
-    in bf16, and in a chain of PDL launches on an H200 the down GEMV took 3.7 us against 4.3 us
-    (benchmarks/gemv_layout_probe.py). Same sum order along K within a thread, same roundings."""
+    in bf16, and a shorter final reduction. Same sum order along K within a thread, same
+    roundings."""
     pdl_open(PDL)
     KC: tl.constexpr = BLOCK_K // VEC
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

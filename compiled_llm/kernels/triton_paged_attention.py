@@ -12,10 +12,10 @@ Decode (every sequence has exactly one query row, T == S, recognisable from shap
     inputs instead of the cache (which may not be written yet). No program reads that slot, so
     there is no race. This needs slot_mapping[s] to be -1 (write nothing; position seq_len - 1
     is then read from the cache, as the reference does) or the slot the block table gives
-    position seq_len - 1, which is what pack_batch and ModelRunner._fill_decode produce. Any
+    position seq_len - 1, which is what pack_batch and the runtime's decode staging produce. Any
     other slot is still written, and position seq_len - 1 is then read from the cache, but a
-    program attending over that other slot is not ordered against the write: callers with such
-    batches must use LAUNCHES 3.
+    program attending over that other slot is not ordered against the write: such a batch is
+    not a decode batch this kernel takes.
   * Split reduce folded in: each program writes its normalised partial output and log-sum-exp
     (base 2), then draws a ticket from a per-(sequence, kv head) counter; the program that draws
     the last ticket combines the live splits of its GROUP query heads in split order (so the
@@ -23,7 +23,8 @@ Decode (every sequence has exactly one query row, T == S, recognisable from shap
     counter back to 0. Ordering on the GPU: partial stores, CTA barrier, atomic add with
     acq_rel semantics at gpu scope (release publishes this CTA's stores, acquire makes the other
     programs' stores visible to the winner), and the winner reads partials with .cg (L2, not a
-    possibly stale L1). With one split there are no partials and no tickets.
+    possibly stale L1). With one split (NUM_SPLITS is a constexpr) the program writes its output
+    itself: no partials, no tickets.
   * The counters live in a persistent zero-initialised int32 workspace per device (see
     ``split_counters``); every launch leaves them at 0. One decode attention may be in flight
     per device at a time (the runtime runs one stream).
@@ -34,8 +35,6 @@ Decode (every sequence has exactly one query row, T == S, recognisable from shap
   so the launch is the same for every step of a CUDA-graph bucket; each program derives its own
   slice from seq_lens on the device. Splits past a short context are empty (lse = -inf), the
   combiner skips them; a padding row (seq_len 0) has only empty splits and its output is 0.
-  The launch config's LAUNCHES knob keeps the earlier paths for comparison: 2 = KV store
-  folded in, separate reduce kernel; 3 = separate kv_store, split and reduce kernels.
 
 Prefill / mixed (any T): ``_prefill_kernel``, grid (T // TOKENS + S + 1, Hkv): tiles over every
 sequence's rows, each program finding its sequence by a binary search over query_start_loc, so
@@ -47,8 +46,7 @@ whole group. The query rows of sequence s are the last q_len tokens of its seq_l
 context, so row i sees keys 0 .. seq_len - q_len + i; earlier chunks are read from the cache
 through the block table like the new ones (the new k/v are stored first, by kv_store). Key
 tiles below the block's first query position are visible to every row and run without any mask;
-only the tiles on the diagonal pay for the causal mask. With a max_query_len from the caller the
-older grid (cdiv(max_query_len, TOKENS), S, Hkv) runs instead, heaviest query blocks first.
+only the tiles on the diagonal pay for the causal mask.
 
 Softmax runs in base 2 (scores pre-multiplied by scale * log2(e)), accumulation in fp32.
 """
@@ -68,11 +66,6 @@ from compiled_llm.kernels.triton_common import (
 from compiled_llm.kernels.triton_kv_store import kv_store, store_slot
 
 LOG2E = 1.4426950408889634
-
-# REDUCE modes of the decode kernel (the kernel compares the constexpr with the literals):
-# 0 one split writes the output itself; 1 partials for the separate reduce kernel; 2 partials
-# and the ticket, the last program combines them
-DIRECT, PARTIALS, FUSED = 0, 1, 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,15 +129,14 @@ def _cached_kv_tile(kv_base, bt_row, n0, end, new_pos, offs_d, mask_d,
 
 @triton.jit
 def _attend_tile(q, k, v, n0, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
-                 STORE_KV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One BLOCK_N-key step of the online softmax over cached rows k, v (keys n0.., below end),
     the new row standing in at ``new_pos``. A tile with no key (an empty split) changes nothing."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
-    if STORE_KV:
-        is_new = (offs_n == new_pos)[:, None]
-        k = tl.where(is_new, new_k[None, :], k)
-        v = tl.where(is_new, new_v[None, :], v)
+    is_new = (offs_n == new_pos)[:, None]
+    k = tl.where(is_new, new_k[None, :], k)
+    v = tl.where(is_new, new_v[None, :], v)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     scores = dot(q, tl.trans(k), IEEE) * qk_scale
@@ -215,15 +207,13 @@ def _decode_kernel(
     stride_mo_s, stride_mo_h, stride_mo_p,
     stride_ml_s, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    STORE_KV: tl.constexpr, REDUCE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # PDL: launched while the previous kernel (q/k/v) runs. The step inputs (lengths, block
     # table, slot mapping) and the cache rows of earlier steps need nothing from it, so the first
     # key tile is loaded before the wait; q and the new k/v rows (its output) and every store come
-    # after. With a separate kv_store launch (STORE_KV off) the cache itself is that launch's
-    # output, so the tile waits too.
+    # after.
     pdl_open(PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -243,20 +233,15 @@ def _decode_kernel(
     mask_d = offs_d < HEAD_DIM
     bt_row = bt_ptr + s * stride_bt_s
     kv_base = cache_ptr + kvh * stride_c_h
-    new_pos = -1
-    if STORE_KV:
-        slot, new_pos = _new_row_position(slot_ptr, bt_row, s, seq_len, stride_bt_b, BLOCK_SIZE)
-    else:
-        pdl_wait(PDL)
+    slot, new_pos = _new_row_position(slot_ptr, bt_row, s, seq_len, stride_bt_b, BLOCK_SIZE)
     k_first, v_first = _cached_kv_tile(kv_base, bt_row, start, end, new_pos, offs_d, mask_d, stride_bt_b,
                                        stride_c_kv, stride_c_blk, stride_c_off, stride_c_d, BLOCK_SIZE, BLOCK_N)
     pdl_wait(PDL)
-    if STORE_KV:
-        new_k, new_v = _store_new_row(
-            k_ptr, v_ptr, cache_ptr, slot, s, kvh, split, offs_d, mask_d,
-            stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-            stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d, BLOCK_SIZE,
-        )
+    new_k, new_v = _store_new_row(
+        k_ptr, v_ptr, cache_ptr, slot, s, kvh, split, offs_d, mask_d,
+        stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+        stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d, BLOCK_SIZE,
+    )
 
     # decode: row s of q is sequence s's only query row
     q = tl.load(
@@ -266,79 +251,45 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if not STORE_KV:  # placeholders, never read
-        new_k = offs_d.to(q.dtype)
-        new_v = new_k
     # the first tile (loaded before the wait) is peeled off; the loop loads the rest
     m_i, l_i, acc = _attend_tile(q, k_first, v_first, start, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
-                                 STORE_KV, BLOCK_N, IEEE)
+                                 BLOCK_N, IEEE)
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
         k, v = _cached_kv_tile(kv_base, bt_row, n0, end, new_pos, offs_d, mask_d, stride_bt_b,
                                stride_c_kv, stride_c_blk, stride_c_off, stride_c_d, BLOCK_SIZE, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k, v, n0, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
-                                     STORE_KV, BLOCK_N, IEEE)
+                                     BLOCK_N, IEEE)
 
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     out = acc / l_safe[:, None]
-    if REDUCE == 0:  # one split: its normalised output is the answer
+    if NUM_SPLITS == 1:  # one split: its normalised output is the answer
         tl.store(
             out_ptr + s * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :],
         )
     else:
         lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
-        if REDUCE == 1:  # the reduce kernel reads every split, empty ones included
-            keep = mask_h
-        else:  # the fused combiner reads live splits only (the condition is broadcast to the
-            # head axis first: the interpreter refuses a tensor & scalar mask)
-            keep = mask_h & (offs_h * 0 + start < end)
+        # the combiner reads live splits only (the condition is broadcast to the head axis
+        # first: the interpreter refuses a tensor & scalar mask)
+        keep = mask_h & (offs_h * 0 + start < end)
         mo = mid_o_ptr + s * stride_mo_s + heads[:, None] * stride_mo_h + split * stride_mo_p + offs_d[None, :]
         tl.store(mo, out, mask=keep[:, None] & mask_d[None, :])
         tl.store(mid_lse_ptr + s * stride_ml_s + heads * stride_ml_h + split, lse, mask=keep)
-        if REDUCE == 2:
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            counter = counter_ptr + s * tl.num_programs(1) + kvh
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == NUM_SPLITS - 1:  # the last program of (s, kvh): all partials are in
-                tl.debug_barrier()
-                n_live = tl.cdiv(seq_len, tl.maximum(per_split, 1))
-                _combine_splits(
-                    mid_o_ptr, mid_lse_ptr, out_ptr, s, kvh, n_live,
-                    stride_mo_s, stride_mo_h, stride_mo_p, stride_ml_s, stride_ml_h,
-                    stride_ot, stride_oh, stride_od,
-                    GROUP, HEAD_DIM, BLOCK_G, BLOCK_P, BLOCK_D,
-                )
-                tl.store(counter, 0)  # zero for the next launch (kernel boundaries order it)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        counter = counter_ptr + s * tl.num_programs(1) + kvh
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_SPLITS - 1:  # the last program of (s, kvh): all partials are in
+            tl.debug_barrier()
+            n_live = tl.cdiv(seq_len, tl.maximum(per_split, 1))
+            _combine_splits(
+                mid_o_ptr, mid_lse_ptr, out_ptr, s, kvh, n_live,
+                stride_mo_s, stride_mo_h, stride_mo_p, stride_ml_s, stride_ml_h,
+                stride_ot, stride_oh, stride_od,
+                GROUP, HEAD_DIM, BLOCK_G, BLOCK_P, BLOCK_D,
+            )
+            tl.store(counter, 0)  # zero for the next launch (kernel boundaries order it)
 
-
-@triton.jit
-def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr,
-    stride_mo_s, stride_mo_h, stride_mo_p,
-    stride_ml_s, stride_ml_h,
-    stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """The separate reduce of LAUNCHES 2/3, grid (S, Hq): combines every split."""
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_p = offs_p < NUM_SPLITS
-    mask_d = offs_d < HEAD_DIM
-    lse = tl.load(mid_lse_ptr + s * stride_ml_s + h * stride_ml_h + offs_p, mask=mask_p, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m > float("-inf"), m, 0.0)  # all splits empty: weights below are all 0
-    w = tl.exp2(lse - m)
-    o = tl.load(
-        mid_o_ptr + s * stride_mo_s + h * stride_mo_h + offs_p[:, None] * stride_mo_p + offs_d[None, :],
-        mask=mask_p[:, None] & mask_d[None, :], other=0.0,
-    )
-    den = tl.sum(w, 0)
-    num = tl.sum(w[:, None] * o, 0)
-    out = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + s * stride_ot + h * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,55 +343,48 @@ def _prefill_tile(
 @triton.jit(do_not_specialize=["NUM_SEQS", "stride_bt_s", "T"])
 def _prefill_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    qk_scale, T,
+    qk_scale, T, NUM_SEQS,
     stride_qt, stride_qh, stride_qd,
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
     stride_bt_s, stride_bt_b,
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    NUM_SEQS=1, FLAT: tl.constexpr = False,
 ):
-    if FLAT:
-        # grid (T // TOKENS + S + 1, Hkv), sized from shapes alone (no host read of the longest
-        # query): sequence s owns tiles [first(s), first(s + 1)) with
-        # first(s) = query_start_loc[s] // TOKENS + s, which is at least cdiv(q_len, TOKENS)
-        # tiles; a program binary-searches its sequence and surplus tiles exit
-        tile = tl.program_id(0)
-        kvh = tl.program_id(1)
-        lo = 0
-        hi = NUM_SEQS
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if tl.load(qsl_ptr + mid) // TOKENS + mid <= tile:
-                lo = mid
-            else:
-                hi = mid
-        s = lo
-        mb = tile - (tl.load(qsl_ptr + s) // TOKENS + s)
-    else:
-        mb = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) query blocks start first
-        s = tl.program_id(1)
-        kvh = tl.program_id(2)
+    # grid (T // TOKENS + S + 1, Hkv), sized from shapes alone (no host read of the longest
+    # query): sequence s owns tiles [first(s), first(s + 1)) with
+    # first(s) = query_start_loc[s] // TOKENS + s, which is at least cdiv(q_len, TOKENS)
+    # tiles; a program binary-searches its sequence and surplus tiles exit
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    lo = 0
+    hi = NUM_SEQS
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) // TOKENS + mid <= tile:
+            lo = mid
+        else:
+            hi = mid
+    s = lo
+    mb = tile - (tl.load(qsl_ptr + s) // TOKENS + s)
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
-    if FLAT:
-        n_tiles = tl.cdiv(q_len, TOKENS)
-        if (s == NUM_SEQS - 1) & (mb >= n_tiles):
-            # a surplus tile of the last sequence: zero (its kv head's share of) the rows past
-            # the batch, which belong to no sequence (a CUDA-graph bucket's padding), so `out`
-            # needs no separate fill. The last sequence has at least one surplus tile (the
-            # grid's last), and about one per TOKENS padding rows; they stride over the rows.
-            helpers = tl.num_programs(0) - (q_start // TOKENS + s) - n_tiles
-            offs_r = tl.arange(0, BLOCK_M)
-            offs_d = tl.arange(0, BLOCK_D)
-            head = kvh * GROUP + offs_r // TOKENS
-            zeros = tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty)
-            for r0 in range(q_start + q_len + (mb - n_tiles) * TOKENS, T, helpers * TOKENS):
-                rows = r0 + offs_r % TOKENS
-                mask = ((offs_r // TOKENS < GROUP) & (rows < T))[:, None] & (offs_d < HEAD_DIM)[None, :]
-                tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-                         + offs_d[None, :] * stride_od, zeros, mask=mask)
+    n_tiles = tl.cdiv(q_len, TOKENS)
+    if (s == NUM_SEQS - 1) & (mb >= n_tiles):
+        # a surplus tile of the last sequence: zero (its kv head's share of) the rows past
+        # the batch, which belong to no sequence (a CUDA-graph bucket's padding), so `out`
+        # needs no separate fill. The last sequence has at least one surplus tile (the
+        # grid's last), and about one per TOKENS padding rows; they stride over the rows.
+        helpers = tl.num_programs(0) - (q_start // TOKENS + s) - n_tiles
+        offs_r = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        head = kvh * GROUP + offs_r // TOKENS
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty)
+        for r0 in range(q_start + q_len + (mb - n_tiles) * TOKENS, T, helpers * TOKENS):
+            rows = r0 + offs_r % TOKENS
+            mask = ((offs_r // TOKENS < GROUP) & (rows < T))[:, None] & (offs_d < HEAD_DIM)[None, :]
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+                     + offs_d[None, :] * stride_od, zeros, mask=mask)
     if mb * TOKENS < q_len:
         seq_len = tl.load(seq_lens_ptr + s)
         ctx_before = seq_len - q_len  # tokens cached before this step's rows
@@ -538,24 +482,17 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def decode_plan(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> dict[str, int]:
-    """The decode launch for these shapes: the config plus NUM_SPLITS and the reduce mode."""
+    """The decode launch for these shapes: the config plus NUM_SPLITS."""
     cfg = launch_configs.get("paged_attention_decode", num_seqs)
-    launches = cfg.get("LAUNCHES", 1)
-    if launches not in (1, 2, 3):
-        raise ValueError(f"paged_attention_decode LAUNCHES must be 1, 2 or 3, not {launches}")
     splits = num_decode_splits(num_seqs, num_kv_heads, max_context, cfg["BLOCK_N"], cfg["MAX_SPLITS"], device,
                                cfg.get("PROGRAMS_PER_SM", 2))
-    if launches > 1:
-        reduce = PARTIALS  # the earlier paths, kept as they were (reduce kernel even for one split)
-    else:
-        reduce = DIRECT if splits == 1 else FUSED
-    return dict(cfg, LAUNCHES=launches, NUM_SPLITS=splits, REDUCE=reduce)
+    return dict(cfg, NUM_SPLITS=splits)
 
 
 def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables,
                            scale: float) -> torch.Tensor:
-    """cllm::paged_attention of a decode batch (row s = sequence s's new token): one launch by
-    default; no host syncs, shapes-only launch (CUDA-graph capturable)."""
+    """cllm::paged_attention of a decode batch (row s = sequence s's new token): one launch, no
+    host syncs, shapes-only launch (CUDA-graph capturable)."""
     T, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -564,22 +501,21 @@ def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq
     if T == 0:
         return out
     plan = decode_plan(T, num_kv_heads, block_tables.shape[1] * block_size, q.device)
-    splits, reduce = plan["NUM_SPLITS"], plan["REDUCE"]
-    if plan["LAUNCHES"] == 3:
-        kv_store(k, v, kv_cache, slot_mapping)
-    if reduce == DIRECT:
+    splits = plan["NUM_SPLITS"]
+    if splits == 1:  # the program writes the output itself: no partials, no counters
         mid_o = mid_lse = out  # not read
         mo_strides, ml_strides = (0, 0, 0), (0, 0)
+        counters = seq_lens  # not read
     else:
         mid_o = torch.empty((T, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((T, num_heads, splits), dtype=torch.float32, device=q.device)
         mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
-    counters = split_counters(q.device, T * num_kv_heads) if reduce == FUSED else seq_lens
+        counters = split_counters(q.device, T * num_kv_heads)
     block_d = max(16, next_pow2(head_dim))
     block_g = next_pow2(group)
     # PDL pays where the neighbours are PDL kernels too (the GEMV forms, a few rows); next to
-    # cuBLAS (larger batches) it measured 6% slower on an H200
-    pdl = use_pdl(q) and plan["LAUNCHES"] == 1 and T <= 4
+    # cuBLAS (larger batches) it is slower (benchmarks/NOTES.md)
+    pdl = use_pdl(q) and T <= 4
     _decode_kernel[(T, num_kv_heads, splits)](
         q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
         out, mid_o, mid_lse, counters,
@@ -587,19 +523,10 @@ def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq
         *q.stride(), *k.stride(), *v.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
         *mo_strides, *ml_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-        STORE_KV=plan["LAUNCHES"] < 3, REDUCE=reduce,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_N=plan["BLOCK_N"], BLOCK_D=block_d,
         BLOCK_G=block_g, BLOCK_P=min(next_pow2(splits), next_pow2(plan.get("COMBINE_SPLITS", 16))),
         IEEE=is_fp32(q), PDL=pdl, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_launch(pdl),
     )
-    if reduce == PARTIALS:
-        rcfg = launch_configs.get("paged_attention_reduce", T)
-        _decode_reduce_kernel[(T, num_heads)](
-            mid_o, mid_lse, out,
-            *mo_strides, *ml_strides, *out.stride(),
-            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_P=max(2, next_pow2(splits)), BLOCK_D=next_pow2(head_dim),
-            num_warps=rcfg["num_warps"],
-        )
     return out
 
 
@@ -612,36 +539,27 @@ def prefill_tile(num_heads: int, num_kv_heads: int, block_m: int) -> tuple[int, 
     return rows, rows // group
 
 
-def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables, scale: float,
-                            max_query_len: int | None = None) -> torch.Tensor:
-    """Causal attention of packed query rows over the paged cache (their k/v already stored)."""
+def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables, scale: float) -> torch.Tensor:
+    """Causal attention of packed query rows over the paged cache (their k/v already stored).
+    No host sync (prefill steps run on while the host prepares the next; graphs capture it):
+    the programs find their sequences themselves."""
     T, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     S = seq_lens.shape[0]
     # rows past query_start_loc[-1] belong to no sequence and are 0, as in the reference: the
-    # flat grid's surplus tiles write them (no fill launch), the per-sequence grid needs a fill
-    flat = max_query_len is None
-    out = (torch.empty if flat and S > 0 else torch.zeros)((T, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    # grid's surplus tiles write them (no fill launch)
+    out = (torch.empty if S > 0 else torch.zeros)((T, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if T == 0 or S == 0:
         return out
     cfg = launch_configs.get("paged_attention_prefill", T)
     block_m, tokens = prefill_tile(num_heads, num_kv_heads, cfg["BLOCK_M"])
-    if max_query_len is None:
-        # no host sync (prefill steps run on while the host prepares the next; graphs capture
-        # it): tiles over all sequences' rows, found by the programs themselves
-        grid = (T // tokens + S + 1, num_kv_heads)
-    elif max_query_len <= 0:
-        return out
-    else:
-        grid = (triton.cdiv(max_query_len, tokens), S, num_kv_heads)
-    _prefill_kernel[grid](
+    _prefill_kernel[(T // tokens + S + 1, num_kv_heads)](
         q, kv_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2E, T,
+        scale * LOG2E, T, S,
         *q.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2], TOKENS=tokens,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=max(16, next_pow2(head_dim)),
-        IEEE=is_fp32(q), NUM_SEQS=S, FLAT=max_query_len is None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=is_fp32(q), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

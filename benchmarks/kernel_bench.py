@@ -1,0 +1,1142 @@
+"""The kernel tools, for a CUDA GPU: one script, one timing helper.
+
+    python benchmarks/kernel_bench.py micro      every fused op at real shapes against eager torch, Inductor
+                                                 and the CUDA C++ provider
+    python benchmarks/kernel_bench.py attention  paged attention: decode at runtime-shaped batches; the prefill
+                                                 kernel's configs against SDPA
+    python benchmarks/kernel_bench.py sweep      launch configs of the weight-streaming GEMV kernels, printed
+                                                 as a launch_configs.py snippet with the dispatch limits
+    python benchmarks/kernel_bench.py tune       batch-1 decode launch configs, tuned on the whole decode graph
+    python benchmarks/kernel_bench.py profile    decode graph time against the step's wall time, PDL on and
+                                                 off, device time per kernel of decode and prefill steps
+    python benchmarks/kernel_bench.py agree      fused kernels + CUDA graphs against the eager spec (greedy
+                                                 agreement of the engine's logits)
+
+Every kernel time is device time between CUDA events around replays of a CUDA graph
+(``graph_time_us``): launch and Python costs drop out, as they do in the engine's graphs. The
+kernels are called through their public entry points (compiled_llm.kernels.triton_*,
+cuda_norm_mlp), the engines through ``compiled_llm.LLM``. ``--help`` of every subcommand,
+``micro --list``, ``sweep --dry-run`` and ``agree`` run without a GPU; what the tools found is in
+benchmarks/NOTES.md, the numbers in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import functools
+import io
+import json
+import math
+import multiprocessing as mp
+import os
+import pstats
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.engine import compare as cmp
+from compiled_llm.graph import fused_ops, ops
+from compiled_llm.graph.batch import ScheduledSeq, pack_batch
+from compiled_llm.kernels import (
+    cuda_norm_mlp,
+    launch_configs,
+    triton_common,
+    triton_gemv,
+    triton_kv_store,
+    triton_norm,
+    triton_norm_mlp,
+    triton_qkv_rope,
+)
+from compiled_llm.kernels import triton_paged_attention as pa
+from compiled_llm.model.presets import preset_config
+from compiled_llm.model.sources import load_source_params
+from compiled_llm.serve.cuda_graphs import StepGraphs
+
+DTYPE = torch.bfloat16
+ITEMSIZE = 2  # bytes of a bf16 element
+BLOCK = 16  # KV-cache block size (the runtime's default)
+MAX_MODEL_LEN = 4096  # block-table width of the decode batches (it sets the split count)
+QWEN, LLAMA, GPT2 = "qwen2.5-0.5b", "llama-3.2-1b", "gpt2"
+model_config = functools.lru_cache(maxsize=None)(preset_config)  # a preset's shapes (ModelConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# shared: timing, inputs, errors
+# ---------------------------------------------------------------------------------------------
+
+
+def graph_time_us(fn: Callable, arg_sets=((),), calls: int | None = None, replays: int = 10, rounds: int = 5,
+                  capture: bool = True) -> float:
+    """Median device µs of one call of ``fn(*args)``.
+
+    ``calls`` calls (default: one per arg set), rotating through ``arg_sets``, are captured in one
+    CUDA graph after a warm-up on a side stream (compiles, allocator); weights rotated past the L2
+    stream from HBM as every layer of a real step does. The graph is replayed ``replays`` times
+    between two CUDA events, ``rounds`` times; the median round is divided by replays x calls.
+    With ``capture=False``, ``fn()`` already launches a captured graph (the runtime's decode
+    graph) and is timed as it is."""
+    run, per_run = fn, 1
+    if capture:
+        calls = calls or len(arg_sets)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for args in arg_sets:
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(*arg_sets[i % len(arg_sets)])
+        run, per_run = graph.replay, calls
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(replays):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * per_run))
+    return statistics.median(times)
+
+
+def copy_gbs() -> float:
+    """Device-to-device copy bandwidth (bytes read + written): the ceiling GB/s figures are read
+    against, measured in the same run."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / graph_time_us(lambda: dst.copy_(src), calls=2, replays=5) / 1e3
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """The bf16 n^3 matmul rate (random data): the ceiling of prefill, as PERF.md measures it."""
+    g = torch.Generator("cuda").manual_seed(0)
+    a, b = randn(g, n, n), randn(g, n, n)
+    return 2 * n ** 3 / graph_time_us(torch.matmul, [(a, b)], replays=5) / 1e6
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (the worst of a tuple's); inf when out is not finite."""
+    if isinstance(out, (tuple, list)):
+        return max(rel_err(o, r) for o, r in zip(out, ref))
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def randn(gen: torch.Generator, *shape, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen, device=gen.device) * scale + shift).to(DTYPE)
+
+
+def paged_batch(specs, cfg, seed: int, max_blocks: int | None = None, layers: int = 1, device: str = "cuda"):
+    """A packed batch of sequences given as (cached, new) token counts, on ``device``: (the
+    arguments of paged_attention, the kv_cache of each of ``layers`` layers). Cache blocks are
+    handed out in a shuffled order; every cache is random (a timed graph over several layers
+    reads K/V from HBM, not from an L2 one small cache would fit in)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // BLOCK) for c, n in specs]
+    order = torch.randperm(sum(need), generator=gen).tolist()
+    seqs, at = [], 0
+    for (cached, new), nb in zip(specs, need):
+        seqs.append(ScheduledSeq([0] * new, cached, order[at:at + nb]))
+        at += nb
+    b = pack_batch(seqs, BLOCK, device, max_blocks=max_blocks or max(need))
+    g = torch.Generator(device).manual_seed(seed)
+    T, Hq, Hkv, D = int(b.query_start_loc[-1]), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    caches = [randn(g, 2, sum(need), BLOCK, Hkv, D) for _ in range(layers)]
+    args = (randn(g, T, Hq, D), randn(g, T, Hkv, D), randn(g, T, Hkv, D), caches[0], b.slot_mapping,
+            b.query_start_loc, b.seq_lens, b.block_tables, D ** -0.5)
+    return args, caches
+
+
+def use_config(kernel: str, bucket_config: dict) -> None:
+    """Install ``bucket_config`` as every bucket of ``kernel`` (the other kernels keep theirs)."""
+    launch_configs.use_configs({kernel: {"inf": bucket_config}})
+
+
+def failure(e: Exception) -> str:
+    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+
+
+def needs_cuda(name: str) -> bool:
+    if torch.cuda.is_available():
+        return True
+    print(f"kernel_bench {name}: needs a CUDA GPU", file=sys.stderr)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# micro: every fused op against eager torch, Inductor and the CUDA C++ provider
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    name: str
+    make: Callable[..., tuple]  # (seed, device="cuda") -> arguments
+    bytes: float  # what the op must move at least: weights and activations read once, outputs written once
+    flops: float
+    impls: dict[str, Callable]  # "eager" first: the baseline and the reference
+
+
+def decode_attention_torch(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, scale):
+    """Unfused decode attention in torch: store k/v, gather each sequence's blocks, masked
+    softmax. Vectorised over sequences (no host sync), so torch.compile can take it whole."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+    S, width = block_tables.shape
+    bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    keys = kv_cache[0][block_tables.long()].reshape(S, width * bs, hkv, d)
+    vals = kv_cache[1][block_tables.long()].reshape(S, width * bs, hkv, d)
+    qg = q.view(S, hkv, q.shape[1] // hkv, d).float()
+    scores = torch.einsum("shgd,slhd->shgl", qg, keys.float()) * scale
+    pos = torch.arange(width * bs, device=q.device)
+    scores = scores.masked_fill((pos[None, :] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
+    out = torch.einsum("shgl,slhd->shgd", scores.softmax(-1), vals.float())
+    return out.reshape(S, q.shape[1], d).to(q.dtype)
+
+
+def prefill_attention_torch(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, scale):
+    """One fresh prompt: store k/v, then SDPA's causal kernel on the contiguous q/k/v."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).contiguous()
+
+
+def micro_cases(with_cuda: bool) -> list[Case]:
+    qwen, llama, gpt2 = model_config(QWEN), model_config(LLAMA), model_config(GPT2)
+    cases = []
+    H = qwen.hidden_size
+    for T in (1, 4096):
+        def make(seed, device="cuda", T=T, H=H):
+            g = torch.Generator(device).manual_seed(seed)
+            return randn(g, T, H), randn(g, T, H), randn(g, H, scale=0.1, shift=1.0), 1e-6
+
+        cases.append(Case(f"add_rms_norm {QWEN} T={T}", make, (4 * T * H + H) * ITEMSIZE, 0,
+                          {"eager": fused_ops.fused_add_rms_norm_ref, "triton": triton_norm.fused_add_rms_norm}))
+
+    n_qkv = (qwen.num_heads + 2 * qwen.num_kv_heads) * qwen.head_dim
+    for T in (1, 1024):
+        def make(seed, device="cuda", T=T, H=H):
+            g = torch.Generator(device).manual_seed(seed)
+            pos = torch.randint(0, MAX_MODEL_LEN, (T,), generator=g, device=device)
+            cos_sin = ops.rope_cos_sin(qwen.head_dim, MAX_MODEL_LEN, qwen.rope_theta).to(device)
+            return (randn(g, T, H), randn(g, n_qkv, H, scale=H ** -0.5), randn(g, n_qkv, scale=0.5), None, None, pos,
+                    cos_sin, qwen.num_heads, qwen.num_kv_heads, qwen.head_dim, 1e-6)
+
+        cases.append(Case(f"qkv_rope {QWEN} T={T}", make, (T * H + n_qkv * H + n_qkv + T * n_qkv) * ITEMSIZE,
+                          2 * T * H * n_qkv,
+                          {"eager": fused_ops.fused_qkv_rope_ref, "triton": triton_qkv_rope.fused_qkv_rope}))
+
+    for cfg, name, T in ((qwen, QWEN, 1), (qwen, QWEN, 8), (llama, LLAMA, 1), (qwen, QWEN, 1024)):
+        H, inter = cfg.hidden_size, cfg.intermediate_size
+
+        def make(seed, device="cuda", T=T, H=H, inter=inter):
+            g = torch.Generator(device).manual_seed(seed)
+            return (randn(g, T, H), randn(g, H, scale=0.1, shift=1.0), 1e-6, randn(g, 2 * inter, H, scale=H ** -0.5),
+                    randn(g, H, inter, scale=inter ** -0.5))
+
+        impls = {"eager": fused_ops.fused_rms_norm_glu_mlp_ref, "triton": triton_norm_mlp.fused_rms_norm_glu_mlp}
+        if with_cuda and T <= 8:
+            impls["cuda"] = cuda_norm_mlp.fused_rms_norm_glu_mlp
+        cases.append(Case(f"rms_norm_glu_mlp {name} T={T}", make, (3 * inter * H + 2 * T * H) * ITEMSIZE,
+                          2 * T * H * 3 * inter, impls))
+
+    H, inter = gpt2.hidden_size, gpt2.intermediate_size
+
+    def make_gelu(seed, device="cuda"):
+        g = torch.Generator(device).manual_seed(seed)
+        return (randn(g, 1, H, shift=0.5), randn(g, H, scale=0.1, shift=1.0), randn(g, H, scale=0.1), 1e-5,
+                randn(g, inter, H, scale=H ** -0.5), randn(g, inter, scale=0.1), randn(g, H, inter, scale=inter ** -0.5),
+                randn(g, H, scale=0.1))
+
+    impls = {"eager": fused_ops.fused_layer_norm_gelu_mlp_ref, "triton": triton_norm_mlp.fused_layer_norm_gelu_mlp}
+    if with_cuda:
+        impls["cuda"] = cuda_norm_mlp.fused_layer_norm_gelu_mlp
+    cases.append(Case(f"layer_norm_gelu_mlp {GPT2} T=1", make_gelu, (2 * inter * H + inter + 3 * H) * ITEMSIZE,
+                      2 * H * 2 * inter, impls))
+
+    for cfg, name, S, ctx in ((qwen, QWEN, 1, 4096), (qwen, QWEN, 64, 1024), (llama, LLAMA, 32, 1024)):
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cases.append(Case(f"paged_attn decode {name} S={S} ctx={ctx}",
+                          lambda seed, device="cuda", cfg=cfg, S=S, ctx=ctx:
+                          paged_batch([(ctx - 1, 1)] * S, cfg, seed, device=device)[0],
+                          (S * ctx * Hkv * D * 2 + 2 * S * Hq * D) * ITEMSIZE, 4 * S * ctx * Hq * D,
+                          {"eager": decode_attention_torch, "triton": pa.paged_attention}))
+    T, Hq, Hkv, D = 1024, qwen.num_heads, qwen.num_kv_heads, qwen.head_dim
+    cases.append(Case(f"paged_attn prefill {QWEN} T={T}",
+                      lambda seed, device="cuda": paged_batch([(0, T)], qwen, seed, device=device)[0],
+                      (2 * T * Hq * D + 4 * T * Hkv * D) * ITEMSIZE, 2 * T * T * Hq * D,
+                      {"eager": prefill_attention_torch, "triton": pa.paged_attention}))
+    return cases
+
+
+def micro(args) -> int:
+    if args.list:
+        for case in micro_cases(with_cuda=False):
+            print(f"{case.name:<44} {', '.join(case.impls)}")
+        return 0
+    if not needs_cuda("micro"):
+        return 2
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with_cuda = not args.no_cuda_ext and cuda_norm_mlp.cuda_extension_ok()
+    if not args.no_cuda_ext and not with_cuda:
+        print(f"note: CUDA C++ provider unavailable ({cuda_norm_mlp.build_error()})")
+    ceiling = copy_gbs()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"copy bandwidth (read+write): {ceiling:,.0f} GB/s  bf16 8192^3 matmul: {matmul_tflops():,.0f} TFLOP/s  "
+          f"CUDA ext: {'yes' if with_cuda else 'no'}")
+    header = (f"{'case':<44} {'impl':<9} {'median us':>10} {'GB/s':>8} {'%copy':>6} {'TFLOP/s':>8} {'vs eager':>9} "
+              f"{'rel err':>8}")
+    print(header + "\n" + "-" * len(header))
+    for case in micro_cases(with_cuda):
+        if args.cases not in case.name:
+            continue
+        sets = [case.make(seed) for seed in range(args.input_sets)]
+        impls = dict(case.impls)
+        if not args.no_compile:
+            impls["inductor"] = torch.compile(case.impls["eager"], dynamic=False)
+        ref = case.impls["eager"](*sets[0])
+        eager_us = None
+        for name, fn in impls.items():
+            try:
+                err = rel_err(fn(*sets[0]), ref)  # also the warm-up / compile
+                us = graph_time_us(fn, sets)
+            except Exception as e:  # one broken impl must not hide the rest of the table
+                print(f"{case.name:<44} {name:<9} {failure(e)}")
+                continue
+            eager_us = us if name == "eager" else eager_us
+            gbs = case.bytes / us / 1e3
+            speed = f"{eager_us / us:8.2f}x" if eager_us else "       -"
+            print(f"{case.name:<44} {name:<9} {us:10.1f} {gbs:8.0f} {100 * gbs / ceiling:5.0f}% "
+                  f"{case.flops / us / 1e6:8.1f} {speed:>9} {err:8.1e}")
+        del sets
+        torch.cuda.empty_cache()
+    print(f"total wall time {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: decode at runtime-shaped batches; prefill kernel configs against SDPA
+# ---------------------------------------------------------------------------------------------
+
+DECODE_CASES = [(QWEN, 1, 384), (QWEN, 1, 4096), (QWEN, 64, 1024), (LLAMA, 32, 1024)]  # (model, S, context)
+PREFILL_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages) besides the default
+    (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
+]
+
+
+def attention_decode(args, rows: list) -> None:
+    """One call per layer cache in each timed graph, block tables a runtime's full width."""
+    for model, S, ctx in DECODE_CASES:
+        cfg = model_config(model)
+        label = f"decode {model} S={S} ctx={ctx}"
+        try:
+            batch, caches = paged_batch([(ctx - 1, 1)] * S, cfg, seed=0, max_blocks=MAX_MODEL_LEN // BLOCK,
+                                        layers=args.layers)
+            splits = pa.decode_plan(S, cfg.num_kv_heads, MAX_MODEL_LEN, torch.device("cuda"))["NUM_SPLITS"]
+            us = graph_time_us(lambda c, b=batch: pa.paged_attention(*b[:3], c, *b[4:]), [(c,) for c in caches],
+                               replays=args.reps)
+        except Exception as e:
+            rows.append((label, "kernel", failure(e)))
+            continue
+        kv_bytes = S * ctx * cfg.num_kv_heads * cfg.head_dim * 2 * ITEMSIZE
+        rows.append((label, f"splits={splits}", f"{us:8.2f} us  {kv_bytes / us / 1e3:7.0f} GB/s of K/V"))
+        del caches
+        torch.cuda.empty_cache()
+
+
+def attention_prefill(args, rows: list) -> None:
+    """The kernel alone (k/v stored first) per config, the whole op, and SDPA on contiguous
+    [1, H, T, D] tensors (with enable_gqa and with K/V expanded to every query head)."""
+    cfg, T = model_config(QWEN), args.prefill_tokens
+    label = f"prefill {QWEN} T={T}"
+    (q, k, v, cache, slots, qsl, seq_lens, tables, scale), _ = paged_batch([(0, T)], cfg, seed=1)
+    triton_kv_store.kv_store(k, v, cache, slots)
+    group = cfg.num_heads // cfg.num_kv_heads
+    qh, kh, vh = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
+    ke, ve = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    sdpa_us = math.inf
+    for what, fn in (
+        ("torch SDPA enable_gqa", lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                                         enable_gqa=True)),
+        ("torch SDPA K/V expanded", lambda: F.scaled_dot_product_attention(qh, ke, ve, is_causal=True, scale=scale)),
+    ):
+        try:
+            us = graph_time_us(fn, replays=args.reps)
+        except Exception as e:
+            rows.append((label, what, failure(e)))
+            continue
+        sdpa_us = min(sdpa_us, us)
+        rows.append((label, what, f"{us:8.2f} us"))
+    default = launch_configs.get("paged_attention_prefill", T)
+    configs = [(default["BLOCK_M"], default["BLOCK_N"], default["num_warps"], default["num_stages"])]
+    configs += [] if args.no_sweep else [c for c in PREFILL_SWEEP if c != configs[0]]
+    for i, (bm, bn, warps, stages) in enumerate(configs):
+        use_config("paged_attention_prefill", {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages})
+        tokens = pa.prefill_tile(cfg.num_heads, cfg.num_kv_heads, bm)[1]
+        what = f"kernel BLOCK_M={bm}({tokens} tok) N={bn} w={warps} s={stages}" + (" [default]" if i == 0 else "")
+        try:
+            us = graph_time_us(lambda: pa.paged_attention_prefill(q, cache, qsl, seq_lens, tables, scale),
+                               replays=args.reps)
+        except Exception as e:  # a config that does not compile or run is reported and skipped
+            rows.append((label, what, failure(e)))
+            continue
+        rows.append((label, what, f"{us:8.2f} us  {us / sdpa_us:4.2f}x SDPA"))
+    launch_configs.use_configs(None)
+    us = graph_time_us(lambda: pa.paged_attention(q, k, v, cache, slots, qsl, seq_lens, tables, scale),
+                       replays=args.reps)
+    rows.append((label, "whole op (kv_store + kernel)", f"{us:8.2f} us"))
+
+
+def attention(args) -> int:
+    if not needs_cuda("attention"):
+        return 2
+    t0 = time.perf_counter()
+    rows: list[tuple[str, str, str]] = []
+    for name, fn in (("decode", attention_decode), ("prefill", attention_prefill)):
+        if name in args.cases:
+            fn(args, rows)
+    print(f"# paged attention on {torch.cuda.get_device_name()} ({DTYPE}), {time.perf_counter() - t0:.0f} s")
+    w0, w1 = (max((len(r[i]) for r in rows), default=0) for i in (0, 1))
+    for case, what, result in rows:
+        print(f"{case:<{w0}}  {what:<{w1}}  {result}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep: launch configs of the weight-streaming GEMV kernels
+# ---------------------------------------------------------------------------------------------
+# For every (shape, T) each candidate config of the kernel that serves the shape is timed:
+#   qkv      fused_qkv_rope decode kernel (input RMSNorm + projection + RoPE)   table "qkv_decode"
+#   o        triton_gemv.gemv + residual                                         table "gemv"
+#   gate_up  norm + MLP decode activation kernel (RMSNorm + gate/up + silu * up) table "norm_mlp_decode"
+#   down     triton_gemv.gemv + residual (tall K)                                table "norm_mlp_down"
+#   lm_head  triton_gemv.gemv, plain (reported only: no call site uses it)
+# with cuBLAS F.linear on the same weight for scale. Calls rotate over enough weight copies (>= 4,
+# and >= 2x the L2 in all) that every call streams its weight from HBM. A candidate's output is
+# checked against the reference (rel err <= 1e-2 in bf16); one that fails to compile or run is
+# skipped, one that is wrong is reported and never chosen. Then, with the best configs installed,
+# each op's decode form is timed against its cuBLAS (prefill) form per T, which gives the
+# dispatch limits (MAX_TOKENS / MAX_DECODE_TOKENS). num_stages is 1 by default: these loops have
+# no tl.dot for Triton to pipeline (``--stages 1 3`` sweeps it anyway).
+
+SWEEP_MODELS = (QWEN, LLAMA)
+ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+TABLE_OF_ROLE = {"qkv": "qkv_decode", "o": "gemv", "gate_up": "norm_mlp_decode", "down": "norm_mlp_down",
+                 "lm_head": "gemv"}
+# each table's (weight-rows key, K key) and candidate values: weight rows per program, and
+# (K block, warps) pairs; warps are caps, the wrappers lay them along K (4 bf16 warps fill 1024)
+GRIDS = {
+    "gemv": dict(rows_key="BLOCK_N", k_key="BLOCK_K", rows=(1, 2, 4, 8),
+                 k_warps=((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8))),
+    "norm_mlp_down": dict(rows_key="BLOCK_N", k_key="BLOCK_K", rows=(1, 2, 4),
+                          k_warps=((1024, 4), (2048, 4), (2048, 8), (4096, 8))),
+    "norm_mlp_decode": dict(rows_key="BLOCK_I", k_key="BLOCK_H", rows=(1, 2, 4),
+                            k_warps=((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8))),
+    "qkv_decode": dict(rows_key="BLOCK_P", k_key="BLOCK_K", rows=(1, 2, 4, 8),
+                       k_warps=((512, 2), (1024, 4), (2048, 4), (2048, 8))),
+}
+# weight tiles a program accumulates at once (gate + up; the two halves of a rotation pair)
+TILES_PER_PROGRAM = {"gemv": 1, "norm_mlp_down": 1, "norm_mlp_decode": 2, "qkv_decode": 2}
+MAX_ACC_REGS = 128  # fp32 accumulator registers a thread may hold; more spills or starves occupancy
+L2_BYTES = 50 * 2**20
+MIN_COPIES, MIN_CALLS = 4, 20
+TOL = 1e-2
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: str
+    role: str
+    N: int  # weight rows
+    K: int  # weight columns (reduction)
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.role} {self.N}x{self.K}"
+
+    @property
+    def table(self) -> str:
+        return TABLE_OF_ROLE[self.role]
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.N * self.K * ITEMSIZE
+
+    def tile_rows(self) -> int:
+        """The extent tile_config caps the table's rows block at."""
+        if self.role == "gate_up":
+            return self.N // 2
+        if self.role == "qkv":
+            return model_config(self.model).head_dim // 2
+        return self.N
+
+
+def role_shape(model: str, role: str) -> Shape:
+    c = model_config(model)
+    H, n_qkv = c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    n, k = {"qkv": (n_qkv, H), "o": (H, H), "gate_up": (2 * c.intermediate_size, H), "down": (H, c.intermediate_size),
+            "lm_head": (c.vocab_size, H)}[role]
+    return Shape(model, role, n, k)
+
+
+def all_shapes(models, roles) -> list[Shape]:
+    shapes = [role_shape(m, r) for m in models for r in roles if r != "lm_head"]
+    return shapes + ([role_shape(QWEN, "lm_head")] if "lm_head" in roles else [])  # Qwen2.5's tied embedding
+
+
+def raw_candidates(table: str, T: int, stages) -> list[dict]:
+    """The table entries to try for T tokens (BLOCK_T = T: one pass over the weights)."""
+    g = GRIDS[table]
+    return [{"BLOCK_T": T, g["rows_key"]: rows, g["k_key"]: k, "num_warps": warps, "num_stages": st}
+            for rows in g["rows"] for k, warps in g["k_warps"] for st in stages]
+
+
+def effective(shape: Shape, raw: dict, T: int) -> tuple:
+    """What a launch with ``raw`` actually runs for ``shape`` (the wrappers cap blocks at the
+    problem and lay warps along K): raw configs that agree here are measured once."""
+    g = GRIDS[shape.table]
+    tile = triton_gemv.tile_config(raw, T, shape.tile_rows(), shape.K, ITEMSIZE, rows_key=g["rows_key"],
+                                   k_key=g["k_key"])
+    return tile["BLOCK_T"], tile["BLOCK_ROWS"], tile["BLOCK_K"], tile["num_warps"], tile["num_stages"]
+
+
+def plan(shapes, tokens, stages) -> dict:
+    """{(shape, T): {effective key: [raw configs]}} with register-hungry candidates pruned."""
+    out = {}
+    for shape in shapes:
+        for T in tokens:
+            groups: dict[tuple, list[dict]] = {}
+            for raw in raw_candidates(shape.table, T, stages):
+                eff = effective(shape, raw, T)
+                bt, rows, bk, warps, _ = eff
+                if TILES_PER_PROGRAM[shape.table] * bt * rows * bk / (32 * warps) <= MAX_ACC_REGS:
+                    groups.setdefault(eff, []).append(raw)
+            out[(shape, T)] = groups
+    return out
+
+
+def compile_jobs(planned) -> dict:
+    """One (shape, T, raw config) per distinct kernel compilation the sweep triggers: o and down
+    compile the same GEMV kernels; q/k/v's head counts are constexprs, so each model has its own."""
+    jobs = {}
+    for (shape, T), groups in planned.items():
+        variant = {"o": "gemv+residual", "down": "gemv+residual", "qkv": f"qkv/{shape.model}"}.get(shape.role,
+                                                                                                  shape.role)
+        for eff, raws in groups.items():
+            jobs.setdefault((variant, *eff), (shape, T, raws[0]))
+    return jobs
+
+
+def copies_for(weight_bytes: int) -> int:
+    """Weight copies to rotate through: at least MIN_COPIES and 2x the L2 in all."""
+    return max(MIN_COPIES, math.ceil(2 * L2_BYTES / weight_bytes))
+
+
+@dataclass
+class Op:
+    """One shape's kernel call under test: arg sets (one per weight copy), the call, its
+    reference, the cuBLAS baseline, and the decode / prefill forms for the dispatch limits."""
+    arg_sets: list
+    call: Callable
+    reference: Callable
+    cublas: Callable
+    forms: dict = field(default_factory=dict)
+    ref: object = None  # the reference output of arg_sets[0], once computed
+
+    def error(self, fn: Callable) -> float:
+        if self.ref is None:
+            self.ref = self.reference(*self.arg_sets[0])
+        return rel_err(fn(*self.arg_sets[0]), self.ref)
+
+
+def make_op(shape: Shape, T: int, copies: int, device: str = "cuda") -> Op:
+    c = model_config(shape.model)
+    g = torch.Generator(device).manual_seed(T)
+    H = shape.K
+    weights = [randn(g, shape.N, shape.K, scale=shape.K ** -0.5) for _ in range(copies)]
+    if shape.role == "qkv":
+        cos_sin = ops.rope_cos_sin(c.head_dim, MAX_MODEL_LEN, c.rope_theta).to(device)
+        pos = torch.randint(0, MAX_MODEL_LEN, (T,), generator=g, device=device)
+        heads = (c.num_heads, c.num_kv_heads, c.head_dim, 1e-6)
+        sets = [(randn(g, T, H), w, randn(g, shape.N, scale=0.5) if c.qkv_bias else None,
+                 randn(g, H, scale=0.1, shift=1.0)) for w in weights]
+
+        def qkv(form):
+            return lambda x, w, b, nw: triton_qkv_rope.fused_qkv_rope(x, w, b, None, None, pos, cos_sin, *heads,
+                                                                      norm_weight=nw, norm_eps=1e-6, form=form)
+
+        return Op(sets, qkv("decode"),
+                  lambda x, w, b, nw: fused_ops.fused_qkv_rope_ref(x, w, b, None, None, pos, cos_sin, *heads, nw, 1e-6),
+                  lambda x, w, b, nw: F.linear(x, w, b), {"decode": qkv("decode"), "prefill": qkv("prefill")})
+    if shape.role == "gate_up":
+        def act_ref(x, nw, w):
+            gate, up = F.linear(ops.rms_norm_ref(x, nw, 1e-6), w).chunk(2, -1)
+            return F.silu(gate) * up
+
+        return Op([(randn(g, T, H), randn(g, H, scale=0.1, shift=1.0), w) for w in weights],
+                  lambda x, nw, w: triton_norm_mlp.decode_activation(x, nw, None, 1e-6, w, None, True, True),
+                  act_ref, lambda x, nw, w: F.linear(x, w))
+    if shape.role in ("o", "down"):
+        decode = lambda x, w, r: triton_gemv.gemv(x, w, None, r, config=shape.table)  # noqa: E731
+        return Op([(randn(g, T, shape.K), w, randn(g, T, shape.N)) for w in weights], decode,
+                  lambda x, w, r: r + F.linear(x, w), lambda x, w, r: F.linear(x, w),
+                  {"decode": decode, "prefill": lambda x, w, r: triton_gemv.dense_linear(x, w, None, r)})
+    return Op([(randn(g, T, shape.K), w) for w in weights], triton_gemv.gemv, F.linear, F.linear)  # lm_head
+
+
+def mlp_forms(model: str, T: int, copies: int, device: str = "cuda") -> Op:
+    """The whole norm + MLP op (with residual), for the MLP's dispatch limit."""
+    c = model_config(model)
+    H, inter = c.hidden_size, c.intermediate_size
+    g = torch.Generator(device).manual_seed(100 + T)
+    sets = [(randn(g, T, H), randn(g, H, scale=0.1, shift=1.0), 1e-6, randn(g, 2 * inter, H, scale=H ** -0.5),
+             randn(g, H, inter, scale=inter ** -0.5), randn(g, T, H)) for _ in range(copies)]
+
+    def form(f):
+        return lambda x, nw, eps, gu, dn, r: triton_norm_mlp.fused_rms_norm_glu_mlp(x, nw, eps, gu, dn, residual=r,
+                                                                                     form=f)
+
+    return Op(sets, form("decode"), lambda *a: fused_ops.fused_rms_norm_glu_mlp_ref(*a[:5], residual=a[5]),
+              lambda *a: None, {"decode": form("decode"), "prefill": form("prefill")})
+
+
+def _compile_worker(jobs: list, wall_deadline: float) -> int:
+    """Run each job once (compiling its kernel into Triton's on-disk cache, which processes may
+    share); returns how many could not run. Runs in a spawned process."""
+    failed, current, op = 0, None, None
+    for shape, T, raw in jobs:  # sorted by (shape, T): one op at a time in memory
+        if time.time() > wall_deadline:
+            break
+        try:
+            if current != (shape, T):
+                op, current = None, (shape, T)
+                op = make_op(shape, T, copies=1)
+            use_config(shape.table, raw)
+            op.call(*op.arg_sets[0])
+        except Exception:
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(jobs: dict, workers: int, wall_deadline: float) -> None:
+    """Compile every kernel the sweep needs in ``workers`` processes at once: compilation, not
+    timing, dominates a sweep of ~200 configs, and the timing process then loads cached kernels."""
+    if workers <= 1 or not jobs:
+        return
+    items = sorted(jobs.values(), key=lambda j: (j[0].name, j[1]))
+    chunks = [items[i::workers] for i in range(workers)]
+    t0 = time.monotonic()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        failed = sum(pool.map(_compile_worker, chunks, [wall_deadline] * workers))
+    print(f"precompiled {len(items)} kernels in {workers} processes in {time.monotonic() - t0:.0f} s"
+          f" ({failed} could not run; the sweep reports them)", flush=True)
+
+
+@dataclass
+class Result:
+    us: dict = field(default_factory=dict)  # effective key -> µs
+    raws: dict = field(default_factory=dict)  # effective key -> raw configs
+    wrong: dict = field(default_factory=dict)  # effective key -> rel err
+    failed: dict = field(default_factory=dict)  # effective key -> error line
+    cublas_us: float = float("nan")
+
+
+def fmt_eff(shape: Shape, eff: tuple) -> str:
+    g = GRIDS[shape.table]
+    bt, rows, bk, warps, st = eff
+    return f"BLOCK_T={bt} {g['rows_key']}={rows} {g['k_key']}={bk} warps={warps} stages={st}"
+
+
+def sweep_configs(planned, deadline: float) -> dict:
+    results: dict = {}
+    for (shape, T), groups in planned.items():
+        res = results[(shape, T)] = Result(raws=groups)
+        if time.monotonic() > deadline:
+            print(f"  {shape.name} T={T}: skipped (time budget spent)")
+            continue
+        copies = copies_for(shape.weight_bytes)
+        calls = max(MIN_CALLS, copies)
+        op = make_op(shape, T, copies)
+        res.cublas_us = graph_time_us(op.cublas, op.arg_sets, calls, replays=5, rounds=1)
+        for eff, raws in groups.items():
+            if time.monotonic() > deadline:
+                break
+            use_config(shape.table, raws[0])
+            try:
+                err = op.error(op.call)
+                if not err <= TOL:
+                    res.wrong[eff] = err
+                    continue
+                res.us[eff] = graph_time_us(op.call, op.arg_sets, calls, replays=5, rounds=1)
+            except Exception as e:  # a config that does not compile or launch is skipped
+                res.failed[eff] = failure(e)
+                torch.cuda.synchronize()
+        launch_configs.use_configs(None)
+        best = min(res.us.items(), key=lambda kv: kv[1]) if res.us else None
+        tail = f"best {best[1]:7.2f} µs {fmt_eff(shape, best[0])}" if best else "no valid config"
+        print(f"  {shape.name:34s} T={T}: {len(res.us)}/{len(groups)} ok, cuBLAS {res.cublas_us:7.2f} µs, {tail}",
+              flush=True)
+        del op
+        torch.cuda.empty_cache()
+    return results
+
+
+def choose_tables(results, tokens) -> dict:
+    """Per table and T, the raw config minimising the sum over the table's shapes of time / best
+    time of that shape (so a large shape does not drown a small one); lm_head is left out."""
+    tables: dict = {}
+    for T in tokens:
+        per_table: dict = {}
+        for (shape, t), res in results.items():
+            if t == T and shape.role != "lm_head" and res.us:
+                per_table.setdefault(shape.table, []).append(res)
+        for table, entries in per_table.items():
+            scores: dict = {}
+            for res in entries:
+                best = min(res.us.values())
+                for eff, us in res.us.items():
+                    for raw in res.raws[eff]:
+                        scores.setdefault(json.dumps(raw, sort_keys=True), []).append(us / best)
+            complete = {k: sum(v) for k, v in scores.items() if len(v) == len(entries)}
+            if complete:
+                # ties (raw configs that run identically) go to the smallest blocks
+                best_key = min(complete, key=lambda k: (round(complete[k], 4), sorted(json.loads(k).values())))
+                tables.setdefault(table, {})[str(T)] = json.loads(best_key)
+    for buckets in tables.values():
+        buckets["inf"] = dict(buckets[max(buckets, key=int)])
+    return tables
+
+
+def decode_limit(rows) -> int:
+    """Largest T of (T, decode µs, prefill µs) rows such that the decode form wins there and at
+    every smaller T swept (at least 1: one token always streams the weights)."""
+    limit = 1
+    for T, dec, pre in sorted(rows):
+        if dec >= pre:
+            break
+        limit = T
+    return limit
+
+
+def dispatch_limits(models, tokens, deadline: float) -> dict:
+    """With the chosen tables installed: the largest T up to which each op's decode form beats its
+    prefill form, summed over the models, there and at every smaller T."""
+    makers = {
+        "gemv_dispatch": lambda m, T: make_op(role_shape(m, "o"), T, copies_for(role_shape(m, "o").weight_bytes)),
+        "qkv_dispatch": lambda m, T: make_op(role_shape(m, "qkv"), T, copies_for(role_shape(m, "qkv").weight_bytes)),
+        "norm_mlp_dispatch": lambda m, T: mlp_forms(m, T, MIN_COPIES),
+    }
+    rows: dict = {name: [] for name in makers}
+    for T in tokens:
+        if time.monotonic() > deadline:
+            print("  dispatch: time budget spent")
+            break
+        for name, make in makers.items():
+            dec = pre = 0.0
+            for model in models:
+                try:
+                    op = make(model, T)
+                    dec += graph_time_us(op.forms["decode"], op.arg_sets, MIN_CALLS, replays=5, rounds=1)
+                    pre += graph_time_us(op.forms["prefill"], op.arg_sets, MIN_CALLS, replays=5, rounds=1)
+                except Exception as e:
+                    print(f"  dispatch {name} {model} T={T}: {failure(e)}")
+                    dec = math.inf
+            rows[name].append((T, dec, pre))
+            print(f"  {name:18s} T={T}: decode form {dec:8.2f} µs, prefill form {pre:8.2f} µs (sum over models)")
+    key = {"norm_mlp_dispatch": "MAX_DECODE_TOKENS"}
+    return {name: {"inf": {key.get(name, "MAX_TOKENS"): decode_limit(r)}} for name, r in rows.items() if r}
+
+
+def sweep_report(results, ceiling: float) -> None:
+    print(f"\n{'shape':36s} {'T':>2s} {'best µs':>8s} {'GB/s':>7s} {'%copy':>6s} {'cuBLAS µs':>9s} {'x':>5s}  config")
+    for (shape, T), res in results.items():
+        if not res.us:
+            print(f"{shape.name:36s} {T:2d} {'-':>8s}   (no valid config; failed {len(res.failed)}, "
+                  f"wrong {len(res.wrong)})")
+            continue
+        eff, us = min(res.us.items(), key=lambda kv: kv[1])
+        gbs = shape.weight_bytes / us / 1e3
+        print(f"{shape.name:36s} {T:2d} {us:8.2f} {gbs:7.0f} {100 * gbs / ceiling:5.0f}% {res.cublas_us:9.2f} "
+              f"{res.cublas_us / us:5.2f}  {fmt_eff(shape, eff)}")
+        for bad, err in res.wrong.items():
+            print(f"    WRONG (rel err {err:.2e}): {fmt_eff(shape, bad)}")
+        for bad, msg in list(res.failed.items())[:2]:
+            print(f"    {fmt_eff(shape, bad)}: {msg}")
+
+
+def sweep(args) -> int:
+    t0 = time.monotonic()
+    tokens = sorted(set(args.tokens))
+    shapes = all_shapes(args.models, args.roles)
+    planned = plan(shapes, tokens, args.stages)
+    print(f"{len(shapes)} shapes x {len(tokens)} token counts: {sum(len(g) for g in planned.values())} measurements, "
+          f"{len(compile_jobs(planned))} kernel compilations")
+    if args.dry_run:
+        for (shape, T), groups in planned.items():
+            copies = copies_for(shape.weight_bytes)
+            print(f"  {shape.name:36s} T={T}: {len(groups):3d} configs, {copies:3d} weight copies"
+                  f" ({copies * shape.weight_bytes / 2**20:.0f} MiB)")
+        return 0
+    if not needs_cuda("sweep (try --dry-run)"):
+        return 2
+    ceiling = copy_gbs()
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {ceiling:.0f} GB/s", flush=True)
+    left = args.budget_s - (time.monotonic() - t0)
+    precompile(compile_jobs(planned), args.jobs, time.time() + left / 2)
+    results = sweep_configs(planned, t0 + max(args.budget_s - 20, 0))
+    sweep_report(results, ceiling)
+    tables = choose_tables(results, tokens)
+    if not args.no_dispatch and tables:
+        launch_configs.use_configs(tables)
+        print("\ndecode vs prefill forms with the chosen configs:")
+        tables.update(dispatch_limits(sorted({s.model for s in shapes if s.role != "lm_head"}), tokens,
+                                      t0 + args.budget_s))
+        launch_configs.use_configs(None)
+    snippet = json.dumps(tables, indent=1, sort_keys=True)
+    print("\n# paste into DEFAULT_CONFIGS in compiled_llm/kernels/launch_configs.py:\n" + snippet)
+    if args.json_out:
+        args.json_out.write_text(snippet + "\n")
+    print(f"\n{time.monotonic() - t0:.0f} s")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# tune / profile: the engine's batch-1 decode graph
+# ---------------------------------------------------------------------------------------------
+
+# candidate values per (table, knob) of the "1" bucket
+TUNE_SPACE = {
+    "norm_mlp_decode": {"BLOCK_I": [1, 2, 4, 8], "BLOCK_H": [256, 512, 1024], "num_warps": [1, 2, 4]},
+    "norm_mlp_down": {"BLOCK_N": [1, 2, 4], "BLOCK_K": [1024, 2048, 4096], "num_warps": [4, 8]},
+    "gemv": {"BLOCK_N": [1, 2, 4], "BLOCK_K": [512, 1024], "num_warps": [1, 2, 4]},
+    "qkv_decode": {"BLOCK_P": [1, 2, 4], "BLOCK_K": [512, 1024], "num_warps": [2, 4]},
+    "paged_attention_decode": {"BLOCK_N": [32, 64], "MAX_SPLITS": [4, 8, 16, 32], "num_warps": [2, 4]},
+}
+
+
+def engine(source: str, **options) -> LLM:
+    """``source`` (a model source, built into the engine cache on first use, or an engine
+    directory) on the GPU in bf16, at the workloads' max_model_len."""
+    return LLM(source, dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN, **options)
+
+
+def recapture_decode_graphs(runner) -> bool:
+    """Capture the runner's decode graphs again, from scratch: a graph keeps the kernels and
+    launch configs it was captured with."""
+    runner.graphs = StepGraphs()
+    runner.prepare_graphs(0)
+    return runner.capture_all_graphs()
+
+
+def tune(args) -> int:
+    """Coordinate descent over the T = 1 bucket of each decode kernel's table, judged by the
+    device time of the bucket-1 decode graph: programmatic dependent launch and the neighbouring
+    kernels count, which a kernel timed alone misses."""
+    if not needs_cuda("tune"):
+        return 2
+    llm = engine(args.source, gpu_memory_utilization=0.5, max_graph_batch_size=1, prefill_graph_max_tokens=0)
+    runner = llm.engine.runner
+
+    def step_us(table) -> float:
+        launch_configs.use_configs(table)
+        if not recapture_decode_graphs(runner):
+            return math.inf
+        return graph_time_us(lambda: runner.graphs.run(1, 1), capture=False, replays=40, rounds=3)
+
+    best = launch_configs.current()
+    best_us = step_us(best)
+    print(f"start: {best_us:.1f} us per batch-1 decode step", flush=True)
+    for r in range(args.rounds):
+        for table in args.tables:
+            for knob, values in TUNE_SPACE[table].items():
+                for v in values:
+                    if best[table]["1"].get(knob) == v:
+                        continue
+                    trial = copy.deepcopy(best)
+                    trial[table]["1"][knob] = v
+                    try:
+                        us = step_us(trial)
+                    except Exception as e:  # a config that does not compile or launch
+                        print(f"  {table}.{knob}={v}: {failure(e)}", flush=True)
+                        continue
+                    mark = ""
+                    if us < best_us * 0.995:
+                        best, best_us, mark = trial, us, "  <- best"
+                    print(f"  {table}.{knob}={v}: {us:.1f} us{mark}", flush=True)
+        print(f"round {r + 1}: {best_us:.1f} us ({1e6 / best_us:.0f} steps/s of graph time)", flush=True)
+    launch_configs.use_configs(None)
+    print(json.dumps({t: {"1": best[t]["1"]} for t in args.tables}, indent=1))
+    return 0
+
+
+def random_prompt(vocab_size: int, length: int = 128, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(min(vocab_size, 10_001)) for _ in range(length)]
+
+
+def kernel_table(prof, top: int, per: int = 1) -> str:
+    """Device time by kernel name (per step when ``per`` steps were profiled), largest first."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        t = e.self_cuda_time_total if t is None else t
+        if t > 0 and e.device_type.name == "CUDA":
+            rows.append((t / per, e.count // per, e.key[:110]))
+    rows.sort(reverse=True)
+    lines = [f"  device total {sum(r[0] for r in rows):.1f} us ({len(rows)} kernel names)"]
+    return "\n".join(lines + [f"  {t:9.1f} us  x{n:<4d} {k}" for t, n, k in rows[:top]])
+
+
+def profile_steps(args) -> int:
+    """Where a step's time goes: the decode graphs' device time against the engine's step wall
+    time (the difference is host work), PDL on and off, and device time per kernel of the
+    decode loop and of a long prefill, with the prefill's host time by op and by function."""
+    if not needs_cuda("profile"):
+        return 2
+    llm = engine(args.source, gpu_memory_utilization=0.6)
+    runner, st, vocab = llm.engine.runner, llm.stats, llm.model.config.vocab_size
+    greedy = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate({"prompt_token_ids": random_prompt(vocab)}, greedy, use_tqdm=False)
+
+    steps, secs = st.decode_steps, st.decode_s
+    llm.generate({"prompt_token_ids": random_prompt(vocab, seed=3)}, greedy, use_tqdm=False)
+    wall = (st.decode_s - secs) / (st.decode_steps - steps)
+    print(f"batch-1 decode: engine step wall {1e3 * wall:.3f} ms ({1 / wall:.0f} tok/s)")
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        steps, secs = st.decode_steps, st.decode_s
+        llm.generate({"prompt_token_ids": random_prompt(vocab, seed=4)}, greedy, use_tqdm=False)
+        torch.cuda.synchronize()
+    steps = st.decode_steps - steps
+    print(f"engine decode loop under the profiler: {steps} steps, wall {1e3 * (st.decode_s - secs) / steps:.3f} "
+          f"ms/step; device time per step by kernel:\n{kernel_table(prof, args.top, per=steps)}")
+
+    prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": random_prompt(vocab, args.prefill, seed=10 + i)} for i in range(4)]
+    llm.generate(prompts[0], prefill, use_tqdm=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts[1], prefill, use_tqdm=False)
+    torch.cuda.synchronize()
+    print(f"prefill {args.prefill}: generate wall {1e3 * (time.perf_counter() - t0):.2f} ms")
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts[2], prefill, use_tqdm=False)
+        torch.cuda.synchronize()
+    print(f"prefill {args.prefill} kernels:\n{kernel_table(prof, args.top)}\nprefill host (cpu_time_total):")
+    for e in sorted(prof.key_averages(), key=lambda e: e.cpu_time_total, reverse=True)[:12]:
+        print(f"  {e.cpu_time_total / 1e3:8.2f} ms x{e.count:<5d} {e.key[:100]}")
+    by_function = cProfile.Profile()
+    by_function.enable()
+    llm.generate(prompts[3], prefill, use_tqdm=False)
+    torch.cuda.synchronize()
+    by_function.disable()
+    buf = io.StringIO()
+    pstats.Stats(by_function, stream=buf).sort_stats("tottime").print_stats(30)
+    print("prefill host by function (cProfile, tottime):\n" + "\n".join(buf.getvalue().splitlines()[:60]))
+
+    # last: the graphs are captured again, with the runner's idle inputs (every row attends to one
+    # token), for every bucket, and once more without programmatic dependent launch
+    buckets = [b for b in (1, 2, 4, 8, 32, 64, 128, 256) if b in runner.graphs.buckets]
+    times = {}
+    for pdl in (True, False):
+        triton_common.PDL_ENABLED = pdl
+        recapture_decode_graphs(runner)
+        times[pdl] = {b: graph_time_us(lambda b=b: runner.graphs.run(b, b), capture=False, replays=50, rounds=3)
+                      for b in buckets}
+    triton_common.PDL_ENABLED = True
+    for b in buckets:
+        print(f"  graph bucket {b:4d}: {times[True][b] / 1e3:.3f} ms device per replay with PDL, "
+              f"{times[False][b] / 1e3:.3f} ms without ({times[False][b] / times[True][b]:.2f}x)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# agree: fused kernels + CUDA graphs against the eager spec
+# ---------------------------------------------------------------------------------------------
+
+
+def read_prompts(path: Path, num_prompts: int) -> list[list[int]]:
+    """The first ``num_prompts`` prompts of a JSON list of token-id lists, checked before the
+    (slow) build, so a bad file fails at once."""
+    prompts = json.loads(Path(path).read_text())
+    if not isinstance(prompts, list) or len(prompts) < num_prompts:
+        raise SystemExit(f"{path}: need a JSON list of at least {num_prompts} prompts")
+    prompts = prompts[:num_prompts]
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, list) and p and all(isinstance(t, int) and t >= 0 for t in p)):
+            raise SystemExit(f"{path}: prompt {i} is not a non-empty list of token ids")
+    return prompts
+
+
+def agree(args) -> int:
+    """The engine (fused kernels, decode CUDA graphs, one-sequence prefill graphs, async
+    scheduling) generates greedily; its logits at every step are recorded from the sampler's
+    input. The reference is the unfused spec with the reference ops on the source's weights, fed
+    the engine's tokens (teacher forcing), so every step compares logits for the same context.
+    Verdict as in ``compiled-llm compare``: bf16 needs >= 99% greedy agreement and every flip
+    inside the other side's top 5."""
+    file_prompts = read_prompts(args.prompts_file, args.prompts) if args.prompts_file is not None else None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    llm = LLM(args.source, dtype=args.dtype, device=device, max_model_len=args.max_model_len,
+              gpu_memory_utilization=0.5)
+    runner = llm.engine.runner
+    recorded: dict[tuple[str, int], torch.Tensor] = {}
+    original_sample, original_launch = runner._sample, runner.launch
+    queued_ahead = [False]
+
+    def recording_launch(batch, ahead_of=None, ahead_rows=None):
+        queued_ahead[0] = ahead_of is not None
+        return original_launch(batch, ahead_of, ahead_rows)
+
+    def recording_sample(batch, logits):
+        for j, row in enumerate(batch.sample_rows):
+            seq = batch.seqs[row]
+            # output index of the token this row samples: one past the sequence's tokens, two
+            # past when the step was queued before the previous step's token was appended
+            index = seq.num_tokens - seq.num_prompt_tokens + (1 if queued_ahead[0] else 0)
+            recorded[(seq.request_id, index)] = logits[j].float().cpu()
+        return original_sample(batch, logits)
+
+    runner._sample, runner.launch = recording_sample, recording_launch
+    vocab = llm.model.config.vocab_size
+    prompts = file_prompts or cmp.random_prompts(vocab, args.prompts, args.seed)
+    if max(max(p) for p in prompts) >= vocab:
+        raise SystemExit(f"{args.prompts_file}: token ids must be below the model's vocab size {vocab}")
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    st = llm.stats
+    print(f"engine: {st.graphs_captured} graphs, {st.decode_steps} decode steps ({st.ahead_steps} queued ahead), "
+          f"{st.prefill_steps} prefill steps")
+    tokens = torch.tensor([o.token_ids for o in outs])  # [N, K]
+    logits = torch.stack([torch.stack([recorded[(o.request_id, k)] for o in outs]) for k in range(args.tokens)])
+
+    manifest, config, dtype = llm.model.manifest, llm.model.config, llm.model.dtype
+    del llm, runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    dtype_name = str(dtype).removeprefix("torch.")
+
+    def spec_logits(spec_dtype):
+        weights = load_source_params(cmp.source_of(manifest), spec_dtype, device)
+        return cmp.run_steps(cmp.spec_step(config, weights), config, prompts, args.tokens, device, spec_dtype,
+                             forced=tokens)[0]
+
+    ref, ref32 = spec_logits(dtype), spec_logits(torch.float32)
+    v = cmp.judge(logits, tokens, ref, prompts, dtype)
+    # the dtype's noise floor on this model: the same eager spec in float32, fed the same tokens;
+    # how often does each side pick what float32 picks?
+    pick32 = ref32.argmax(-1)
+    top2 = ref32.topk(2, dim=-1).values
+    print(f"against the float32 eager spec on the same tokens: engine "
+          f"{(logits.argmax(-1) == pick32).float().mean().item():.2%}, eager {dtype_name} "
+          f"{(ref.argmax(-1) == pick32).float().mean().item():.2%} (median top-1/top-2 logit gap "
+          f"{(top2[..., 0] - top2[..., 1]).median().item():.3f}; max|logit| {ref32.abs().max().item():.2f})")
+    print(f"fused kernels + graphs vs eager spec ({len(prompts)} prompts x {args.tokens} tokens, {dtype_name}): "
+          f"greedy agreement {v.agreement:.2%} ({v.agree}/{v.steps}), flips outside top {cmp.TOP_K}: "
+          f"{v.flips_outside_top_k}, max|dlogit| {v.max_abs_delta:.3f} (max|logit| {v.max_abs_logit:.2f}) -> "
+          f"{'PASS' if v.ok else 'FAIL'} [{v.rule}]")
+    return 0 if v.ok else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kernel_bench.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name, fn, text):
+        p = sub.add_parser(name, help=text, description=f"{text}. {fn.__doc__ or ''}".strip())
+        p.set_defaults(run=fn)
+        return p
+
+    p = command("micro", micro, "every fused op at real shapes against eager torch, Inductor and the CUDA C++ "
+                "provider: device µs, GB/s against the copy bandwidth, TFLOP/s, error against eager; first the "
+                "two ceilings (copy bandwidth, bf16 matmul rate)")
+    p.add_argument("--cases", default="", help="run only cases whose name contains this text")
+    p.add_argument("--list", action="store_true", help="list the cases and their implementations (no GPU)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile (Inductor) baseline")
+    p.add_argument("--no-cuda-ext", action="store_true", help="skip the CUDA C++ provider (no JIT build)")
+    p.add_argument("--input-sets", type=int, default=3, help="random input sets each timed graph rotates over")
+
+    p = command("attention", attention, "paged attention: decode at runtime-shaped batches over several layer "
+                "caches, and the prefill kernel's configs against SDPA")
+    p.add_argument("--cases", nargs="+", choices=["decode", "prefill"], default=["decode", "prefill"])
+    p.add_argument("--layers", type=int, default=8, help="decode: calls (layer caches) per timed graph")
+    p.add_argument("--reps", type=int, default=20, help="graph replays per timing")
+    p.add_argument("--no-sweep", action="store_true", help="prefill: the default config only")
+    p.add_argument("--prefill-tokens", type=int, default=1024)
+
+    p = command("sweep", sweep, "launch configs of the weight-streaming GEMV kernels and the token counts up to "
+                "which they beat cuBLAS, printed as a launch_configs.py snippet")
+    p.add_argument("--models", nargs="+", default=list(SWEEP_MODELS), choices=list(SWEEP_MODELS))
+    p.add_argument("--roles", nargs="+", default=list(ROLES), choices=list(ROLES))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--stages", nargs="+", type=int, default=[1])
+    p.add_argument("--budget-s", type=float, default=160.0,
+                   help="wall-clock budget: precompiling stops at half of it, the sweep 20 s before its end "
+                        "(the decode-vs-prefill timing gets those), and what ran is reported")
+    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                   help="processes that precompile the kernels (1: compile while timing)")
+    p.add_argument("--no-dispatch", action="store_true", help="skip the decode-vs-prefill form timing")
+    p.add_argument("--json-out", type=Path, help="also write the snippet here")
+    p.add_argument("--dry-run", action="store_true", help="print the candidate grid and exit (no GPU)")
+
+    p = command("tune", tune, "the T = 1 launch configs of the decode kernels, tuned on the whole batch-1 "
+                "decode graph; prints the winning table as JSON")
+    p.add_argument("--source", default=QWEN, help=f"model source or engine directory (default {QWEN})")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--tables", nargs="+", choices=list(TUNE_SPACE), default=list(TUNE_SPACE),
+                   help="tune only these tables (default: all)")
+
+    p = command("profile", profile_steps, "where a step's time goes on the GPU")
+    p.add_argument("--source", default=QWEN, help=f"model source or engine directory (default {QWEN})")
+    p.add_argument("--top", type=int, default=25, help="kernels per table")
+    p.add_argument("--prefill", type=int, default=1024, help="prompt length of the profiled prefill")
+
+    p = command("agree", agree, "greedy agreement of the engine's fused kernels + CUDA graphs with the eager spec")
+    p.add_argument("--source", default=QWEN, help=f"model source or engine directory (default {QWEN})")
+    p.add_argument("--dtype", default="bfloat16", help="the engine's dtype (default bfloat16)")
+    p.add_argument("--prompts", type=int, default=16, help="how many prompts (the first N of --prompts-file)")
+    p.add_argument("--prompts-file", type=Path, default=None,
+                   help="a JSON list of token-id lists to use as prompts (train_synthetic_lm.py writes prompts.json)")
+    p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
