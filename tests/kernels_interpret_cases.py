@@ -243,6 +243,9 @@ def _opcheck_cases():
         "fused_layer_norm_gelu_mlp": mlp_gelu_inputs(3, 32, 24, F32, "cpu", 14),
         "paged_attention": attn_prefill.args(nan_free(attn_prefill)),
         "paged_attention@decode": attn_decode.args(nan_free(attn_decode)),
+        "greedy_sample": (torch.randn(3, 3000, generator=g),),
+        # temperature 0 everywhere: the draw is the argmax, so opcheck's repeated runs agree
+        "temperature_sample": (torch.randn(3, 3000, generator=g), torch.zeros(3)),
     }
 
 

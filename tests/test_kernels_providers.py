@@ -23,7 +23,7 @@ def _schema_tail(op) -> str:
     return str(op.default._schema).split("(", 1)[1]
 
 
-@pytest.mark.parametrize("name", list(providers.TRITON_OPS))
+@pytest.mark.parametrize("name", [*providers.TRITON_KERNELS, *providers.SAMPLER_KERNELS])
 def test_triton_provider_has_the_semantic_schema_and_is_registered(name):
     assert _schema_tail(providers.provider_op(name, "triton")) == _schema_tail(getattr(torch.ops.cllm, name))
     p = registry.get_provider(name, "triton")
@@ -32,7 +32,7 @@ def test_triton_provider_has_the_semantic_schema_and_is_registered(name):
     assert not p.supports("cpu", torch.float32)
 
 
-@pytest.mark.parametrize("name", list(providers.CUDA_OPS))
+@pytest.mark.parametrize("name", list(providers.CUDA_KERNELS))
 def test_cuda_provider_has_the_semantic_schema_and_ranks_below_triton(name):
     assert _schema_tail(providers.provider_op(name, "cuda")) == _schema_tail(getattr(torch.ops.cllm, name))
     names = [p.name for p in registry.providers(name)]
@@ -42,9 +42,67 @@ def test_cuda_provider_has_the_semantic_schema_and_ranks_below_triton(name):
     assert not cuda.supports("cuda", torch.float32)  # the CUDA kernels are 16-bit only
 
 
+def test_every_op_has_a_triton_provider():
+    assert {*providers.TRITON_KERNELS, *providers.SAMPLER_KERNELS} == set(ops.OPS) == set(registry.op_names())
+
+
 def test_default_choice_is_triton_on_cuda_and_reference_on_cpu():
     assert set(registry.choose_providers("cuda", torch.bfloat16).values()) == {"triton"}
     assert set(registry.choose_providers("cpu", torch.float32).values()) == {"reference"}
+
+
+def test_sampler_kernels_are_chosen_through_the_registry():
+    """The sampler's ops get the provider choose_providers would: the Triton kernels on CUDA,
+    the torch references on the CPU (called as plain functions, no dispatcher)."""
+    assert registry.kernel_for("greedy_sample", "cuda", torch.bfloat16) is providers.triton_sampling.greedy_argmax
+    assert registry.kernel_for("temperature_sample", "cuda", torch.float32) is providers.triton_sampling.gumbel_sample
+    assert registry.kernel_for("greedy_sample", "cpu", torch.float32) is ops.greedy_sample_ref
+    assert registry.kernel_for("temperature_sample", "cpu", torch.bfloat16) is ops.temperature_sample_ref
+
+
+def test_provider_ops_take_the_semantic_fake():
+    """A provider op traces like its semantic op: same fake, so the same output metadata."""
+    x, w = torch.randn(3, 32), torch.randn(32)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fx, fw = mode.from_tensor(x), mode.from_tensor(w)
+        got = providers.provider_op("rms_norm", "triton")(fx, fw, 1e-6)
+        want = torch.ops.cllm.rms_norm(fx, fw, 1e-6)
+    assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+
+
+def test_register_kernel_sends_what_the_kernel_does_not_handle_to_the_reference():
+    """handles() gets the op arguments its parameters name; a kernel registered twice only comes
+    back into the registry; a handles() reading a defaulted argument is refused."""
+    calls = []
+
+    def kernel(x, weight, eps):
+        calls.append(x.shape)
+        return ops.rms_norm_ref(x, weight, eps) + 1
+
+    def wide(x):
+        return x.shape[-1] >= 16
+
+    try:
+        p = registry.register_kernel("rms_norm", "test_handles", kernel, supports=lambda d, t: False, handles=wide)
+        w16, w8 = torch.ones(16), torch.ones(8)
+        x16, x8 = torch.randn(2, 16), torch.randn(2, 8)
+        assert torch.equal(p.overload(x16, w16, 1e-6), ops.rms_norm_ref(x16, w16, 1e-6) + 1)
+        assert torch.equal(p.fn(x8, w8, 1e-6), ops.rms_norm_ref(x8, w8, 1e-6))
+        assert calls == [(2, 16)]
+        assert registry.direct_calls()[p.overload] is p.fn
+        registry.unregister_provider("rms_norm", "test_handles")
+        assert p.overload not in registry.direct_calls()
+        again = registry.register_kernel("rms_norm", "test_handles", kernel, supports=lambda d, t: False, handles=wide)
+        assert again.overload is p.overload and again.fn is p.fn
+        with pytest.raises(CompiledLLMError, match="another kernel"):
+            registry.register_kernel("rms_norm", "test_handles", kernel, supports=lambda d, t: False)
+    finally:
+        registry.unregister_provider("rms_norm", "test_handles")
+    with pytest.raises(CompiledLLMError, match="norm_eps"):
+        registry.register_kernel("fused_qkv_rope", "test_bad", kernel, supports=lambda d, t: False,
+                                 handles=lambda norm_eps: True)
+    with pytest.raises(CompiledLLMError, match="no semantic op"):
+        registry.register_kernel("no_such_op", "test_bad", kernel, supports=lambda d, t: False)
 
 
 def test_cuda_extension_reports_why_it_cannot_build_on_a_cpu_torch():
@@ -143,10 +201,13 @@ def _reference_cases():
         "fused_qkv_rope": qkv_inputs(3, 32, 4, 2, 16, f32, "cpu", 2, bias=True, qk_norm=True, rope=True, max_pos=8),
         "fused_rms_norm_glu_mlp": mlp_glu_inputs(3, 32, 24, f32, "cpu", 3),
         "fused_layer_norm_gelu_mlp": mlp_gelu_inputs(3, 32, 24, f32, "cpu", 4),
+        "greedy_sample": (torch.randn(3, 50, generator=g),),
+        # temperature 0 everywhere: the draw is the argmax, so the output is deterministic
+        "temperature_sample": (torch.randn(3, 50, generator=g), torch.zeros(3)),
     }
 
 
-@pytest.mark.parametrize("name", [*ops.SEMANTIC_OPS, *fused_ops.FUSED_OPS])
+@pytest.mark.parametrize("name", list(ops.OPS))
 def test_opcheck_reference_op(name):
     torch.library.opcheck(getattr(torch.ops.cllm, name), _reference_cases()[name])
 
@@ -245,7 +306,7 @@ def test_runtime_program_calls_provider_functions_directly_and_keeps_the_saved_g
     src = resolve_source("tiny-qwen2")
     lowered = lower(src.config, load_source_params(src, torch.float32, "cpu"), default_pass_names(), "cuda", torch.float32, {})
     program = PortableProgram(lowered.gm, lowered.param_names)
-    direct = providers.direct_implementations()
+    direct = registry.direct_calls()
     saved = [n.target for n in program.module.gm.graph.nodes if n.op == "call_function"]
     run = [n.target for n in program._run.gm.graph.nodes if n.op == "call_function"]
     assert sum(t in direct for t in saved) >= 4 * src.config.num_layers // 2

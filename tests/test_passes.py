@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from compiled_llm.engine.build import lower, program_kernels
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
+from compiled_llm.graph import ops
 from compiled_llm.graph.export import FlatProgram, capture, param_placeholder_names
 from compiled_llm.graph.spec import forward, kv_cache_shape
 from compiled_llm.model.weights import random_params
@@ -127,21 +128,13 @@ def test_disabled_pass_is_skipped_and_unknown_one_refused():
         pipeline(disabled=["nope"])
 
 
+def _testprov_kernel(x, weight, eps):
+    return ops.rms_norm_ref(x, weight, eps)
+
+
 def test_select_kernels_rewrites_to_the_chosen_provider():
     """A registered provider (same schema, its own op) replaces the semantic op in the graph."""
-    lib = torch.library.Library("cllm", "FRAGMENT")
-    try:
-        @torch.library.custom_op("cllm::rms_norm__testprov", mutates_args=())
-        def testprov(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-            return torch.ops.cllm.rms_norm(x, weight, eps)
-
-        @testprov.register_fake
-        def _(x, weight, eps):
-            return torch.empty_like(x)
-    except RuntimeError:
-        pass  # already defined by an earlier run in this process
-    registry.register_provider("rms_norm", registry.Provider("testprov", torch.ops.cllm.rms_norm__testprov,
-                                                             lambda d, t: d == "cpu", priority=10))
+    registry.register_kernel("rms_norm", "testprov", _testprov_kernel, supports=lambda d, t: d == "cpu", priority=10)
     try:
         assert registry.choose_providers("cpu", torch.float32)["rms_norm"] == "testprov"
         assert registry.choose_providers("cuda", torch.float32)["rms_norm"] != "testprov"  # cpu-only provider
@@ -156,7 +149,6 @@ def test_select_kernels_rewrites_to_the_chosen_provider():
             registry.choose_providers("cpu", torch.float32, prefer={"rms_norm": "nope"})
     finally:
         registry.unregister_provider("rms_norm", "testprov")
-    del lib
 
 
 # ---------------------------------------------------------------------------------------------

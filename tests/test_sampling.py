@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.serve.sampling import SamplingParams, SamplingTensors, make_generator, sample, truncate_logits
+from compiled_llm.graph import ops
+from compiled_llm.kernels import registry
+from compiled_llm.serve.sampling import (
+    SamplingParams, SamplingTensors, greedy_ids, make_generator, sample, truncate_logits,
+)
 
 V = 8
 # fixed logits with distinct, known probabilities
@@ -125,6 +129,44 @@ def test_seeded_rows_reproduce_and_ignore_their_neighbours():
     assert len(set(alone)) > 1  # really sampled
     other = run([SamplingParams(temperature=1.0, seed=4321)], 0)
     assert other != alone
+
+
+_SEEN = []
+
+
+def _test_greedy(logits):
+    _SEEN.append("greedy_sample")
+    return ops.greedy_sample_ref(logits)
+
+
+def _test_temperature(logits, temperature):
+    _SEEN.append("temperature_sample")
+    return ops.temperature_sample_ref(logits, temperature)
+
+
+def test_sampler_runs_the_kernels_the_registry_picks():
+    """Greedy batches and plain temperature batches run the registry's choice for the logits'
+    device and dtype (a CPU-only provider here); top-k/top-p and seeded batches run the torch race."""
+    logits = torch.randn(3, V)
+    plain = SamplingTensors.from_params([SamplingParams(temperature=0.8)] * 3, V, "cpu")
+    truncated = SamplingTensors.from_params([SamplingParams(temperature=0.8, top_k=2)] * 3, V, "cpu")
+    try:
+        for op, fn in (("greedy_sample", _test_greedy), ("temperature_sample", _test_temperature)):
+            registry.register_kernel(op, "test_cpu", fn, supports=lambda d, t: d == "cpu" and t == torch.float32,
+                                     priority=100)
+        _SEEN.clear()
+        assert torch.equal(greedy_ids(logits), logits.argmax(-1))
+        sample(logits, plain)
+        sample(logits, truncated)
+        sample(logits, plain, [make_generator(1, "cpu"), None, None])
+        greedy_ids(logits.bfloat16())  # a dtype the provider does not support: the reference
+        assert _SEEN == ["greedy_sample", "temperature_sample"]
+    finally:
+        for op in ("greedy_sample", "temperature_sample"):
+            registry.unregister_provider(op, "test_cpu")
+    _SEEN.clear()
+    greedy_ids(logits)
+    assert _SEEN == []
 
 
 @pytest.mark.parametrize(

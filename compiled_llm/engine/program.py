@@ -17,6 +17,7 @@ from torch import Tensor
 
 from compiled_llm.graph.export import FlatProgram
 from compiled_llm.graph.spec import PackedBatch
+from compiled_llm.kernels import registry
 
 
 class PortableProgram:
@@ -31,27 +32,22 @@ class PortableProgram:
         return self._run(params, *batch, kv_cache)
 
 
-def calls_providers(gm: torch.fx.GraphModule) -> bool:
-    """Whether the graph calls a kernel provider op (``cllm::<op>__<provider>``) rather than
-    only reference ops: only then are the provider modules (and Triton) imported."""
-    return any(
-        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-        and n.target.name().startswith("cllm::") and "__" in n.target.name()
-        for n in gm.graph.nodes
-    )
-
-
 def with_direct_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of gm whose kernel-provider ops call their Python functions directly (see
-    providers.direct_implementations); gm itself, which is what gets saved, is untouched."""
-    if not calls_providers(gm):
-        return gm
-    from compiled_llm.kernels.providers import direct_implementations  # imports Triton
+    """A copy of gm whose kernel-provider calls call the provider's Python function directly
+    (``registry.direct_calls``: the function its op runs, kept by the registry when the kernel
+    was registered); gm itself, which is what gets saved, is untouched. A call passing keyword
+    arguments keeps the op (the functions take positional ones; the passes and the exporter
+    pass none)."""
+    direct = registry.direct_calls()
 
-    direct = direct_implementations()
+    def redirected(node: torch.fx.Node) -> bool:
+        return node.op == "call_function" and not node.kwargs and node.target in direct
+
+    if not any(redirected(n) for n in gm.graph.nodes):
+        return gm
     out = copy.deepcopy(gm)
     for node in out.graph.nodes:
-        if node.op == "call_function" and node.target in direct:
+        if redirected(node):
             node.target = direct[node.target]
     out.recompile()
     return out

@@ -1,9 +1,10 @@
 """Fused semantic ops (``cllm::``) that the build's fusion passes rewrite the spec into.
 
-Each is a ``torch.library.custom_op`` with a fake implementation and a reference implementation
-built from ``ops.py``'s reference helpers, so a fused graph computes what the unfused one does
-(up to float rounding) on any device. Kernel providers (Triton, CUDA C++) register ops with the
-identical schema under ``cllm::<op>__<provider>`` (see ``kernels/registry.py``).
+Each is defined by ``ops.cllm_op`` from its reference implementation below, built from
+``ops.py``'s reference helpers, so a fused graph computes what the unfused one does (up to float
+rounding) on any device; the reference's signature is the op's schema and, run on fake tensors,
+its fake. Kernel providers (Triton, CUDA C++) are made from that definition as
+``cllm::<op>__<provider>`` (see ``kernels/registry.py``).
 
 Ops that absorb a residual add (``fused_linear_residual``, the MLPs' optional ``residual``) add
 the op's output *after* rounding it to the dtype, so they compute bit for bit what the separate
@@ -22,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from compiled_llm.graph.ops import layer_norm_ref, rms_norm_ref, rotary_ref
+from compiled_llm.graph.ops import cllm_op, layer_norm_ref, rms_norm_ref, rotary_ref
 
 # ---------------------------------------------------------------------------------------------
-# Pure reference functions (shared by the ops below and by kernel providers' tests)
+# Reference implementations: each op's one signature (shared by kernel providers' fallbacks and
+# by the kernels' tests)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -123,116 +125,9 @@ def fused_qkv_rope_ref(
 # The fused cllm:: ops
 # ---------------------------------------------------------------------------------------------
 
-
-@torch.library.custom_op("cllm::fused_add_rms_norm", mutates_args=())
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return fused_add_rms_norm_ref(x, residual, weight, eps)
-
-
-@fused_add_rms_norm.register_fake
-def _(x, residual, weight, eps):
-    return torch.empty_like(x), torch.empty_like(x)
-
-
-@torch.library.custom_op("cllm::fused_add_layer_norm", mutates_args=())
-def fused_add_layer_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float
-) -> tuple[Tensor, Tensor]:
-    return fused_add_layer_norm_ref(x, residual, weight, bias, eps)
-
-
-@fused_add_layer_norm.register_fake
-def _(x, residual, weight, bias, eps):
-    return torch.empty_like(x), torch.empty_like(x)
-
-
-@torch.library.custom_op("cllm::fused_linear_residual", mutates_args=())
-def fused_linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor) -> Tensor:
-    return fused_linear_residual_ref(x, weight, bias, residual)
-
-
-@fused_linear_residual.register_fake
-def _(x, weight, bias, residual):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.custom_op("cllm::fused_rms_norm_glu_mlp", mutates_args=())
-def fused_rms_norm_glu_mlp(
-    x: Tensor,
-    norm_weight: Tensor,
-    eps: float,
-    gate_up_weight: Tensor,
-    down_weight: Tensor,
-    residual: Optional[Tensor] = None,
-) -> Tensor:
-    return fused_rms_norm_glu_mlp_ref(x, norm_weight, eps, gate_up_weight, down_weight, residual)
-
-
-@fused_rms_norm_glu_mlp.register_fake
-def _(x, norm_weight, eps, gate_up_weight, down_weight, residual=None):
-    return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
-
-
-@torch.library.custom_op("cllm::fused_layer_norm_gelu_mlp", mutates_args=())
-def fused_layer_norm_gelu_mlp(
-    x: Tensor,
-    norm_weight: Tensor,
-    norm_bias: Tensor,
-    eps: float,
-    fc_weight: Tensor,
-    fc_bias: Tensor,
-    proj_weight: Tensor,
-    proj_bias: Tensor,
-    residual: Optional[Tensor] = None,
-) -> Tensor:
-    return fused_layer_norm_gelu_mlp_ref(
-        x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias, residual
-    )
-
-
-@fused_layer_norm_gelu_mlp.register_fake
-def _(x, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias, residual=None):
-    return x.new_empty((*x.shape[:-1], proj_weight.shape[0]))
-
-
-@torch.library.custom_op("cllm::fused_qkv_rope", mutates_args=())
-def fused_qkv_rope(
-    x: Tensor,
-    qkv_weight: Tensor,
-    qkv_bias: Optional[Tensor],
-    q_norm_weight: Optional[Tensor],
-    k_norm_weight: Optional[Tensor],
-    positions: Tensor,
-    cos_sin: Optional[Tensor],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    eps: float,
-    norm_weight: Optional[Tensor] = None,
-    norm_eps: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return fused_qkv_rope_ref(
-        x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
-        num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps,
-    )
-
-
-@fused_qkv_rope.register_fake
-def _(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
-      num_heads, num_kv_heads, head_dim, eps, norm_weight=None, norm_eps=0.0):
-    T = x.shape[0]
-    return (
-        x.new_empty((T, num_heads, head_dim)),
-        x.new_empty((T, num_kv_heads, head_dim)),
-        x.new_empty((T, num_kv_heads, head_dim)),
-    )
-
-
-FUSED_OPS = {
-    "fused_add_rms_norm": fused_add_rms_norm,
-    "fused_add_layer_norm": fused_add_layer_norm,
-    "fused_linear_residual": fused_linear_residual,
-    "fused_rms_norm_glu_mlp": fused_rms_norm_glu_mlp,
-    "fused_layer_norm_gelu_mlp": fused_layer_norm_gelu_mlp,
-    "fused_qkv_rope": fused_qkv_rope,
-}
+fused_add_rms_norm = cllm_op("fused_add_rms_norm", fused_add_rms_norm_ref)
+fused_add_layer_norm = cllm_op("fused_add_layer_norm", fused_add_layer_norm_ref)
+fused_linear_residual = cllm_op("fused_linear_residual", fused_linear_residual_ref)
+fused_rms_norm_glu_mlp = cllm_op("fused_rms_norm_glu_mlp", fused_rms_norm_glu_mlp_ref)
+fused_layer_norm_gelu_mlp = cllm_op("fused_layer_norm_gelu_mlp", fused_layer_norm_gelu_mlp_ref)
+fused_qkv_rope = cllm_op("fused_qkv_rope", fused_qkv_rope_ref)

@@ -1,15 +1,27 @@
-"""Semantic ops of the spec, in the ``cllm::`` namespace.
+"""The ``cllm::`` ops and how one is defined, from its reference implementation.
 
-Each op is a ``torch.library.custom_op`` with a fake (meta) implementation and a reference
-implementation in plain torch that runs on any device. They are opaque to torch.export and FX:
-the exported graph names them, fusion passes match them, and kernel providers replace them.
+An op is defined once, by ``cllm_op(name, reference)``: the reference is plain torch that runs on
+any device, and its annotated signature *is* the op's schema (inferred by
+``torch.library.infer_schema``; it is written nowhere else). The op's fake (what tracing sees) is
+the reference itself run on fake tensors unless the op names a cheaper one, as the spec's ops
+do. ``OPS`` keeps every definition (``OpDef``); kernel providers are made from it
+(``OpDef.define``, through ``kernels/registry.register_kernel``), so a provider op has the op's
+exact schema and fake.
+
+The ops are opaque to torch.export and FX: the exported graph names them, fusion passes match
+them, and kernel providers replace them. The spec's ops are here; the fused ones the passes
+rewrite it into are in fused_ops.py; the two sampling ops (``greedy_sample``,
+``temperature_sample``) are the ones the runtime calls on the logits, outside any graph.
 
 Numerics follow Hugging Face: norms and softmax accumulate in float32 and cast back.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -39,6 +51,10 @@ def rotary_ref(x: Tensor, positions: Tensor, cos_sin: Tensor) -> Tensor:
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rotary_embedding_ref(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+    return rotary_ref(q, positions, cos_sin), rotary_ref(k, positions, cos_sin)
 
 
 def kv_store_ref(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -94,6 +110,22 @@ def paged_attention_read_ref(
     return out
 
 
+def paged_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+) -> Tensor:
+    """Write this step's k/v into the layer's cache, then attend (see paged_attention_read_ref)."""
+    kv_store_ref(k, v, kv_cache, slot_mapping)
+    return paged_attention_read_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+
+
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling=None) -> Tensor:
     """cos/sin table [max_positions, head_dim] in float32 (llama3 frequency scaling when
     ``scaling`` is given)."""
@@ -117,65 +149,117 @@ def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling=None) 
 
 
 # ---------------------------------------------------------------------------------------------
-# The cllm:: ops
+# Sampling references (the runtime's sampler, serve/sampling.py, calls the ops below on logits)
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("cllm::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return rms_norm_ref(x, weight, eps)
+def exponential_race(
+    logits: Tensor,
+    temperature: Tensor,
+    truncate: Optional[Callable[[Tensor], Tensor]] = None,
+    noise: Optional[Tensor] = None,
+) -> Tensor:
+    """Token ids [S] (int64) drawn from softmax(logits / temperature) per row, the argmax where
+    the temperature is 0. Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from
+    p. ``truncate`` masks the scaled logits first (top-k/top-p); ``noise`` is E, float32 and
+    shaped like the logits (default: drawn from torch's default generator)."""
+    logits = logits.float()
+    argmax_ids = logits.argmax(dim=-1)
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = logits / temp[:, None]
+    if truncate is not None:
+        scaled = truncate(scaled)
+    probs = scaled.softmax(dim=-1)
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_()
+    sampled_ids = (probs / noise).argmax(dim=-1)
+    return torch.where(temperature > 0, sampled_ids, argmax_ids)
 
 
-@rms_norm.register_fake
-def _(x, weight, eps):
+def greedy_sample_ref(logits: Tensor) -> Tensor:
+    """Each row's argmax [S] (int64; ties go to the lowest index)."""
+    return logits.argmax(dim=-1)
+
+
+def temperature_sample_ref(logits: Tensor, temperature: Tensor) -> Tensor:
+    """Token ids [S] drawn from softmax(logits / temperature) per row (argmax at temperature 0)."""
+    return exponential_race(logits, temperature)
+
+
+# ---------------------------------------------------------------------------------------------
+# Defining an op
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDef:
+    """One ``cllm::`` op: its reference implementation (whose annotations are the schema), the
+    fake tracing runs, the arguments it writes in place, and what is derived from those."""
+
+    name: str
+    reference: Callable
+    fake: Callable
+    mutates: tuple[str, ...]
+    schema: str  # "(Tensor x, Tensor weight, float eps) -> Tensor", inferred from the reference
+    params: tuple[str, ...]  # argument names, in schema order
+    required: int  # how many leading arguments have no default
+
+    @property
+    def overload(self):
+        """The op FX graphs call, ``torch.ops.cllm.<name>.default``."""
+        return getattr(torch.ops.cllm, self.name).default
+
+    def define(self, name: str, fn: Callable):
+        """Register ``fn`` as ``cllm::<name>`` with this op's schema, mutations and fake: how the
+        op itself and each kernel provider of it (``<op>__<provider>``) are made. ``fn`` is
+        called with the arguments positionally, in schema order (trailing ones left at their
+        defaults may be left out)."""
+        torch.library.custom_op(f"cllm::{name}", fn, mutates_args=self.mutates, schema=self.schema).register_fake(
+            self.fake
+        )
+        return getattr(torch.ops.cllm, name).default
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def cllm_op(name: str, reference: Callable, *, mutates: tuple[str, ...] = (), fake: Callable | None = None):
+    """Define ``cllm::<name>`` from its reference implementation (see the module docstring);
+    returns the op's overload, which the spec calls."""
+    if name in OPS:
+        raise ValueError(f"cllm::{name} is defined twice")
+    params = inspect.signature(reference).parameters.values()
+    op = OpDef(
+        name=name,
+        reference=reference,
+        fake=fake or reference,
+        mutates=tuple(mutates),
+        schema=torch.library.infer_schema(reference, mutates_args=mutates),
+        params=tuple(p.name for p in params),
+        required=sum(p.default is inspect.Parameter.empty for p in params),
+    )
+    OPS[name] = op
+    return op.define(name, reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cllm:: ops of the spec, and the sampler's
+# ---------------------------------------------------------------------------------------------
+
+def _like_first(x: Tensor, *_) -> Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("cllm::layer_norm", mutates_args=())
-def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    return layer_norm_ref(x, weight, bias, eps)
-
-
-@layer_norm.register_fake
-def _(x, weight, bias, eps):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("cllm::rotary_embedding", mutates_args=())
-def rotary_embedding(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
-    return rotary_ref(q, positions, cos_sin), rotary_ref(k, positions, cos_sin)
-
-
-@rotary_embedding.register_fake
-def _(q, k, positions, cos_sin):
+def _like_first_two(q: Tensor, k: Tensor, *_) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@torch.library.custom_op("cllm::paged_attention", mutates_args=("kv_cache",))
-def paged_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    kv_cache: Tensor,
-    slot_mapping: Tensor,
-    query_start_loc: Tensor,
-    seq_lens: Tensor,
-    block_tables: Tensor,
-    scale: float,
-) -> Tensor:
-    """Write this step's k/v into the layer's cache, then attend (see paged_attention_read_ref)."""
-    kv_store_ref(k, v, kv_cache, slot_mapping)
-    return paged_attention_read_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
-
-
-@paged_attention.register_fake
-def _(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, scale):
-    return torch.empty_like(q)
-
-
-SEMANTIC_OPS = {
-    "rms_norm": rms_norm,
-    "layer_norm": layer_norm,
-    "rotary_embedding": rotary_embedding,
-    "paged_attention": paged_attention,
-}
+# The spec's ops name their fakes: export runs each once per layer, and an empty tensor is much
+# cheaper than the reference on fake tensors (paged attention's reference reads tensor data,
+# which fake tensors do not have).
+rms_norm = cllm_op("rms_norm", rms_norm_ref, fake=_like_first)
+layer_norm = cllm_op("layer_norm", layer_norm_ref, fake=_like_first)
+rotary_embedding = cllm_op("rotary_embedding", rotary_embedding_ref, fake=_like_first_two)
+paged_attention = cllm_op("paged_attention", paged_attention_ref, mutates=("kv_cache",), fake=_like_first)
+greedy_sample = cllm_op("greedy_sample", greedy_sample_ref)
+temperature_sample = cllm_op("temperature_sample", temperature_sample_ref)

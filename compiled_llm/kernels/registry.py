@@ -1,28 +1,37 @@
 """Kernel providers of the ``cllm::`` ops, and the choice of one per op for a target.
 
-A provider is a custom op with the *identical schema* as the semantic op it implements, named
-``cllm::<op>__<provider>`` (e.g. ``cllm::paged_attention__triton``). The semantic op itself is the
-"reference" provider, registered here for every op. The build's ``select_kernels`` pass rewrites
-each semantic op call to the chosen provider's op and records ``{op: provider}`` in the manifest.
+A provider is one implementation of an op. The op itself is the "reference" provider, registered
+here for every op; a kernel is registered with ``register_kernel``, the one helper that makes a
+provider, which defines ``cllm::<op>__<provider>`` (e.g. ``cllm::paged_attention__triton``) from
+the op's definition (``ops.OpDef``: its schema and its fake), so a provider never spells the
+op's signature. Each provider keeps the Python function behind its op: the runtime program calls
+it directly (engine/program.py), and so does the sampler (``kernel_for``).
+
+The build's ``select_kernels`` pass rewrites each semantic op call to the chosen provider's op
+and the manifest records ``{op: provider}``. The sampler's ops, which no graph names, are chosen
+the same way when they run (``kernel_for``).
 
 Provider modules live next to this file (``compiled_llm/kernels/<anything>.py``) and register
-themselves at import with ``register_provider``; ``load_providers()`` imports them all, skipping
-(with a note in ``failed_provider_modules()``) any whose imports fail on this machine, e.g. a
-Triton module where Triton is missing.
+themselves at import; ``load_providers()`` imports them all, skipping (with a note in
+``failed_provider_modules()``) any whose imports fail on this machine, e.g. a Triton module where
+Triton is missing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import operator
 import pkgutil
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Collection, Mapping
 
 import torch
 
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.graph import fused_ops, ops
+from compiled_llm.graph import fused_ops as _fused_ops, ops  # noqa: F401  (fused_ops defines its ops)
 
 REFERENCE = "reference"
 
@@ -31,23 +40,22 @@ REFERENCE = "reference"
 class Provider:
     """One implementation of a semantic op.
 
-    ``supports(device_type, dtype)`` says whether it can run on e.g. ("cuda", torch.bfloat16);
-    among the providers that support a target the highest ``priority`` wins.
+    ``overload`` is the op FX graphs call (``cllm::<op>__<name>``; the op itself for the
+    reference) and ``fn`` the Python function behind it. ``supports(device_type, dtype)`` says
+    whether it can run on e.g. ("cuda", torch.bfloat16); among the providers that support a
+    target the highest ``priority`` wins.
     """
 
     name: str
-    op: Any  # OpOverloadPacket (torch.ops.cllm.x) or OpOverload
+    overload: Any  # torch OpOverload
+    fn: Callable
     supports: Callable[[str, torch.dtype], bool]
     priority: int = 0
 
-    @property
-    def overload(self) -> torch._ops.OpOverload:
-        """The overload FX nodes call (``.default`` of a packet)."""
-        op = self.op
-        return op if isinstance(op, torch._ops.OpOverload) else op.default
-
 
 _PROVIDERS: dict[str, list[Provider]] = {}
+_KERNEL_OPS: dict[str, tuple[Callable, Callable | None, Provider]] = {}  # "<op>__<provider>" -> what made it
+_CHOSEN: dict[tuple[str, str, torch.dtype], Callable] = {}  # kernel_for()'s cache
 _FAILED_MODULES: dict[str, str] = {}
 _LOADED = False
 
@@ -59,22 +67,78 @@ def register_provider(op_name: str, provider: Provider) -> None:
     plist = [p for p in _PROVIDERS[op_name] if p.name != provider.name]
     plist.append(provider)
     _PROVIDERS[op_name] = plist
+    _CHOSEN.clear()
 
 
 def unregister_provider(op_name: str, provider_name: str) -> None:
     """Remove a provider (tests; the reference provider stays)."""
     if provider_name != REFERENCE and op_name in _PROVIDERS:
         _PROVIDERS[op_name] = [p for p in _PROVIDERS[op_name] if p.name != provider_name]
+        _CHOSEN.clear()
 
 
-def _register_semantic(op_name: str) -> None:
-    op = getattr(torch.ops.cllm, op_name)
-    _PROVIDERS.setdefault(op_name, [])
-    register_provider(op_name, Provider(REFERENCE, op, lambda device_type, dtype: True, priority=0))
+def register_kernel(
+    op_name: str,
+    provider: str,
+    kernel: Callable,
+    *,
+    supports: Callable[[str, torch.dtype], bool],
+    priority: int = 0,
+    handles: Callable[..., bool] | None = None,
+) -> Provider:
+    """Make ``kernel`` the provider ``provider`` of ``cllm::<op_name>`` and register it.
+
+    The provider op ``cllm::<op_name>__<provider>`` gets the op's schema, mutations and fake
+    (``OpDef.define``). ``kernel`` takes the op's arguments positionally, in schema order
+    (trailing arguments left at their defaults may be missing, so it keeps the op's defaults),
+    and returns what the reference returns.
+
+    ``handles``, when given, says whether the kernel takes a call's arguments; calls it does not
+    take go to the op's reference instead (the choice of provider is per op and dtype, not per
+    shape). It receives the op arguments its parameters name, e.g. ``lambda x, residual: ...``,
+    which must be ones without a default.
+
+    Registering the same kernel again (after ``unregister_provider``) only puts the registry
+    entry back: a torch op cannot be defined twice.
+    """
+    op = ops.OPS.get(op_name)
+    if op is None:
+        raise CompiledLLMError(f"cannot register provider {provider!r}: no semantic op cllm::{op_name}")
+    qualname = f"{op_name}__{provider}"
+    made = _KERNEL_OPS.get(qualname)
+    if made is not None:
+        if made[:2] != (kernel, handles):
+            raise CompiledLLMError(f"cllm::{qualname} is already defined with another kernel")
+        entry = dataclasses.replace(made[2], supports=supports, priority=priority)
+    else:
+        fn = kernel if handles is None else _or_reference(qualname, op, kernel, handles)
+        entry = Provider(provider, op.define(qualname, fn), fn, supports, priority)
+    _KERNEL_OPS[qualname] = (kernel, handles, entry)
+    register_provider(op_name, entry)
+    return entry
 
 
-for _name in (*ops.SEMANTIC_OPS, *fused_ops.FUSED_OPS):
-    _register_semantic(_name)
+def _or_reference(qualname: str, op: ops.OpDef, kernel: Callable, handles: Callable[..., bool]) -> Callable:
+    """``kernel`` for the calls ``handles`` accepts, the op's reference for the others."""
+    wanted = list(inspect.signature(handles).parameters)
+    for name in wanted:
+        if name not in op.params[: op.required]:
+            raise CompiledLLMError(f"handles of cllm::{qualname} reads {name!r}, not an argument without a default")
+    pick = operator.itemgetter(*(op.params.index(name) for name in wanted))
+    reference = op.reference
+    if len(wanted) == 1:
+        def call(*args):
+            return kernel(*args) if handles(pick(args)) else reference(*args)
+    else:
+        def call(*args):
+            return kernel(*args) if handles(*pick(args)) else reference(*args)
+    call.__name__ = call.__qualname__ = qualname  # how the runtime program's code names it
+    return call
+
+
+for _op in ops.OPS.values():
+    _PROVIDERS[_op.name] = [Provider(REFERENCE, _op.overload, _op.reference, lambda device_type, dtype: True, 0)]
+_SEMANTIC = {_op.overload: _op.name for _op in ops.OPS.values()}
 
 
 def op_names() -> list[str]:
@@ -100,13 +164,37 @@ def get_provider(op_name: str, provider_name: str) -> Provider:
 def semantic_op_name(target: Any) -> str | None:
     """The semantic op name of an FX call target if it is a semantic ``cllm::`` op (not a
     provider variant), else None."""
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    ns, _, rest = target.name().partition("::")
-    name = rest.split(".")[0]
-    if ns == "cllm" and name in _PROVIDERS:
-        return name
-    return None
+    return _SEMANTIC.get(target)
+
+
+def direct_calls() -> dict[Any, Callable]:
+    """Kernel provider op -> the Python function behind it, for every registered kernel (not
+    the references). The op-by-op runtime program calls these directly: the dispatcher and the
+    custom-op wrapper around each call cost more host time than launching the kernels (a
+    prefill step is host-bound without it)."""
+    return {p.overload: p.fn for plist in _PROVIDERS.values() for p in plist if p.name != REFERENCE}
+
+
+def _best(op_name: str, device_type: str, dtype: torch.dtype, allow: Collection[str] | None = None) -> Provider:
+    """The highest-priority provider (among ``allow``, plus the reference) that supports the target."""
+    for p in providers(op_name):
+        if (allow is None or p.name in allow or p.name == REFERENCE) and _safe_supports(p, device_type, dtype):
+            return p
+    return get_provider(op_name, REFERENCE)
+
+
+def kernel_for(op_name: str, device_type: str, dtype: torch.dtype) -> Callable:
+    """The function of the provider ``choose_providers`` would pick for this target: how ops
+    that no graph names (the sampler's) choose their kernel when they run. Cached per target.
+    A CPU target imports no provider module (no kernel module targets the CPU: its reference
+    runs there, and Triton stays unimported); any other loads them first."""
+    key = (op_name, device_type, dtype)
+    fn = _CHOSEN.get(key)
+    if fn is None:
+        if device_type != "cpu":
+            load_providers()
+        fn = _CHOSEN[key] = _best(op_name, device_type, dtype).fn
+    return fn
 
 
 def choose_providers(
@@ -134,11 +222,7 @@ def choose_providers(
                 )
             choice[op_name] = p.name
             continue
-        candidates = [
-            p for p in providers(op_name)
-            if (allow is None or p.name in allow or p.name == REFERENCE) and _safe_supports(p, device_type, dtype)
-        ]
-        choice[op_name] = candidates[0].name if candidates else REFERENCE
+        choice[op_name] = _best(op_name, device_type, dtype, allow).name
     return choice
 
 
@@ -160,13 +244,11 @@ def load_providers() -> None:
     if _LOADED:
         return
     _LOADED = True
-    import compiled_llm.kernels as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.name == "registry" or info.name.startswith("_") or info.name.startswith("test"):
             continue
         try:
-            importlib.import_module(f"{pkg.__name__}.{info.name}")
+            importlib.import_module(f"{__package__}.{info.name}")
         except ImportError as e:
             _FAILED_MODULES[info.name] = str(e)
         except Exception as e:  # a broken provider module must not take the reference path down

@@ -2,10 +2,12 @@
 top-k/top-p and without per-request seeds.
 
 argmax(logits / T + G) with G ~ Gumbel(0, 1) i.i.d. is a draw from softmax(logits / T), the
-same race ``sampling.sample`` runs with exponential noise (argmax p / E = argmax log p - log E, and
--log E is Gumbel). The torch version makes ~8 passes over a [S, V] fp32 copy of the logits
-(upcast, scale, softmax, noise, divide, two argmaxes); at 256 rows x 151,936 that is ~2 GB of
-traffic per decode step. Here the bf16 logits are streamed once: noise comes from Triton's
+same race the torch reference (``ops.exponential_race``) runs with exponential noise
+(argmax p / E = argmax log p - log E, and -log E is Gumbel). These kernels are the Triton
+providers of ``cllm::temperature_sample`` and ``cllm::greedy_sample`` (providers.py), which the
+sampler picks through the kernel registry. The reference makes ~8 passes over a [S, V] fp32
+copy of the logits (upcast, scale, softmax, noise, divide, two argmaxes); at 256 rows x 151,936
+that is ~2 GB of traffic per decode step. Here the bf16 logits are streamed once: noise comes from Triton's
 counter-based Philox (tl.rand) with a per-step seed that lives on the device (drawn from torch's
 CUDA generator, so no host sync), and each program keeps a running argmax. Rows with temperature
 0 take the plain argmax; an all-greedy batch skips the noise altogether (``greedy_argmax``, which

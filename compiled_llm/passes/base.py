@@ -81,13 +81,13 @@ def single_user(node: Any) -> bool:
     return isinstance(node, Node) and len(node.users) == 1
 
 
-def erase_dead(gm: GraphModule, nodes: Iterable[Node]) -> int:
-    """Erase the given nodes that nothing uses any more (latest first); returns how many."""
-    erased = 0
+def erase_dead(gm: GraphModule, nodes: Iterable[Node]) -> list[Node]:
+    """Erase the given nodes that nothing uses any more (latest first); returns them."""
+    erased = []
     for node in sorted(set(nodes), key=_topo_index(gm), reverse=True):
         if node.op == "call_function" and not node.users:
             gm.graph.erase_node(node)
-            erased += 1
+            erased.append(node)
     return erased
 
 

@@ -19,17 +19,18 @@ _FUSED = {
 }
 
 
-def _fuse(gm: GraphModule, norm: Node) -> bool:
+def _fuse(gm: GraphModule, norm: Node) -> list[Node]:
+    """The nodes the rewrite erased (none if it did not match)."""
     add = norm.args[0]
     if not is_call(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
-        return False
+        return []
     residual, x = add.args
     if not (isinstance(residual, Node) and isinstance(x, Node)):
-        return False
+        return []
     # no broadcasting: both operands and the sum have one shape
     shapes = {shape_str(residual), shape_str(x), shape_str(add)}
     if len(shapes) != 1 or None in shapes:
-        return False
+        return []
     with gm.graph.inserting_before(norm):
         fused = gm.graph.call_function(_FUSED[norm.target], (x, residual, *norm.args[1:]))
         normed = gm.graph.call_function(operator.getitem, (fused, 0))
@@ -40,14 +41,18 @@ def _fuse(gm: GraphModule, norm: Node) -> bool:
     add.replace_all_uses_with(summed)
     gm.graph.erase_node(norm)
     gm.graph.erase_node(add)
-    return True
+    return [norm, add]
 
 
 def run(gm: GraphModule, ctx: PassContext) -> int:
     count = 0
+    erased: set[Node] = set()
     for node in list(gm.graph.nodes):
-        if not getattr(node, "_erased", False) and is_call(node, *_FUSED) and _fuse(gm, node):
-            count += 1
+        if node in erased or not is_call(node, *_FUSED):
+            continue
+        gone = _fuse(gm, node)
+        erased.update(gone)
+        count += bool(gone)
     finish(gm)
     return count
 

@@ -24,65 +24,69 @@ def _merged_name(weight_name: str, part: str, merged: str) -> str:
     return f"{prefix}{merged}.{leaf}"
 
 
-def _fuse_glu(gm: GraphModule, ctx: PassContext, down: Node) -> bool:
+def _fuse_glu(gm: GraphModule, ctx: PassContext, down: Node) -> list[Node]:
+    """The nodes the rewrite erased (none if it did not match); likewise _fuse_gelu."""
     mul = down.args[0]
     if not (is_call(mul, aten.mul.Tensor) and single_user(mul)) or linear_parts(down)[2] is not None:
-        return False
+        return []
     silu, up = mul.args
     if not is_call(silu, aten.silu.default):
         silu, up = up, silu
     if not (is_call(silu, aten.silu.default) and single_user(silu) and is_call(up, aten.linear.default) and single_user(up)):
-        return False
+        return []
     gate = silu.args[0]
     if not (is_call(gate, aten.linear.default) and single_user(gate)):
-        return False
+        return []
     n, wg, bg = linear_parts(gate)
     n2, wu, bu = linear_parts(up)
     if n is not n2 or bg is not None or bu is not None or not is_call(n, cllm.rms_norm.default):
-        return False
+        return []
     if set(n.users) != {gate, up}:
-        return False
+        return []
     names = [param_name(w) for w in (wg, wu, down.args[1])]
     if None in names:
-        return False
+        return []
     x, norm_w, eps = n.args
     gate_up = torch.cat([ctx.params[names[0]], ctx.params[names[1]]], dim=0)
     gu_node = add_param(gm, ctx, _merged_name(names[0], "gate", "gate_up"), gate_up)
-    with gm.graph.inserting_before(down):
-        fused = gm.graph.call_function(cllm.fused_rms_norm_glu_mlp.default, (x, norm_w, eps, gu_node, down.args[1]))
-    fused.meta.update({k: v for k, v in down.meta.items() if k == "val"})
-    down.replace_all_uses_with(fused)
-    erase_dead(gm, [down, mul, silu, gate, up, n])
-    return True
+    args = (x, norm_w, eps, gu_node, down.args[1])
+    return _replace(gm, down, cllm.fused_rms_norm_glu_mlp.default, args, [mul, silu, gate, up, n])
 
 
-def _fuse_gelu(gm: GraphModule, ctx: PassContext, proj: Node) -> bool:
+def _fuse_gelu(gm: GraphModule, ctx: PassContext, proj: Node) -> list[Node]:
     gelu = proj.args[0]
     if not (is_call(gelu, aten.gelu.default) and single_user(gelu)) or gelu.kwargs.get("approximate") != "tanh":
-        return False
+        return []
     fc = gelu.args[0]
     if not (is_call(fc, aten.linear.default) and single_user(fc)):
-        return False
+        return []
     n, wf, bf = linear_parts(fc)
     _, wp, bp = linear_parts(proj)
     if bf is None or bp is None or not is_call(n, cllm.layer_norm.default) or set(n.users) != {fc}:
-        return False
+        return []
     x, nw, nb, eps = n.args
-    with gm.graph.inserting_before(proj):
-        fused = gm.graph.call_function(cllm.fused_layer_norm_gelu_mlp.default, (x, nw, nb, eps, wf, bf, wp, bp))
-    fused.meta.update({k: v for k, v in proj.meta.items() if k == "val"})
-    proj.replace_all_uses_with(fused)
-    erase_dead(gm, [proj, gelu, fc, n])
-    return True
+    return _replace(gm, proj, cllm.fused_layer_norm_gelu_mlp.default, (x, nw, nb, eps, wf, bf, wp, bp), [gelu, fc, n])
+
+
+def _replace(gm: GraphModule, anchor: Node, target, args: tuple, matched: list[Node]) -> list[Node]:
+    """Put ``target(*args)`` in the anchor's place, then erase the anchor and the matched nodes
+    nothing reads any more; returns the erased nodes."""
+    with gm.graph.inserting_before(anchor):
+        fused = gm.graph.call_function(target, args)
+    fused.meta.update({k: v for k, v in anchor.meta.items() if k == "val"})
+    anchor.replace_all_uses_with(fused)
+    return erase_dead(gm, [anchor, *matched])
 
 
 def run(gm: GraphModule, ctx: PassContext) -> int:
     count = 0
+    erased: set[Node] = set()
     for node in list(gm.graph.nodes):
-        if getattr(node, "_erased", False) or not is_call(node, aten.linear.default):
+        if node in erased or not is_call(node, aten.linear.default):
             continue
-        if _fuse_glu(gm, ctx, node) or _fuse_gelu(gm, ctx, node):
-            count += 1
+        gone = _fuse_glu(gm, ctx, node) or _fuse_gelu(gm, ctx, node)
+        erased.update(gone)
+        count += bool(gone)
     finish(gm)
     return count
 

@@ -20,14 +20,15 @@ from typing import Any
 
 from torch.fx import GraphModule, Node
 
+from compiled_llm.graph.ops import OPS
 from compiled_llm.passes.base import (
     Pass, PassContext, aten, cllm, finish, is_call, linear_parts, same_tensor_type, single_user,
 )
 
-# fused MLP -> how many arguments precede its optional trailing ``residual``
+# fused MLP -> how many arguments precede its optional trailing ``residual`` (from its schema)
 _MLP_ARITY = {
-    cllm.fused_rms_norm_glu_mlp.default: 5,
-    cllm.fused_layer_norm_gelu_mlp.default: 8,
+    OPS[name].overload: OPS[name].params.index("residual")
+    for name in ("fused_rms_norm_glu_mlp", "fused_layer_norm_gelu_mlp")
 }
 
 

@@ -2,7 +2,10 @@
 
 The sampler takes per-row parameters as tensors, so one call serves a batch of requests with
 different temperatures, top-k, top-p and seeds. It never syncs with the host; the caller fetches
-the sampled ids. Greedy rows (temperature 0) take the argmax.
+the sampled ids. Greedy rows (temperature 0) take the argmax. Batches without top-k/top-p and
+seeds run the ``cllm::greedy_sample`` / ``cllm::temperature_sample`` kernel the registry picks
+for the logits' device and dtype, like every other kernel; the rest run the torch race of
+``ops.exponential_race``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 from torch import Tensor
 
 from compiled_llm.errors import InvalidRequestError
+from compiled_llm.graph import ops
+from compiled_llm.kernels import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,14 +146,10 @@ def truncate_logits(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 
 def greedy_ids(logits: Tensor) -> Tensor:
-    """logits.argmax(-1): on CUDA the one-pass Triton kernel (split over the vocabulary; ~2 µs
-    at one row against ~8 µs for torch.argmax on an H200), torch elsewhere. Ties go to the lowest
-    index either way."""
-    if logits.is_cuda:
-        from compiled_llm.kernels.triton_sampling import greedy_argmax
-
-        return greedy_argmax(logits)
-    return logits.argmax(dim=-1)
+    """logits.argmax(-1) (ties to the lowest index) through the kernel registry's
+    ``greedy_sample``: on CUDA the one-pass Triton kernel (split over the vocabulary; ~2 µs at one
+    row against ~8 µs for torch.argmax on an H200), the torch reference elsewhere."""
+    return registry.kernel_for("greedy_sample", logits.device.type, logits.dtype)(logits)
 
 
 def sample(
@@ -159,33 +160,26 @@ def sample(
     """Sampled token ids [S] (int64, on the logits' device)."""
     if st.all_greedy:
         return greedy_ids(logits)
-    no_seeds = generators is None or all(g is None for g in generators)
-    if logits.is_cuda and no_seeds and not st.needs_truncation:
-        # one pass over the logits instead of ~8 over an fp32 copy (see triton_sampling)
-        from compiled_llm.kernels.triton_sampling import gumbel_sample
+    seeded = generators is not None and any(g is not None for g in generators)
+    if not seeded and not st.needs_truncation:
+        # the registry's temperature_sample: on CUDA one pass over the logits instead of ~8 over
+        # an fp32 copy (see triton_sampling), the torch reference elsewhere
+        fn = registry.kernel_for("temperature_sample", logits.device.type, logits.dtype)
+        return fn(logits, st.temperature)
+    truncate = (lambda scaled: truncate_logits(scaled, st.top_k, st.top_p)) if st.needs_truncation else None
+    return ops.exponential_race(logits, st.temperature, truncate, _seeded_noise(logits, generators) if seeded else None)
 
-        return gumbel_sample(logits, st.temperature)
-    logits = logits.float()
-    argmax_ids = logits.argmax(dim=-1)
-    temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
-    scaled = logits / temp[:, None]
-    if st.needs_truncation:
-        scaled = truncate_logits(scaled, st.top_k, st.top_p)
-    probs = scaled.softmax(dim=-1)
-    # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p. Seeded rows
-    # draw their noise from their own generator so their stream does not depend on neighbours.
-    noise = torch.empty_like(probs)
-    if generators is None or all(g is None for g in generators):
+
+def _seeded_noise(logits: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """The race's Exp(1) noise, seeded rows drawn from their own generator so that their stream
+    does not depend on their neighbours."""
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    if any(g is None for g in generators):
         noise.exponential_()
-    else:
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            noise.exponential_()
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
-    sampled_ids = (probs / noise).argmax(dim=-1)
-    return torch.where(st.temperature > 0, sampled_ids, argmax_ids)
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise
 
 
 def make_generator(seed: int | None, device) -> torch.Generator | None:
