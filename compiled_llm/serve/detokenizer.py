@@ -4,7 +4,8 @@ Decoding the whole output after every token costs O(n^2); instead each step deco
 window (the tokens since the last emitted text, plus the previous window for context) and keeps
 the difference, as vLLM does. A window that ends inside a multi-byte character decodes to
 U+FFFD and waits for the next token. Stop strings are searched only in the text that can
-contain a new match; a hit cuts the text where the stop string starts. While streaming, the
+contain a new match; a hit cuts the text where the stop string starts (or where it ends, with
+``include_stop``), and ``stop_string`` says which one it was. While streaming, the
 last len(longest stop) - 1 characters are held back, so a stop string is never half-sent.
 """
 
@@ -14,9 +15,11 @@ from typing import Sequence
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop
+        self.stop_string: str | None = None
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""
@@ -40,9 +43,10 @@ class IncrementalDetokenizer:
         start = max(0, len(self.text) - self.hold)
         self.text += delta
         if self.stop:
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, self.stop_string = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+                self.text = self.text[: at + (len(self.stop_string) if self.include_stop else 0)]
                 self.stopped = True
         return self.stopped
 

@@ -4,6 +4,10 @@
 ``add_request`` validates a request completely (a request that can never be served is refused
 there, never left to hang), ``step`` runs one batch and returns the outputs that changed:
 finished requests, and every new token of streaming ones.
+
+A request with ``n`` > 1 runs as ``n`` sequences. The first computes the prompt; the others wait
+until it has, then take its full prompt blocks by reference (the block manager counts the
+holders) and compute only the prompt's last partial block before sampling on their own.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from compiled_llm.serve.block_manager import BlockManager, cdiv
 from compiled_llm.serve.detokenizer import IncrementalDetokenizer
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.serve.model_runner import ModelRunner, _label, profile_step
-from compiled_llm.serve.outputs import CompletionOutput, RequestOutput
+from compiled_llm.serve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from compiled_llm.serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from compiled_llm.serve.sequence import Sequence
 
@@ -46,6 +50,22 @@ class EngineStats:
     graphs_captured: int = 0
     memory: dict = dataclasses.field(default_factory=dict)
     init_s: dict = dataclasses.field(default_factory=dict)  # engine start-up: KV sizing, KV allocation
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    """One request's sequences (one per completion) and their detokenizers."""
+
+    request_id: str
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer | None]
+    stream: bool
+    # per completion: how many of its tokens / logprobs earlier outputs have carried
+    sent_tokens: list[int]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -113,9 +133,7 @@ class LLMEngine:
             # captured bucket by bucket on first use, so none stands before the first token
             self.runner.prepare_graphs(min(config.prefill_graph_max_tokens, self.max_model_len))
 
-        self._requests: dict[str, Sequence] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._streaming: set[str] = set()
+        self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.profile_labels = False
@@ -224,6 +242,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"request needs {need} KV-cache blocks ({n} + {params.max_tokens} tokens) but the cache has only {self.num_blocks}"
             )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n = {params.n} exceeds max_num_seqs ({self.config.max_num_seqs})")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
         return text, ids, params
@@ -241,20 +261,26 @@ class LLMEngine:
         request_id = self.new_request_id() if request_id is None else str(request_id)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            params=params,
-            arrival=arrival,
-            prompt=text,
-            generator=make_generator(params.seed, self.device),
-        )
-        self._requests[request_id] = seq
-        if params.detokenize and self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        if stream:
-            self._streaming.add(request_id)
-        self.scheduler.add(seq)
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seqs.append(Sequence(
+                request_id=request_id,
+                prompt_token_ids=ids,
+                params=params,
+                arrival=arrival,
+                prompt=text,
+                generator=make_generator(None if params.seed is None else params.seed + i, self.device),
+                index=i,
+                share_prompt_of=seqs[0] if i else None,
+            ))
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            if params.detokenize and self.tokenizer is not None else None
+            for _ in seqs
+        ]
+        self._requests[request_id] = _Request(request_id, seqs, detoks, stream, [0] * len(seqs))
+        for seq in seqs:
+            self.scheduler.add(seq)
         return request_id
 
     def new_request_id(self) -> str:
@@ -264,13 +290,12 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now, freeing its blocks; its last output (finish reason "abort"),
         or None for an unknown or already finished request."""
-        seq = self._requests.pop(str(request_id), None)
-        if seq is None:
+        request = self._requests.pop(str(request_id), None)
+        if request is None:
             return None
-        self.scheduler.abort(seq)
-        det = self._detok.pop(seq.request_id, None)
-        self._streaming.discard(seq.request_id)
-        return self._output(seq, det, [])
+        for seq in request.seqs:
+            self.scheduler.abort(seq)
+        return self._output(request, range(len(request.seqs)))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None
@@ -332,8 +357,11 @@ class LLMEngine:
                 self._pending = (ahead_batch, self.runner.launch(ahead_batch, handle, rows))
                 self._stats.ahead_steps += 1
         sampled = self.runner.collect(handle)
+        logprobs = self.runner.collect_logprobs(handle)
+        for i, positions in self.runner.collect_prompt_logprobs(handle):
+            self._add_prompt_logprobs(batch.seqs[i], positions)
         n_rows = len(batch.seqs)
-        batch, sampled = _drop_finished(batch, sampled)
+        batch, sampled, logprobs = _drop_finished(batch, sampled, logprobs)
         self._stats.dropped_ahead_tokens += n_rows - len(batch.seqs)
         if batch.is_empty:
             return []  # every sequence of the step queued ahead had finished
@@ -351,59 +379,115 @@ class LLMEngine:
             st.prefill_tokens += prompt_tokens
             st.prefill_s += dt
 
-        outputs = []
-        for seq in changed:
-            rid = seq.request_id
-            det = self._detok.get(rid)
+        changed_by_request: dict[str, list[int]] = {}
+        for j, seq in enumerate(changed):
+            request = self._requests.get(seq.request_id)
+            if request is None:
+                continue
+            det = request.detoks[seq.index]
+            if logprobs is not None and seq.params.logprobs is not None:
+                self._add_logprobs(seq, seq.token_ids[-1], logprobs[j])
             if det is not None and det.add(seq.token_ids[-1]):
+                seq.stop_reason = det.stop_string
                 if seq.is_finished:
                     seq.finish_reason = "stop"  # a stop string outranks max_tokens
                 else:
                     self.scheduler.finish(seq, "stop")
-            if seq.is_finished:
-                if det is not None:
-                    det.finalize()
-                outputs.append(self._output(seq, det, [seq.token_ids[-1]]))
-                self._requests.pop(rid, None)
-                self._detok.pop(rid, None)
-                self._streaming.discard(rid)
-            elif rid in self._streaming:
-                outputs.append(self._output(seq, det, [seq.token_ids[-1]]))
+            if seq.is_finished and det is not None:
+                det.finalize()
+            changed_by_request.setdefault(seq.request_id, []).append(seq.index)
+        outputs = []
+        for rid, indices in changed_by_request.items():
+            request = self._requests[rid]
+            if request.finished:
+                del self._requests[rid]
+                outputs.append(self._output(request, range(len(request.seqs))))
+            elif request.stream:
+                outputs.append(self._output(request, indices))
         return outputs
 
-    def _output(self, seq: Sequence, det: IncrementalDetokenizer | None, delta_ids: list[int]) -> RequestOutput:
-        finished = seq.is_finished
-        text = det.text if det is not None else ""
-        delta = det.take_delta(finished) if det is not None else ""
+    # ---- outputs ------------------------------------------------------------------------------
+
+    def _decoded(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else None
+
+    def _position(self, token_id: int, entry: tuple[float, int, list[int], list[float]]) -> PositionLogprobs:
+        """token_id's and the top tokens' Logprobs at one position."""
+        value, rank, top_ids, top_values = entry
+        position = {t: Logprob(v, r + 1, self._decoded(t)) for r, (t, v) in enumerate(zip(top_ids, top_values))}
+        position[token_id] = Logprob(value, rank, self._decoded(token_id))
+        return position
+
+    def _add_logprobs(self, seq: Sequence, token_id: int, entry) -> None:
+        seq.logprobs.append(self._position(token_id, entry))
+        seq.cumulative_logprob += entry[0]
+
+    def _add_prompt_logprobs(self, seq: Sequence, positions: list) -> None:
+        """Positions c+1.. of seq's prompt (c = its computed tokens before this step); those
+        already held (a preempted seq recomputing its prompt) are skipped."""
+        first = seq.num_computed_tokens + 1
+        for p, entry in enumerate(positions, start=first):
+            if p - 1 == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(self._position(seq.prompt_token_ids[p], entry))
+
+    def _output(self, request: _Request, indices) -> RequestOutput:
+        completions = [self._completion(request, i) for i in indices]
+        first = request.seqs[0]
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + first.prompt_logprobs
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason)],
-            finished=finished,
-            metrics=seq.metrics,
-            delta_text=delta,
-            delta_token_ids=delta_ids,
+            request_id=request.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            metrics=first.metrics,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _completion(self, request: _Request, index: int) -> CompletionOutput:
+        """Completion ``index`` of the request, with what is new since its previous output.
+        Its lists are copies once it has finished, else the live ones (a stream reads deltas)."""
+        seq, det = request.seqs[index], request.detoks[index]
+        finished = seq.is_finished
+        sent, now = request.sent_tokens[index], seq.num_output_tokens
+        request.sent_tokens[index] = now
+        out_ids = seq.output_ids[sent:]
+        wants_lp = seq.params.logprobs is not None
+        return CompletionOutput(
+            index=index,
+            text=det.text if det is not None else "",
+            token_ids=list(seq.output_ids) if finished else seq.output_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            cumulative_logprob=seq.cumulative_logprob if wants_lp else None,
+            logprobs=(list(seq.logprobs) if finished else seq.logprobs) if wants_lp else None,
+            delta_text=det.take_delta(finished) if det is not None else "",
+            delta_token_ids=out_ids,
+            delta_logprobs=seq.logprobs[sent:now] if wants_lp else None,
         )
 
     def prefix_cache_stats(self):
         return self.block_manager.stats
 
 
-def _drop_finished(batch: ScheduledBatch, sampled: list[int]) -> tuple[ScheduledBatch, list[int]]:
+def _drop_finished(batch: ScheduledBatch, sampled: list[int], logprobs: list | None):
     """The rows of a step whose sequences still run (a step queued ahead may hold sequences
-    that finished or were aborted after it was queued)."""
+    that finished or were aborted after it was queued), with their sampled ids and logprobs."""
     if all(not s.is_finished for s in batch.seqs):
-        return batch, sampled
+        return batch, sampled, logprobs
     kept = ScheduledBatch()
-    by_row = dict(zip(batch.sample_rows, sampled))
-    tokens = []
+    by_row = {row: j for j, row in enumerate(batch.sample_rows)}
+    tokens, kept_lp = [], []
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         if seq.is_finished:
             continue
         if i in by_row:
             kept.sample_rows.append(len(kept.seqs))
-            tokens.append(by_row[i])
+            tokens.append(sampled[by_row[i]])
+            if logprobs is not None:
+                kept_lp.append(logprobs[by_row[i]])
         kept.seqs.append(seq)
         kept.num_new_tokens.append(n)
-    return kept, tokens
+    return kept, tokens, (kept_lp if logprobs is not None else None)

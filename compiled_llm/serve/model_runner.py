@@ -24,22 +24,34 @@ from compiled_llm.serve import kv_cache as kvc
 from compiled_llm.serve.block_manager import cdiv
 from compiled_llm.serve.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
 from compiled_llm.serve.request_rows import RequestRows
-from compiled_llm.serve.sampling import SamplingParams, SamplingTensors, greedy_ids, sample
+from compiled_llm.serve.sampling import (
+    SamplingParams, SamplingTensors, TokenLogprobs, greedy_ids, sample, token_logprobs,
+)
 from compiled_llm.serve.scheduler import ScheduledBatch
 from compiled_llm.serve.sequence import Sequence
 from compiled_llm.serve.step_inputs import StepInputs
+from compiled_llm.serve.token_history import TokenHistory
 
 Program = Callable[[dict, PackedBatch, Tensor], Tensor]
+
+
+# One position's log-probabilities: (chosen token's, its rank, top ids, top values).
+PositionLogprobs = tuple[float, int, list[int], list[float]]
 
 
 @dataclass
 class StepHandle:
     """A launched step: its sampled ids on the device, and the pinned host copy they are on
-    their way to (ready once ``event`` completes)."""
+    their way to (ready once ``event`` completes), with the log-probabilities asked for, copied
+    the same way."""
 
     ids: Tensor | None  # [len(sample_rows)] int64 on the device; None when nothing is sampled
     host: Tensor | None
     event: "torch.cuda.Event | None"
+    logprobs: TokenLogprobs | None = None  # host copies, one row per sampled row
+    # host copies of the prompt log-probabilities, and per batch row (seq index, how many positions)
+    prompt_logprobs: TokenLogprobs | None = None
+    prompt_logprob_rows: list[tuple[int, int]] | None = None
 
 
 def _label(enabled: bool, name: str):
@@ -84,6 +96,12 @@ class ModelRunner:
         self.prefill_graphs = StepGraphs()  # prefill of one sequence, by token count
         self._ids_host = [torch.zeros(s, dtype=torch.int64).pin_memory() for _ in range(2)] if cuda else []
         self._ids_turn = 0
+        self.history = TokenHistory(s, self.width * block_size, config.vocab_size, self.device)
+        self._step_rows = np.zeros(0, dtype=np.int64)  # the runner row of each of the step's seqs
+        # logits row of each seq's last token in the step, when a seq spans several rows
+        # (prompt log-probabilities): None = one row per seq
+        self._last_logit_rows: list[int] | None = None
+        self._prompt_lp_rows: list[tuple[int, int, int]] = []  # (seq index, first logits row, count)
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
@@ -166,41 +184,68 @@ class ModelRunner:
         sequence's num_computed_tokens (which the earlier step has not yet advanced)."""
         with _label(self.profile_labels, "forward"):
             logits = self._forward(batch, ahead_of, ahead_rows)
+        prompt_lp = self._prompt_logprobs(batch, logits) if self._prompt_lp_rows else None
+        if self._last_logit_rows is not None:
+            logits = logits.index_select(0, self._to_device(self._last_logit_rows))
         with _label(self.profile_labels, "sample"):
-            ids = self._sample(batch, logits)
-        if ids is None:
+            ids, lp = self._sample(batch, logits)
+        if ids is None and prompt_lp is None:
             return StepHandle(None, None, None)
+        rows = [(i, n) for i, _, n in self._prompt_lp_rows] or None
         if self.device.type != "cuda":
-            return StepHandle(ids, ids, None)
+            return StepHandle(ids, ids, None, lp, prompt_lp, rows)
         # two pinned buffers, alternating: a launch may be queued while the previous one's ids
         # are still being read back. The read-back runs on a side stream, so the next step's
         # input copy and graph do not queue behind it.
-        self._ids_turn ^= 1
-        host = self._ids_host[self._ids_turn][: ids.shape[0]]
         self._readback.wait_stream(torch.cuda.current_stream())
+        host = None
         with torch.cuda.stream(self._readback):
-            host.copy_(ids, non_blocking=True)
+            if ids is not None:
+                self._ids_turn ^= 1
+                host = self._ids_host[self._ids_turn][: ids.shape[0]]
+                host.copy_(ids, non_blocking=True)
+                ids.record_stream(self._readback)  # the allocator must not reuse ids before the copy ran
+            lp, prompt_lp = _to_host(lp, self._readback), _to_host(prompt_lp, self._readback)
             event = torch.cuda.Event()
             event.record()
-        ids.record_stream(self._readback)  # the allocator must not reuse ids before the copy ran
-        return StepHandle(ids, host, event)
+        return StepHandle(ids, host, event, lp, prompt_lp, rows)
 
     @staticmethod
     def collect(handle: StepHandle) -> list[int]:
         """Wait for a launched step; its sampled ids as Python ints."""
-        if handle.ids is None:
-            return []
         if handle.event is not None:
             handle.event.synchronize()
+        if handle.ids is None:
+            return []
         return handle.host.tolist()
+
+    @staticmethod
+    def collect_logprobs(handle: StepHandle) -> list[PositionLogprobs] | None:
+        """After ``collect``: each sampled row's log-probabilities (None when no row asked)."""
+        return _positions(handle.logprobs)
+
+    @staticmethod
+    def collect_prompt_logprobs(handle: StepHandle) -> list[tuple[int, list[PositionLogprobs]]]:
+        """After ``collect``: (batch row, its prompt positions' log-probabilities) for each row
+        that computed prompt tokens whose log-probabilities were asked for."""
+        positions = _positions(handle.prompt_logprobs) or []
+        out, start = [], 0
+        for i, n in handle.prompt_logprob_rows or ():
+            out.append((i, positions[start:start + n]))
+            start += n
+        return out
 
     def _forward(self, batch: ScheduledBatch, ahead_of: StepHandle | None = None,
                  ahead_rows: list[int] | None = None) -> Tensor:
         seqs = batch.seqs
         S = len(seqs)
         self._wait_for_copies()
-        self.rows.release(batch.released_request_ids)
-        rows = self.rows.rows_of(seqs)
+        self.rows.release(batch.released_seq_ids)
+        rows = self._step_rows = self.rows.rows_of(seqs)
+        for i in self.rows.assigned_now:
+            if seqs[i].params.has_penalties:
+                self.history.fill(int(rows[i]), seqs[i].token_ids, seqs[i].num_prompt_tokens)
+        self._last_logit_rows, self._prompt_lp_rows = None, []
         ahead = 0 if ahead_of is None else 1
         assert ahead == 0 or batch.is_decode, "only decode steps are scheduled ahead"
         if batch.is_decode:
@@ -219,17 +264,18 @@ class ModelRunner:
                 return graphs.run(T, S)
             return self._run_program(inputs.views(T, T, width))[:S]
         inputs = self.inputs
+        split = [s.wants_prompt_logprobs for s in seqs]
         bucket = None
-        if S == 1 and self.prefill_graphs.enabled:
+        if S == 1 and self.prefill_graphs.enabled and not split[0]:
             bucket = self.prefill_graphs.bucket_for(batch.num_new_tokens[0])
         width = self.width if bucket is not None else self._width_of(seqs)
-        T = self._fill_mixed(inputs, seqs, rows, batch.num_new_tokens, width)
+        T, R = self._fill_mixed(inputs, seqs, rows, batch.num_new_tokens, width, split)
         if bucket is not None:
             inputs.pad_tokens(T, bucket)
             self._copy_in(inputs, bucket, 1, width)
             return self.prefill_graphs.run(bucket, 1)
-        self._copy_in(inputs, T, S, width)
-        return self._run_program(inputs.views(T, S, width))
+        self._copy_in(inputs, T, R, width)
+        return self._run_program(inputs.views(T, R, width))
 
     @staticmethod
     def _width_of(seqs: list[Sequence]) -> int:
@@ -265,21 +311,46 @@ class ModelRunner:
     def _run_program(self, batch: PackedBatch) -> Tensor:
         return self.program(self.params, batch, self.kv_cache)
 
-    def _sample(self, batch: ScheduledBatch, logits: Tensor) -> Tensor | None:
+    def _sample(self, batch: ScheduledBatch, logits: Tensor) -> tuple[Tensor | None, TokenLogprobs | None]:
+        """The sampled ids of batch.sample_rows, and their log-probabilities if any row asks."""
         rows = batch.sample_rows
         if not rows:
-            return None
+            return None, None
         if len(rows) != len(batch.seqs):
             logits = logits.index_select(0, self._to_device(rows))
         seqs = [batch.seqs[r] for r in rows]
         params = [s.params for s in seqs]
-        if all(p.greedy for p in params):
+        distinct = {id(p): p for p in params}.values()
+        if all(p.greedy and not p.has_penalties for p in distinct):
             ids = greedy_ids(logits)
         else:
             st = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
             gens = [s.generator for s in seqs]
-            ids = sample(logits, st, gens if any(g is not None for g in gens) else None)
-        return ids
+            seen = None
+            if st.has_penalties:
+                runner_rows = self._to_device(self._step_rows[rows].tolist())
+                seen = self.history.counts_and_prompt_mask(runner_rows, max(s.num_tokens for s in seqs) + 1)
+            ids = sample(logits, st, gens if any(g is not None for g in gens) else None, seen)
+            if st.has_penalties:
+                self.history.append(runner_rows, ids)
+        lp = None
+        k = [p.logprobs for p in distinct if p.logprobs is not None]
+        if k:
+            lp = token_logprobs(logits, ids, max(k))
+        return ids, lp
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, logits: Tensor) -> TokenLogprobs:
+        """Log-probabilities of the prompt tokens the split rows' logits predict: logits row
+        r of a split seq predicts the token after it, while that token is still a prompt token."""
+        rows, targets, ks = [], [], []
+        for i, first, n in self._prompt_lp_rows:
+            seq = batch.seqs[i]
+            c = seq.num_computed_tokens
+            rows.extend(range(first, first + n))
+            targets.extend(seq.token_ids[c + 1:c + 1 + n])
+            ks.append(seq.params.prompt_logprobs)
+        sel = logits.index_select(0, self._to_device(rows))
+        return token_logprobs(sel, self._to_device(targets), max(ks))
 
     # ---- host-side batch building -------------------------------------------------------------
 
@@ -303,12 +374,19 @@ class ModelRunner:
             inputs.pad_seqs(S, padded, width, seq_len=0)
 
     def _fill_mixed(self, inputs: StepInputs, seqs: list[Sequence], rows: np.ndarray, num_new: list[int],
-                    width: int) -> int:
+                    width: int, split: list[bool]) -> tuple[int, int]:
+        """Pack the step; (tokens, query segments). A ``split`` seq (its prompt's
+        log-probabilities are asked for) runs each of its tokens as a one-token segment whose
+        context ends at that token: the program's logits are those of each segment's last token,
+        so this yields a row of logits per position, with the same attention (every layer
+        writes the step's K/V to the cache before it attends)."""
         npb = inputs.np
         bs = self.block_size
-        bt = inputs.block_table(len(seqs), width)
-        t = 0
+        R = sum(n if sp else 1 for n, sp in zip(num_new, split))
+        bt = inputs.block_table(R, width)
+        t = r = 0
         npb["qsl"][0] = 0
+        last_rows = []
         for i, (s, n) in enumerate(zip(seqs, num_new)):
             c = s.num_computed_tokens
             npb["tok"][t:t + n] = s.token_ids[c:c + n]
@@ -316,11 +394,25 @@ class ModelRunner:
             npb["pos"][t:t + n] = pos
             table = self.rows.tables[rows[i]]
             npb["slot"][t:t + n] = table[pos // bs].astype(np.int64) * bs + pos % bs
-            npb["sl"][i] = c + n
-            bt[i] = table[:width]
+            if split[i]:
+                npb["sl"][r:r + n] = pos + 1
+                bt[r:r + n] = table[:width]
+                npb["qsl"][r + 1:r + n + 1] = np.arange(t + 1, t + n + 1)
+                # positions whose next token is a prompt token
+                known = min(c + n, s.num_prompt_tokens - 1) - c
+                if known > 0:
+                    self._prompt_lp_rows.append((i, r, known))
+                r += n
+            else:
+                npb["sl"][r] = c + n
+                bt[r] = table[:width]
+                npb["qsl"][r + 1] = t + n
+                r += 1
             t += n
-            npb["qsl"][i + 1] = t
-        return t
+            last_rows.append(r - 1)
+        if R != len(seqs):
+            self._last_logit_rows = last_rows
+        return t, R
 
 
 @torch.inference_mode()
@@ -349,3 +441,22 @@ def profile_step(
     rows = torch.randn((num_seqs, logits.shape[-1]), device=device, dtype=logits.dtype)
     p = SamplingParams(temperature=0.7, top_k=50, top_p=0.9)
     sample(rows, SamplingTensors.from_params([p] * num_seqs, logits.shape[-1], device))
+
+
+def _to_host(lp: TokenLogprobs | None, stream: "torch.cuda.Stream") -> TokenLogprobs | None:
+    """Non-blocking copies of ``lp`` into pinned host memory, queued on ``stream`` (current)."""
+    if lp is None:
+        return None
+    copies = []
+    for t in (lp.sampled, lp.rank, lp.top_values, lp.top_ids):
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        t.record_stream(stream)
+        copies.append(host)
+    return TokenLogprobs(*copies)
+
+
+def _positions(lp: TokenLogprobs | None) -> list[PositionLogprobs] | None:
+    if lp is None:
+        return None
+    return list(zip(lp.sampled.tolist(), lp.rank.tolist(), lp.top_ids.tolist(), lp.top_values.tolist()))

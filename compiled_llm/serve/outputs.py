@@ -7,26 +7,59 @@ from dataclasses import dataclass, field
 from compiled_llm.serve.sequence import RequestMetrics
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the model's raw logits, its rank among the
+    vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, holding the chosen token and the top-k.
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
+    """One of a request's ``n`` completions. ``text``, ``token_ids`` and ``logprobs`` are the
+    whole completion so far; the ``delta_`` fields what is new since this completion's previous
+    output (a streamed request gets an output for every step that changes it)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    # the stop string or stop token id that ended it; None for EOS, length and abort
+    stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None  # sum of the output tokens' logprobs (if asked)
+    logprobs: list[PositionLogprobs] | None = None  # one per output token (SamplingParams.logprobs)
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[PositionLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
+    """A request's state. For a streamed request, ``outputs`` holds only the completions that
+    changed in this step (each with its ``index``), and the finished output holds all ``n``;
+    otherwise it always holds all ``n``, in index order."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    delta_text: str = ""  # streamed text since the previous output of this request
-    delta_token_ids: list[int] = field(default_factory=list)
+    # per prompt token (None for the first), when SamplingParams.prompt_logprobs is set
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
-    # conveniences for the single completion
+    # conveniences for the first completion
     @property
     def text(self) -> str:
         return self.outputs[0].text
@@ -38,3 +71,11 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def delta_text(self) -> str:
+        return self.outputs[0].delta_text
+
+    @property
+    def delta_token_ids(self) -> list[int]:
+        return self.outputs[0].delta_token_ids

@@ -1,8 +1,8 @@
 """SamplingParams (vLLM conventions) and the batched sampler that runs on the logits' device.
 
 The sampler takes per-row parameters as tensors, so one call serves a batch of requests with
-different temperatures, top-k, top-p and seeds. It never syncs with the host; the caller fetches
-the sampled ids. Greedy rows (temperature 0) take the argmax. Batches without top-k/top-p and
+different temperatures, penalties, top-k, top-p, min-p and seeds. It never syncs with the host;
+the caller fetches the sampled ids (and their log-probabilities, when asked, in the same copy). Greedy rows (temperature 0) take the argmax. Batches without top-k/top-p and
 seeds run the ``cllm::greedy_sample`` / ``cllm::temperature_sample`` kernel the registry picks
 for the logits' device and dtype, like every other kernel; the rest run the torch race of
 ``ops.exponential_race``.
@@ -22,25 +22,47 @@ from compiled_llm.errors import InvalidRequestError
 from compiled_llm.graph import ops
 from compiled_llm.kernels import registry
 
+# The most top log-probabilities one token may ask for (OpenAI's API allows 20 for chat, 5 for
+# completions; vLLM's default cap is 20).
+MAX_LOGPROBS = 20
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. temperature 0 means greedy; top_k -1 (or 0) and top_p 1.0
-    mean no truncation; seed makes a sampled request reproducible on its own."""
+    """How to sample one request, with vLLM's names and meanings.
+
+    temperature 0 means greedy; top_k -1 (or 0), top_p 1.0 and min_p 0.0 mean no truncation;
+    seed makes a sampled request reproducible on its own (completion i of ``n`` uses seed + i).
+    Penalties act on the raw logits before temperature: presence and frequency subtract
+    ``presence_penalty * (count > 0) + frequency_penalty * count`` over the output tokens so far
+    (OpenAI's definition); ``repetition_penalty`` divides positive logits and multiplies
+    negative ones of every token seen in the prompt or output (the CTRL/transformers one).
+    ``logprobs`` = k returns, per output token, the sampled token's log-probability and the k
+    most likely tokens' (``prompt_logprobs`` likewise per prompt token); log-probabilities are
+    those of the model's raw logits, before penalties and temperature, as vLLM returns them.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     # False skips incremental detokenization (token ids only; stop strings need it on).
     detokenize: bool = True
 
     def __post_init__(self):
-        for name in ("max_tokens", "top_k", "seed"):  # numpy integers and the like, as plain ints
+        for name in ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs"):  # numpy integers and the like, as plain ints
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 object.__setattr__(self, name, int(value))
@@ -52,11 +74,27 @@ class SamplingParams:
         _check_real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check_int("n", self.n, low=1)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_real(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        _check_real("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0.0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0)
+                if getattr(self, name) > MAX_LOGPROBS:
+                    raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got {getattr(self, name)}")
         if self.seed is not None:
             _check_int("seed", self.seed)
             if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
                 raise InvalidRequestError(f"seed must fit in 64 bits (-2**63 .. 2**64 - 1), got {self.seed}")
-        for name in ("ignore_eos", "detokenize"):
+        for name in ("ignore_eos", "detokenize", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -73,10 +111,23 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids or ()))
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True")
+        # What the sampler reads every step, worked out once per request instead of per row
+        # and step: its row of SamplingTensors and whether it needs penalties.
+        object.__setattr__(self, "_row", (
+            float(self.temperature), float(self.top_k), float(self.top_p), float(self.min_p),
+            float(self.presence_penalty), float(self.frequency_penalty), float(self.repetition_penalty),
+        ))
+        object.__setattr__(self, "_penalised", (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        ))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self._penalised
 
 
 def _check_int(name: str, value, low: int | None = None) -> None:
@@ -88,7 +139,11 @@ def _check_int(name: str, value, low: int | None = None) -> None:
 
 
 def _check_real(name: str, value, low: float | None = None) -> None:
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+    try:
+        finite = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
         raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
     if low is not None and value < low:
         raise InvalidRequestError(f"{name} must be >= {low}, got {value!r}")
@@ -96,44 +151,77 @@ def _check_real(name: str, value, low: float | None = None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingTensors:
-    """Per-row parameters of one batch, on the logits' device."""
+    """Per-row parameters of one batch, on the logits' device, and what the host knows about
+    them (which stages the batch needs at all)."""
 
     temperature: Tensor  # [S] float32; 0 = greedy
     top_k: Tensor  # [S] int64; vocab size = disabled
     top_p: Tensor  # [S] float32; 1 = disabled
-    needs_truncation: bool  # host-known: any row with top-k or top-p
+    min_p: Tensor  # [S] float32; 0 = disabled
+    presence_penalty: Tensor  # [S] float32; 0 = none
+    frequency_penalty: Tensor  # [S] float32; 0 = none
+    repetition_penalty: Tensor  # [S] float32; 1 = none
+    needs_truncation: bool  # host-known: any sampled row with top-k, top-p or min-p
     all_greedy: bool
+    has_penalties: bool
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], vocab_size: int, device) -> "SamplingTensors":
-        sampled = [p for p in params if not p.greedy]
-        needs_truncation = any((0 < p.top_k < vocab_size) or p.top_p < 1.0 for p in sampled)
-        # One host tensor and one copy for all three rows of numbers (top_k rides as float32:
-        # exact for any vocabulary below 2**24).
-        host = torch.tensor(
-            [
-                [p.temperature for p in params],
-                [float(p.top_k if p.top_k > 0 else vocab_size) for p in params],
-                [p.top_p for p in params],
-            ],
-            dtype=torch.float32,
-        )
+        # A batch's rows usually share a few SamplingParams objects: look at each once.
+        distinct = list({id(p): p for p in params}.values())
+        sampled = [p for p in distinct if not p.greedy]
+        needs_truncation = any((0 < p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled)
+        # One host tensor and one copy for every row of numbers, [S, 7] (top_k rides as
+        # float32: exact for any vocabulary below 2**24).
+        host = torch.tensor([p._row for p in params], dtype=torch.float32)
         if torch.device(device).type == "cuda":
             host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
+        dev = host.to(device, non_blocking=True).t()
+        top_k = dev[1].long()
         return cls(
             temperature=dev[0],
-            top_k=dev[1].long(),
+            top_k=torch.where(top_k > 0, top_k, vocab_size),
             top_p=dev[2],
+            min_p=dev[3],
+            presence_penalty=dev[4],
+            frequency_penalty=dev[5],
+            repetition_penalty=dev[6],
             needs_truncation=needs_truncation,
             all_greedy=not sampled,
+            has_penalties=any(p.has_penalties for p in distinct),
         )
 
 
-def truncate_logits(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Set to -inf every logit outside each row's top-k and outside the smallest set of
+def apply_penalties(
+    logits: Tensor,
+    output_counts: Tensor,
+    prompt_mask: Tensor,
+    presence_penalty: Tensor,
+    frequency_penalty: Tensor,
+    repetition_penalty: Tensor,
+) -> Tensor:
+    """Penalised float32 logits [S, V]. ``output_counts`` [S, V] counts each token in the
+    row's output so far; ``prompt_mask`` [S, V] marks its prompt's tokens. Repetition (every
+    seen token: positive logits divided by the penalty, negative ones multiplied), then
+    frequency (times the count) and presence (once, if the count is above 0), subtracted."""
+    logits = logits.float()
+    counts = output_counts.float()
+    in_output = output_counts > 0
+    seen = prompt_mask | in_output
+    rep = repetition_penalty[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency_penalty[:, None] * counts - presence_penalty[:, None] * in_output.float()
+
+
+def truncate_logits(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor | None = None) -> Tensor:
+    """Set to -inf every logit whose probability is below min_p times the most likely token's,
+    then every one outside each row's top-k, then every one outside the smallest set of
     highest-probability tokens whose mass reaches top_p. logits are already temperature-scaled."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if min_p is not None:
+        # p_i / p_max = exp(l_i - l_max): no softmax needed for the threshold
+        ratio = (sorted_logits - sorted_logits[:, :1]).exp()
+        sorted_logits = sorted_logits.masked_fill(ratio < min_p[:, None], float("-inf"))
     ranks = torch.arange(logits.shape[-1], device=logits.device)
     drop = ranks[None, :] >= top_k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -156,8 +244,12 @@ def sample(
     logits: Tensor,
     st: SamplingTensors,
     generators: Sequence[torch.Generator | None] | None = None,
+    seen: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """Sampled token ids [S] (int64, on the logits' device)."""
+    """Sampled token ids [S] (int64, on the logits' device). ``seen`` = (output counts, prompt
+    mask) of the rows, needed when ``st.has_penalties``."""
+    if st.has_penalties:
+        logits = apply_penalties(logits, *seen, st.presence_penalty, st.frequency_penalty, st.repetition_penalty)
     if st.all_greedy:
         return greedy_ids(logits)
     seeded = generators is not None and any(g is not None for g in generators)
@@ -166,8 +258,30 @@ def sample(
         # an fp32 copy (see triton_sampling), the torch reference elsewhere
         fn = registry.kernel_for("temperature_sample", logits.device.type, logits.dtype)
         return fn(logits, st.temperature)
-    truncate = (lambda scaled: truncate_logits(scaled, st.top_k, st.top_p)) if st.needs_truncation else None
+    truncate = None
+    if st.needs_truncation:
+        truncate = lambda scaled: truncate_logits(scaled, st.top_k, st.top_p, st.min_p)  # noqa: E731
     return ops.exponential_race(logits, st.temperature, truncate, _seeded_noise(logits, generators) if seeded else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of one step's sampled tokens under the raw logits, on the device."""
+
+    sampled: Tensor  # [S] float32: each row's sampled token
+    rank: Tensor  # [S] int64: 1 + how many tokens are strictly more likely
+    top_values: Tensor  # [S, k] float32, descending
+    top_ids: Tensor  # [S, k] int64
+
+
+def token_logprobs(logits: Tensor, ids: Tensor, k: int) -> TokenLogprobs:
+    """log_softmax of the raw logits at the sampled ``ids`` [S], their ranks, and each row's k
+    most likely tokens (k may be 0)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    sampled = logprobs.gather(1, ids[:, None])
+    rank = (logprobs > sampled).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], ids[:, None][:, :0])
+    return TokenLogprobs(sampled[:, 0], rank, top_values, top_ids)
 
 
 def _seeded_noise(logits: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:

@@ -40,15 +40,15 @@ class SchedulerConfig:
 class ScheduledBatch:
     """One step: seqs[i] computes num_new_tokens[i] tokens starting at its num_computed_tokens
     (as it was when scheduled). sample_rows lists the rows that reach the end of their tokens
-    and therefore sample a new token; the others are prefill chunks. released_request_ids are
-    the requests that stopped running (finished, aborted, preempted) since the previous
-    schedule: the runner gives their rows back before it places this step's requests."""
+    and therefore sample a new token; the others are prefill chunks. released_seq_ids are
+    the sequences that stopped running (finished, aborted, preempted) since the previous
+    schedule: the runner gives their rows back before it places this step's sequences."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    released_request_ids: list[str] = field(default_factory=list)
+    released_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +73,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(stop_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._released: list[str] = []
+        self._released: list[int] = []
         self.num_preemptions = 0
 
     # ---- requests -----------------------------------------------------------------------------
@@ -94,7 +94,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self._released.append(seq.request_id)
+            self._released.append(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
@@ -104,7 +104,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._released.append(seq.request_id)
+        self._released.append(seq.seq_id)
         self.bm.free_seq(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -115,11 +115,15 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(released_request_ids=self._released)
+        batch = ScheduledBatch(released_seq_ids=self._released)
         self._released = []
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
 
+        # A seq whose prompt log-probabilities are asked for runs each prompt token as its own
+        # query segment (ModelRunner._fill_mixed): ``extra_rows`` counts the segments beyond one
+        # per seq, so a step's segments never exceed max_num_seqs.
+        extra_rows = 0
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decodes + chunks:
@@ -128,6 +132,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.wants_prompt_logprobs:
+                n = min(n, 1 + self.config.max_num_seqs - len(self.running) - extra_rows)
             while not self.bm.allocate_slots(seq, n):
                 # Free blocks by preempting the lowest-priority (latest) sequence not yet
                 # given work in this step; that may be seq itself.
@@ -141,25 +147,40 @@ class Scheduler:
                 self._add(batch, seq, n)
                 scheduled.add(id(seq))
                 budget -= n
+                extra_rows += n - 1 if seq.wants_prompt_logprobs else 0
 
-        # Admit waiting requests in order; none while this step had to preempt.
+        # Admit waiting requests in order; none while this step had to preempt. A sibling
+        # waiting to share its first completion's prompt is passed over until it can.
+        i = 0
         while (
-            self.waiting
+            i < len(self.waiting)
             and budget > 0
             and not batch.preempted
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + extra_rows < self.config.max_num_seqs
         ):
-            seq = self.waiting[0]
-            hits = self.bm.get_computed_blocks(seq)
+            seq = self.waiting[i]
+            source = seq.share_prompt_of
+            if source is not None and source.is_finished:
+                source = seq.share_prompt_of = None
+            if source is not None and not (
+                source.status is SequenceStatus.RUNNING and source.num_computed_tokens >= source.num_prompt_tokens
+            ):
+                i += 1
+                continue
+            hits = self._computed_blocks(seq, source)
             cached = len(hits) * self.bm.block_size
             n = seq.num_tokens - cached
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
+            if seq.wants_prompt_logprobs:
+                n = min(n, self.config.max_num_seqs - len(self.running) - extra_rows)
             if not self.bm.allocate_slots(seq, n, hits):
                 break
-            self.waiting.popleft()
-            self.bm.record_lookup(seq.num_tokens, cached)
+            del self.waiting[i]
+            if source is None:
+                self.bm.record_lookup(seq.num_tokens, cached)
+            extra_rows += n - 1 if seq.wants_prompt_logprobs else 0
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.perf_counter()
                 seq.metrics.num_cached_tokens = cached
@@ -169,6 +190,17 @@ class Scheduler:
             self._add(batch, seq, n)
             budget -= n
         return batch
+
+    def _computed_blocks(self, seq: Sequence, source: Sequence | None) -> list[int]:
+        """Blocks whose KV ``seq`` can take instead of computing: the full prompt blocks of the
+        sibling it shares a prompt with, else its prefix-cache hits. None for a seq that needs
+        every prompt position's logits."""
+        if seq.wants_prompt_logprobs:
+            return []
+        if source is not None:
+            full = min((seq.num_tokens - 1) // self.bm.block_size, source.num_computed_tokens // self.bm.block_size)
+            return source.block_table[:full]
+        return self.bm.get_computed_blocks(seq)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int] | None] | None:
         """The decode step after ``batch`` (a decode step whose tokens are not applied yet),
@@ -219,6 +251,7 @@ class Scheduler:
         for row, token in zip(batch.sample_rows, sampled):
             seq = batch.seqs[row]
             seq.token_ids.append(token)
+            seq.output_ids.append(token)
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             out.append(seq)
@@ -232,6 +265,7 @@ class Scheduler:
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:
+            seq.stop_reason = token
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"

@@ -7,6 +7,7 @@ The scheduler and the block manager mutate it; nothing here touches a device.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -37,15 +38,27 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
 
+_seq_ids = itertools.count()
+
+
 @dataclass(eq=False)
 class Sequence:
+    """One completion of a request (a request with ``n`` > 1 has ``n`` of them, ``index``
+    0..n-1, sharing its ``request_id``; ``seq_id`` tells them apart)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: int  # submission order: lower = higher priority (FCFS)
     prompt: str | None = None
     generator: object | None = None  # torch.Generator for seeded sampling
-    token_ids: list[int] = field(default_factory=list)
+    index: int = 0
+    # A sibling whose prompt KV this one shares: admitted once that one has computed its prompt,
+    # taking its full prompt blocks by reference instead of recomputing them.
+    share_prompt_of: "Sequence | None" = None
+    seq_id: int = field(default_factory=_seq_ids.__next__)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    output_ids: list[int] = field(default_factory=list)  # the output part, kept alongside
     num_computed_tokens: int = 0  # tokens whose K/V are in this sequence's blocks
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of token_ids (tokens never change, so this only grows).
@@ -53,6 +66,12 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # Per output token when params.logprobs is set: token id -> Logprob (outputs.Logprob).
+    logprobs: list[dict] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # Per prompt token after the first when params.prompt_logprobs is set, same shape.
+    prompt_logprobs: list[dict] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     def __post_init__(self):
@@ -69,11 +88,21 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return list(self.output_ids)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are asked for and not all computed yet (the first
+        completion of a request computes them; its siblings share its prompt)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
 
     @property
     def is_finished(self) -> bool:
