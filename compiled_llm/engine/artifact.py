@@ -1,7 +1,8 @@
 """The engine artifact: a directory that is all ``run`` needs, and its validating loader.
 
     manifest.json          format version, model config, build options, versions, passes with
-                           match counts, kernel choices, sha256 of every file
+                           match counts, kernel choices, sha256 of every file, and what the
+                           source's generation_config.json says (sampling defaults, EOS ids)
     weights.safetensors    post-pass weights (merged qkv / gate_up stored once)
     program.json           the post-pass graph as plain data (graph/serialize.py): no pickle,
                            no constants (weights are inputs)
@@ -43,6 +44,7 @@ from compiled_llm.errors import EngineError
 from compiled_llm.graph.serialize import graph_from_json, graph_to_json
 from compiled_llm.kernels import registry
 from compiled_llm.model.config import ModelConfig
+from compiled_llm.model.sources import checked_generation_default
 from compiled_llm.model.tokenizer import load_tokenizer
 
 # 2: program.json replaced program.pt2 (pickle-free), kernels/triton added, Inductor cache gone
@@ -78,7 +80,14 @@ def _versions() -> dict[str, Any]:
     }
 
 
-def make_manifest(*, config, source, build_options, lowered, stage_seconds) -> dict:
+def generation_config_entry(defaults: dict[str, int | float], eos_token_ids) -> dict:
+    """The manifest's ``generation_config``: the source's sampling defaults (SamplingParams
+    names) and end-of-sequence ids from its generation_config.json, so that a loaded engine
+    needs no source checkpoint. Engines from before it have no such entry."""
+    return {"defaults": dict(defaults), "eos_token_ids": [int(i) for i in eos_token_ids]}
+
+
+def make_manifest(*, config, source, build_options, lowered, stage_seconds, generation_config=None) -> dict:
     hist = lowered.histograms
     stages = list(hist)
     return {
@@ -95,6 +104,7 @@ def make_manifest(*, config, source, build_options, lowered, stage_seconds) -> d
         "program": {"file": PROGRAM_FILE, "param_names": lowered.param_names},
         "kernel_cache": None,  # KERNELS_DIR once a CUDA build has warmed it
         "stage_seconds": {k: round(v, 4) for k, v in stage_seconds.items()},
+        "generation_config": generation_config or generation_config_entry({}, ()),
     }
 
 
@@ -199,10 +209,33 @@ def _check_shape(manifest: dict, path: Path) -> None:
         (source is None or _is_map(source, (str, type(None))), "source"),
         (isinstance(manifest.get("tokenizer"), (str, type(None))), "tokenizer"),
         (isinstance(manifest.get("kernel_cache"), (str, type(None))), "kernel_cache"),
+        (_is_generation_config(manifest.get("generation_config")), "generation_config"),
     ]
     bad = next((name for ok, name in problems if not ok), None)
     if bad is not None:
         raise EngineError(f"{path} has a malformed {bad!r} entry; rebuild the engine")
+
+
+def _is_generation_config(entry: Any) -> bool:
+    """Absent (an engine from before generation defaults), or exactly what
+    ``generation_config_entry`` writes: known sampling fields with values SamplingParams
+    accepts, stored as they were checked (a value that needs converting was not written by a
+    build), and integer EOS ids."""
+    if entry is None:
+        return True
+    if not isinstance(entry, dict) or set(entry) != {"defaults", "eos_token_ids"}:
+        return False
+    defaults, eos = entry["defaults"], entry["eos_token_ids"]
+    if not _is_map(defaults, (int, float)) or not isinstance(eos, list):
+        return False
+    for name, value in defaults.items():
+        try:
+            checked = checked_generation_default(name, value)
+        except ValueError:
+            return False
+        if type(checked) is not type(value) or checked != value:
+            return False
+    return all(isinstance(i, int) and not isinstance(i, bool) for i in eos)
 
 
 def inside(engine_dir: Path, rel: Any) -> Path:
@@ -369,7 +402,8 @@ def load_engine(
     t5 = time.perf_counter()
     tok = manifest.get("tokenizer")
     tokenizer = load_tokenizer(inside(engine_dir, tok)) if tok else None
-    eos = list(config.eos_token_ids) + list(tokenizer.eos_token_ids if tokenizer else ())
+    generation = manifest.get("generation_config") or {}
+    eos = [*config.eos_token_ids, *generation.get("eos_token_ids", ()), *(tokenizer.eos_token_ids if tokenizer else ())]
     times["tokenizer"] = time.perf_counter() - t5
     source_dir = (manifest.get("source") or {}).get("model_dir")
     return LoadedModel(
@@ -384,5 +418,6 @@ def load_engine(
         manifest=manifest,
         engine_dir=engine_dir,
         source_dir=Path(source_dir) if source_dir and Path(source_dir).is_dir() else None,
+        generation_defaults=dict(generation.get("defaults", {})),
         load_stages=times,
     )

@@ -1,6 +1,7 @@
 """The build pipeline: source -> capture -> passes -> program (+ GPU kernels) -> engine dir.
 
-Stages, each timed and shown as a tqdm bar: load (config, weights, tokenizer), capture
+Stages, each timed and shown as a tqdm bar: load (config, weights, tokenizer, the sampling
+defaults and EOS ids of generation_config.json), capture
 (torch.export of the spec), passes (the PassManager, one bar step per pass), write (program.json,
 weights, tokenizer, ir/, manifest with checksums), kernels (CUDA: the runtime run once over the
 written engine so every Triton kernel it launches is compiled into the engine; kernel_cache.py).
@@ -28,7 +29,15 @@ from compiled_llm.graph.export import capture, param_placeholder_names
 from compiled_llm.kernels import registry
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.placement import dtype_name, resolve_device, resolve_dtype
-from compiled_llm.model.sources import load_source_params, load_source_tokenizer, resolve_source
+from compiled_llm.model.sources import (
+    GENERATION_CONFIG,
+    generation_defaults,
+    generation_eos_token_ids,
+    load_source_params,
+    load_source_tokenizer,
+    read_generation_config,
+    resolve_source,
+)
 from compiled_llm.passes import get_pass, pipeline
 from compiled_llm.passes.base import PassContext
 from compiled_llm.passes.manager import PassManager
@@ -156,6 +165,11 @@ def build_engine(
         max_len = check_max_len(max_model_len, config)
         params = load_source_params(src, torch_dtype, dev)
         tokenizer = load_source_tokenizer(src)
+        generation_file = read_generation_config(src.model_dir)
+        generation = artifact.generation_config_entry(
+            generation_defaults(generation_file, f"{GENERATION_CONFIG} of {src.name}"),
+            generation_eos_token_ids(generation_file),
+        )
 
     try:
         work = engine_output.make_work_dir(out_dir)
@@ -188,6 +202,7 @@ def build_engine(
                 },
                 lowered=lowered,
                 stage_seconds=times,
+                generation_config=generation,
             )
             artifact.save_engine(work, manifest, lowered.params, tokenizer)
         del lowered

@@ -26,6 +26,9 @@ class LoadedModel:
     manifest: dict | None = None  # engines only
     engine_dir: Path | None = None  # engines only
     source_dir: Path | None = None  # the checkpoint directory, when it is on this machine
+    # SamplingParams field -> default, from the checkpoint's generation_config.json (an engine
+    # carries them in its manifest); what ``LLM.get_default_sampling_params`` applies
+    generation_defaults: dict[str, int | float] = dataclasses.field(default_factory=dict)
     load_stages: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds, in load order
     load_s: float = 0.0
 

@@ -17,7 +17,13 @@ from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.spec import forward
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.placement import dtype_name, parse_dtype, resolve_device, resolve_dtype
-from compiled_llm.model.sources import load_source_params, load_source_tokenizer, resolve_source, source_eos_token_ids
+from compiled_llm.model.sources import (
+    load_source_params,
+    load_source_tokenizer,
+    resolve_source,
+    source_eos_token_ids,
+    source_generation_defaults,
+)
 
 
 def is_engine_dir(model: str | Path) -> bool:
@@ -65,4 +71,5 @@ def _load_source(source: str, dtype, device: torch.device) -> LoadedModel:
         dtype=dtype,
         device=device,
         source_dir=src.model_dir,
+        generation_defaults=source_generation_defaults(src),
     )

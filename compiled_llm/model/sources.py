@@ -6,13 +6,20 @@ fetched with huggingface_hub (from its cache first; a download is tried only whe
 and HF_HUB_OFFLINE allow, with a short timeout, and otherwise fails saying to pass a local
 directory). Weights and tokenizer are loaded separately, so tools that only need the config
 stay cheap.
+
+A checkpoint's ``generation_config.json`` contributes end-of-sequence ids and, as in vLLM
+(``--generation-config auto``), sampling defaults: the fields it sets among temperature, top_p,
+top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens), whatever ``do_sample`` says.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +33,30 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*")
 # Files a checkpoint needs; everything else in a hub repo (other formats, images) is skipped.
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
 HUB_TIMEOUT_S = 10.0
+GENERATION_CONFIG = "generation_config.json"
+# generation_config.json's sampling fields -> the SamplingParams fields they default (vLLM's
+# ModelConfig.get_diff_sampling_param reads these and no others).
+GENERATION_DEFAULT_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+# The values SamplingParams accepts for each of them (serve/sampling.py is the authority; model/
+# does not import serve/, and tests/test_generation_defaults.py checks that the two agree).
+_INTEGER_DEFAULTS = {"top_k", "max_tokens"}
+_DEFAULT_RANGES = {
+    "temperature": (lambda v: v >= 0.0, ">= 0"),
+    "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "top_k": (lambda v: v >= 1 or v in (-1, 0), "-1, 0 or >= 1"),
+    "min_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "repetition_penalty": (lambda v: v > 0.0, "> 0"),
+    "max_tokens": (lambda v: v >= 1, ">= 1"),
+}
+
+log = logging.getLogger("compiled_llm.model.sources")
 
 
 @dataclass(frozen=True)
@@ -104,21 +135,85 @@ def load_source_tokenizer(src: ModelSource):
     return load_tokenizer(src.model_dir)
 
 
+def read_generation_config(model_dir: Path | None) -> dict:
+    """``model_dir``'s generation_config.json as a dict; {} when there is none or it is not a
+    JSON object (an unreadable one is logged, never fatal: it only holds defaults)."""
+    if model_dir is None:
+        return {}
+    path = Path(model_dir) / GENERATION_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        log.warning("%s is not readable JSON (%s); using no generation defaults from it", path, type(e).__name__)
+        return {}
+    if not isinstance(data, dict):
+        log.warning("%s is not a JSON object; using no generation defaults from it", path)
+        return {}
+    return data
+
+
+def generation_eos_token_ids(generation_config: Mapping) -> tuple[int, ...]:
+    """The ``eos_token_id`` (one id or a list) of a generation config; chat checkpoints add
+    their end-of-turn ids there."""
+    value = generation_config.get("eos_token_id")
+    values = value if isinstance(value, list) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
+def checked_generation_default(name: str, value) -> int | float:
+    """``value`` as the default of SamplingParams field ``name`` (a float, or an int for top_k
+    and max_tokens); a ValueError saying what is wrong with it otherwise."""
+    if name not in _DEFAULT_RANGES:
+        raise ValueError(f"{name!r} is not a sampling default")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+        isinstance(value, float) and not math.isfinite(value)
+    ):
+        raise ValueError("not a finite number")
+    if name in _INTEGER_DEFAULTS:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError("not an integer")
+        value = int(value)
+    else:
+        try:
+            value = float(value)
+        except OverflowError:  # an integer too large for a float
+            raise ValueError("out of range") from None
+    in_range, allowed = _DEFAULT_RANGES[name]
+    if not in_range(value):
+        raise ValueError(f"must be {allowed}")
+    return value
+
+
+def generation_defaults(generation_config: Mapping, origin: str = GENERATION_CONFIG) -> dict[str, int | float]:
+    """The sampling defaults a generation config sets, under SamplingParams' names: only the
+    fields it sets (null counts as unset), as vLLM's get_diff_sampling_param. A bad value is
+    left out with a warning naming it and ``origin``."""
+    defaults: dict[str, int | float] = {}
+    for key, name in GENERATION_DEFAULT_FIELDS.items():
+        value = generation_config.get(key)
+        if value is None:
+            continue
+        try:
+            defaults[name] = checked_generation_default(name, value)
+        except ValueError as e:
+            log.warning("%s: ignoring %s=%r (%s)", origin, key, value, e)
+    return defaults
+
+
+def source_generation_defaults(src: ModelSource) -> dict[str, int | float]:
+    """The sampling defaults of ``src``'s generation_config.json ({} for presets)."""
+    if src.model_dir is None:
+        return {}
+    return generation_defaults(read_generation_config(src.model_dir), f"{GENERATION_CONFIG} of {src.name}")
+
+
 def source_eos_token_ids(src: ModelSource, tokenizer=None) -> tuple[int, ...]:
     """Every id that ends generation for ``src``: config.json's, generation_config.json's (which
     chat checkpoints use to add end-of-turn ids) and the tokenizer's."""
     ids = list(src.config.eos_token_ids)
-    if src.model_dir is not None:
-        gen_path = src.model_dir / "generation_config.json"
-        if gen_path.is_file():
-            try:
-                value = json.loads(gen_path.read_text()).get("eos_token_id")
-            except (json.JSONDecodeError, AttributeError):
-                value = None
-            if isinstance(value, int):
-                ids.append(value)
-            elif isinstance(value, list):
-                ids.extend(int(v) for v in value)
+    ids.extend(generation_eos_token_ids(read_generation_config(src.model_dir)))
     if tokenizer is not None:
         ids.extend(tokenizer.eos_token_ids)
     vocab = src.config.vocab_size

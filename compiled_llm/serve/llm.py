@@ -6,12 +6,17 @@
         print(out.text)
     for delta in llm.stream("Tell me a story", SamplingParams(max_tokens=64)):
         print(delta, end="", flush=True)
+    llm.chat([{"role": "user", "content": "Hi"}])  # the tokenizer's chat template
+
+Without a SamplingParams, requests take ``get_default_sampling_params()``: vLLM's defaults with
+the model's own from its generation_config.json (temperature, top_p, ...) on top.
 """
 
 from __future__ import annotations
 
 import collections
 import numbers
+from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
 
 from tqdm.auto import tqdm
@@ -19,7 +24,8 @@ from tqdm.auto import tqdm
 from compiled_llm.engine.cache import cached_engine
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.engine.loader import is_engine_dir, load_model
-from compiled_llm.errors import InvalidRequestError
+from compiled_llm.errors import CompiledLLMError, InvalidRequestError
+from compiled_llm.model.tokenizer import plain_chat_prompt
 from compiled_llm.serve.engine_config import EngineConfig
 from compiled_llm.serve.engine_loop import EngineLoop, RequestQueue
 from compiled_llm.serve.llm_engine import LLMEngine
@@ -32,6 +38,53 @@ def _is_single_prompt(prompts: Any) -> bool:
         return True
     # a bare list of token ids is one prompt
     return isinstance(prompts, (list, tuple)) and bool(prompts) and all(isinstance(t, numbers.Integral) for t in prompts)
+
+
+def _as_conversations(messages: Any) -> list[list[Mapping]]:
+    """``messages`` as a list of conversations, each checked: as in vLLM's ``LLM.chat``, one
+    conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidRequestError(
+            f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got {type(messages).__name__}"
+        )
+    batch = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)
+    conversations = list(messages) if batch else [messages]
+    for i, conversation in enumerate(conversations):
+        _check_conversation(conversation, f"conversation {i}" if batch else "conversation")
+    return [list(c) for c in conversations]
+
+
+def _check_conversation(conversation: Sequence, where: str) -> None:
+    if not conversation:
+        raise InvalidRequestError(f"{where} is empty; give at least one message")
+    for j, message in enumerate(conversation):
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(
+                f"{where}: message {j} must be a dict with 'role' and 'content', got {type(message).__name__}"
+            )
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequestError(f"{where}: message {j} needs a 'role' string")
+        if "content" not in message:
+            raise InvalidRequestError(f"{where}: message {j} ({role}) has no 'content'")
+        if not isinstance(message["content"], str):
+            raise InvalidRequestError(
+                f"{where}: message {j} ({role}) content must be a string, got {type(message['content']).__name__}"
+            )
+
+
+def _plain_transcript(conversation: Sequence[Mapping], add_generation_prompt: bool) -> str:
+    """The prompt ``run --chat`` uses for a tokenizer without a chat template
+    (``plain_chat_prompt``). It can say one user turn after an optional system message and
+    ends where the assistant starts, so any other conversation is refused."""
+    roles = [m["role"] for m in conversation]
+    if add_generation_prompt and roles in (["user"], ["system", "user"]):
+        system = conversation[0]["content"] if roles[0] == "system" else None
+        return plain_chat_prompt(conversation[-1]["content"], system)
+    raise InvalidRequestError(
+        "the model's tokenizer has no chat template; without one, chat takes only one user message "
+        "(after an optional system message) and add_generation_prompt=True"
+    )
 
 
 class LLM:
@@ -82,6 +135,18 @@ class LLM:
     def stats(self):
         return self.engine.stats
 
+    @property
+    def engine_loop(self) -> EngineLoop:
+        """The loop that owns the engine (async front ends submit through it)."""
+        return self._loop
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's generation defaults applied (its
+        generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty and
+        max_new_tokens, as vLLM's ``--generation-config auto``): what ``generate``, ``stream``
+        and ``chat`` use when given no SamplingParams."""
+        return SamplingParams(**self.model.generation_defaults)
+
     def _validate(self, prompts, sampling_params) -> list[tuple]:
         """Every request of a call checked before any is queued."""
         if _is_single_prompt(prompts):
@@ -91,10 +156,12 @@ class LLM:
                 f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
             )
         prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
-            params = list(sampling_params)
+            params = [self.get_default_sampling_params() if sp is None else sp for sp in sampling_params]
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         else:
@@ -107,7 +174,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``. Safe to call from several threads at once."""
+        """Outputs in the order of ``prompts``; ``sampling_params`` None is
+        ``get_default_sampling_params()``. Safe to call from several threads at once."""
         requests = self._validate(prompts, sampling_params)
         finished: collections.deque[RequestQueue] = collections.deque()
         queues = self._loop.submit(requests, notify=finished.append)
@@ -136,6 +204,36 @@ class LLM:
                 bar.close()
         self._loop.settle()
         return results  # type: ignore[return-value]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list
+        of them, one output each, as vLLM's ``LLM.chat``: each conversation is rendered with the
+        tokenizer's chat template and generated like a ``generate`` prompt (its
+        ``prompt`` is the rendered text). A tokenizer without a template takes what ``run
+        --chat`` takes: one user message after an optional system message."""
+        prompts = [self._chat_prompt(c, add_generation_prompt) for c in _as_conversations(messages)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_prompt(self, conversation: list[Mapping], add_generation_prompt: bool) -> dict:
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidRequestError("chat needs a tokenizer, and this model has none")
+        if not tok.has_chat_template:
+            text = _plain_transcript(conversation, add_generation_prompt)
+            return {"prompt_token_ids": tok.encode(text), "prompt": text}
+        try:
+            ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        except CompiledLLMError as e:  # the template refused the conversation (its raise_exception)
+            raise InvalidRequestError(str(e)) from None
+        # The text the ids spell: the rendered template wherever the tokenizer covers every
+        # byte, as real checkpoints' byte-level BPEs do (Tokenizer renders conversations to ids only).
+        return {"prompt_token_ids": ids, "prompt": tok.decode(ids, skip_special_tokens=False)}
 
     def stream(self, prompt: str | dict, sampling_params: SamplingParams | None = None) -> "TextStream":
         """Text deltas of one request as they are generated. The request starts at once;
