@@ -393,8 +393,11 @@ class LLMEngine:
                     seq.finish_reason = "stop"  # a stop string outranks max_tokens
                 else:
                     self.scheduler.finish(seq, "stop")
-            if seq.is_finished and det is not None:
-                det.finalize()
+            if seq.is_finished:
+                if det is not None:
+                    det.finalize()
+            elif not request.stream:
+                continue  # nothing to report until it finishes
             changed_by_request.setdefault(seq.request_id, []).append(seq.index)
         outputs = []
         for rid, indices in changed_by_request.items():

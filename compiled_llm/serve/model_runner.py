@@ -25,7 +25,8 @@ from compiled_llm.serve.block_manager import cdiv
 from compiled_llm.serve.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
 from compiled_llm.serve.request_rows import RequestRows
 from compiled_llm.serve.sampling import (
-    SamplingParams, SamplingTensors, TokenLogprobs, greedy_ids, sample, token_logprobs,
+    SAMPLING_COLUMNS, SamplingParams, SamplingTensors, TokenLogprobs, greedy_ids, penalised_rows, sample,
+    token_logprobs,
 )
 from compiled_llm.serve.scheduler import ScheduledBatch
 from compiled_llm.serve.sequence import Sequence
@@ -97,6 +98,12 @@ class ModelRunner:
         self._ids_host = [torch.zeros(s, dtype=torch.int64).pin_memory() for _ in range(2)] if cuda else []
         self._ids_turn = 0
         self.history = TokenHistory(s, self.width * block_size, config.vocab_size, self.device)
+        # Each row's sampling parameters (SamplingParams.sampling_row), written when a sequence
+        # takes the row, so a step reads its rows' parameters with one fancy index; and the
+        # last sampled step's parameters on the device, reused while the same rows run on.
+        self._row_params = np.zeros((s, len(SAMPLING_COLUMNS)), dtype=np.float32)
+        self._params_epoch = 0
+        self._last_params: tuple | None = None  # (epoch, rows, table, SamplingTensors)
         self._step_rows = np.zeros(0, dtype=np.int64)  # the runner row of each of the step's seqs
         # logits row of each seq's last token in the step, when a seq spans several rows
         # (prompt log-probabilities): None = one row per seq
@@ -243,6 +250,8 @@ class ModelRunner:
         self.rows.release(batch.released_seq_ids)
         rows = self._step_rows = self.rows.rows_of(seqs)
         for i in self.rows.assigned_now:
+            self._row_params[rows[i]] = seqs[i].params.sampling_row
+            self._params_epoch += 1
             if seqs[i].params.has_penalties:
                 self.history.fill(int(rows[i]), seqs[i].token_ids, seqs[i].num_prompt_tokens)
         self._last_logit_rows, self._prompt_lp_rows = None, []
@@ -316,28 +325,36 @@ class ModelRunner:
         rows = batch.sample_rows
         if not rows:
             return None, None
+        step_rows = self._step_rows
         if len(rows) != len(batch.seqs):
             logits = logits.index_select(0, self._to_device(rows))
-        seqs = [batch.seqs[r] for r in rows]
-        params = [s.params for s in seqs]
-        distinct = {id(p): p for p in params}.values()
-        if all(p.greedy and not p.has_penalties for p in distinct):
+            step_rows = step_rows[rows]
+        table = self._row_params[step_rows]
+        if not (table[:, 0] > 0).any() and not penalised_rows(table).any():
             ids = greedy_ids(logits)
         else:
-            st = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
-            gens = [s.generator for s in seqs]
+            st = self._sampling_tensors(step_rows, table, logits)
+            seqs = [batch.seqs[r] for r in rows]
+            gens = [s.generator for s in seqs] if table[:, 8].any() else None
             seen = None
             if st.has_penalties:
-                runner_rows = self._to_device(self._step_rows[rows].tolist())
+                runner_rows = self._to_device(step_rows.tolist())
                 seen = self.history.counts_and_prompt_mask(runner_rows, max(s.num_tokens for s in seqs) + 1)
-            ids = sample(logits, st, gens if any(g is not None for g in gens) else None, seen)
+            ids = sample(logits, st, gens, seen)
             if st.has_penalties:
                 self.history.append(runner_rows, ids)
-        lp = None
-        k = [p.logprobs for p in distinct if p.logprobs is not None]
-        if k:
-            lp = token_logprobs(logits, ids, max(k))
-        return ids, lp
+        k = int(table[:, 7].max())
+        return ids, (token_logprobs(logits, ids, k) if k >= 0 else None)
+
+    def _sampling_tensors(self, step_rows: np.ndarray, table: np.ndarray, logits: Tensor) -> SamplingTensors:
+        """The step's SamplingTensors: the previous step's when the same rows, holding the same
+        sequences, sample again (a steady decode), else copied from the table."""
+        last = self._last_params
+        if last is not None and last[0] == self._params_epoch and np.array_equal(last[1], step_rows):
+            return last[2]
+        st = SamplingTensors.from_table(table, logits.shape[-1], logits.device)
+        self._last_params = (self._params_epoch, step_rows.copy(), st)
+        return st
 
     def _prompt_logprobs(self, batch: ScheduledBatch, logits: Tensor) -> TokenLogprobs:
         """Log-probabilities of the prompt tokens the split rows' logits predict: logits row

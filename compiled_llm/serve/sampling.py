@@ -15,12 +15,18 @@ import math
 import numbers
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.graph import ops
 from compiled_llm.kernels import registry
+
+# The columns of a request's row in the sampler's parameter table (SamplingParams.sampling_row):
+# the first seven travel to the device; logprobs is -1 when not asked; seeded is 0 or 1.
+SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logprobs", "seeded")
 
 # The most top log-probabilities one token may ask for (OpenAI's API allows 20 for chat, 5 for
 # completions; vLLM's default cap is 20).
@@ -111,11 +117,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids or ()))
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True")
-        # What the sampler reads every step, worked out once per request instead of per row
-        # and step: its row of SamplingTensors and whether it needs penalties.
-        object.__setattr__(self, "_row", (
+        # What the sampler reads every step, worked out once per request: its row of the
+        # sampler's parameter table (SAMPLING_COLUMNS) and whether it needs penalties.
+        object.__setattr__(self, "sampling_row", (
             float(self.temperature), float(self.top_k), float(self.top_p), float(self.min_p),
             float(self.presence_penalty), float(self.frequency_penalty), float(self.repetition_penalty),
+            float(-1 if self.logprobs is None else self.logprobs), float(self.seed is not None),
         ))
         object.__setattr__(self, "_penalised", (
             self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
@@ -167,29 +174,41 @@ class SamplingTensors:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], vocab_size: int, device) -> "SamplingTensors":
-        # A batch's rows usually share a few SamplingParams objects: look at each once.
-        distinct = list({id(p): p for p in params}.values())
-        sampled = [p for p in distinct if not p.greedy]
-        needs_truncation = any((0 < p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled)
-        # One host tensor and one copy for every row of numbers, [S, 7] (top_k rides as
-        # float32: exact for any vocabulary below 2**24).
-        host = torch.tensor([p._row for p in params], dtype=torch.float32)
+        return cls.from_table(parameter_table(params), vocab_size, device)
+
+    @classmethod
+    def from_table(cls, table: np.ndarray, vocab_size: int, device) -> "SamplingTensors":
+        """From the rows' parameter table [S, len(SAMPLING_COLUMNS)] float32: one host tensor
+        and one copy for all of it (top_k rides as float32: exact below 2**24)."""
+        sampled = table[:, 0] > 0
+        top_k = table[:, 1]
+        truncates = ((top_k > 0) & (top_k < vocab_size)) | (table[:, 2] < 1.0) | (table[:, 3] > 0.0)
+        host = torch.from_numpy(table[:, :7])
         if torch.device(device).type == "cuda":
             host = host.pin_memory()
         dev = host.to(device, non_blocking=True).t()
-        top_k = dev[1].long()
+        k = dev[1].long()
         return cls(
             temperature=dev[0],
-            top_k=torch.where(top_k > 0, top_k, vocab_size),
+            top_k=torch.where(k > 0, k, vocab_size),
             top_p=dev[2],
             min_p=dev[3],
             presence_penalty=dev[4],
             frequency_penalty=dev[5],
             repetition_penalty=dev[6],
-            needs_truncation=needs_truncation,
-            all_greedy=not sampled,
-            has_penalties=any(p.has_penalties for p in distinct),
+            needs_truncation=bool((truncates & sampled).any()),
+            all_greedy=not sampled.any(),
+            has_penalties=bool(penalised_rows(table).any()),
         )
+
+
+def parameter_table(params: Sequence[SamplingParams]) -> np.ndarray:
+    """The rows' sampling parameters as a float32 array [S, len(SAMPLING_COLUMNS)]."""
+    return np.array([p.sampling_row for p in params], dtype=np.float32).reshape(len(params), len(SAMPLING_COLUMNS))
+
+
+def penalised_rows(table: np.ndarray) -> np.ndarray:
+    return (table[:, 4] != 0.0) | (table[:, 5] != 0.0) | (table[:, 6] != 1.0)
 
 
 def apply_penalties(
