@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("build", "run", "inspect", "compare", "bench")
+SUBCOMMANDS = ("build", "run", "serve", "inspect", "compare", "bench")
 
 
 def make_parser() -> argparse.ArgumentParser:

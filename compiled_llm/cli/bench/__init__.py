@@ -1,7 +1,8 @@
-"""`compiled-llm bench ENGINE_DIR --workload latency|throughput|prefill|coldstart|all`: the
+"""`compiled-llm bench ENGINE_DIR --workload latency|throughput|prefill|coldstart|all|serving`: the
 project's workloads (``workloads.py``, ``coldstart.py``) on a built engine, with Hugging Face
 transformers measured in the same run (built from the engine's source config with random
-weights) and one table comparing them. Results are recorded in BENCHMARKS.md."""
+weights) and one table comparing them; ``serving`` (``serving.py``) times ``compiled-llm serve``
+from a client process against offline generation instead. Results are recorded in BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -18,19 +19,36 @@ def add_parser(subparsers):
                     "on Hugging Face transformers in the same run; print one table. latency: batch 1, a "
                     "128-token prompt, 256 greedy tokens; throughput: 256 requests with prompt and output "
                     "lengths uniform in 100..1024, temperature 0.6; prefill: one 1024-token prompt; "
-                    "coldstart: fresh processes from start to first token.",
+                    "coldstart: fresh processes from start to first token; serving (not part of all): "
+                    "'compiled-llm serve' in a subprocess under the throughput requests, streamed from a "
+                    "client at --request-rate, against offline generation in the same run.",
     )
     p.add_argument("engine", metavar="ENGINE_DIR",
                    help="an engine directory made by 'compiled-llm build', or a model source (built into the "
                         "engine cache on first use)")
-    p.add_argument("--workload", choices=("latency", "throughput", "prefill", "coldstart", "all"), default="all",
+    p.add_argument("--workload", choices=("latency", "throughput", "prefill", "coldstart", "all", "serving"),
+                   default="all",
                    help="which workload to run (default all); coldstart times fresh processes from start to "
-                        "first token (ours and transformers') and a fresh build")
+                        "first token (ours and transformers') and a fresh build; serving starts a server "
+                        "and is not part of all")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers peer")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to run; auto = cuda when available")
     p.add_argument("--num-requests", type=int, default=256, metavar="N",
-                   help="requests of the throughput workload (default 256)")
+                   help="requests of the throughput and serving workloads (default 256)")
+    serving = p.add_argument_group("serving workload")
+    serving.add_argument("--request-rate", action="append", type=_rate, metavar="R",
+                         help="requests per second, sent at Poisson-distributed times, or inf (the default): "
+                              "all at once; repeat to run several rates against one server")
+    serving.add_argument("--max-input-len", type=int, default=1024, metavar="N",
+                         help="prompt lengths are drawn in 100..N (default 1024)")
+    serving.add_argument("--max-output-len", type=int, default=1024, metavar="N",
+                         help="max_tokens are drawn in 100..N (default 1024)")
+    serving.add_argument("--served-model-name", metavar="NAME",
+                         help="the model name the server answers to (default: the server's own)")
+    serving.add_argument("--client-processes", type=int, metavar="N",
+                         help="client processes sending the requests (default 1 on a CPU; on a GPU half the "
+                              "cores, up to 8: one process reads about 13k chunks/s)")
     # the workloads' longest sequence is 2,048 tokens: a shorter limit than a model's keeps the
     # block tables (and the graphs' inputs) small
     add_engine_arguments(p.add_argument_group("engine options"), defaults={"max_model_len": 4096})
@@ -38,6 +56,16 @@ def add_parser(subparsers):
                    help=argparse.SUPPRESS)  # the old name of --enforce-eager
     p.add_argument("--json", action="store_true", help="print the results as one JSON list instead of a table")
     p.set_defaults(handler=run)
+
+
+def _rate(text: str) -> float:
+    from compiled_llm.cli.bench.serving import parse_rate
+    from compiled_llm.errors import InvalidOptionError
+
+    try:
+        return parse_rate(text)
+    except InvalidOptionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def hf_config_of(llm) -> dict | None:
@@ -79,6 +107,8 @@ def run(args) -> int:
         from compiled_llm.engine.cache import cached_engine
 
         engine = str(cached_engine(engine, device=device))
+    if args.workload == "serving":
+        return _run_serving(args, engine, device)
     cold = []
     if "coldstart" in workloads:  # first: its fresh processes need the device to themselves
         from compiled_llm.cli.bench import coldstart
@@ -116,6 +146,22 @@ def run(args) -> int:
     _print_results(args, cold + results, device, dtype, table)
     if not args.json and not args.no_hf and hf_cfg is None:
         print("hf: skipped (the engine records no preset or checkpoint config to build it from)")
+    return 0
+
+
+def _run_serving(args, engine: str, device) -> int:
+    import math
+
+    from compiled_llm.cli.bench import serving
+
+    options = serving.ServingOptions(
+        request_rates=tuple(args.request_rate or (math.inf,)), num_requests=args.num_requests,
+        max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+        served_model_name=args.served_model_name,
+        client_processes=args.client_processes or serving.default_client_processes(device.type))
+    results = serving.run_serving(engine, device, engine_options(args), options)
+    dtype = next((r.extra["dtype"] for r in results if "dtype" in r.extra), None)
+    _print_results(args, results, device, dtype, serving.format_table(results))
     return 0
 
 

@@ -1,0 +1,63 @@
+"""`compiled-llm serve ENGINE|SOURCE`: an OpenAI-compatible HTTP server (``compiled_llm.serve.openai``).
+
+The model loads as in ``run`` (a SOURCE is built into the engine cache on first use); the server
+options are ``ServerConfig``'s fields and the engine options ``EngineConfig``'s, both as flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from compiled_llm.cli.engine_args import add_dataclass_arguments, add_engine_arguments, dataclass_options
+from compiled_llm.cli.run import DEVICES, DTYPES
+from compiled_llm.serve.server_config import API_KEY_VAR, ServerConfig
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)",
+        description=(
+            "Serve ENGINE|SOURCE over HTTP with OpenAI's API: POST /v1/completions, POST "
+            "/v1/chat/completions (streamed with stream: true), GET /v1/models, GET /health, GET "
+            "/metrics (Prometheus), POST /tokenize and /detokenize. Listens on 127.0.0.1 unless "
+            "--host says otherwise. SIGTERM stops accepting requests, lets running ones finish for "
+            "up to --shutdown-timeout seconds, and exits 0."
+        ),
+    )
+    p.add_argument("source", metavar="ENGINE|SOURCE",
+                   help="an engine directory made by 'compiled-llm build', or a model source (checkpoint "
+                        "directory, preset, hub id) built into the engine cache on first use")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weight and activation dtype; auto = the checkpoint's float16/bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--device", choices=DEVICES, default="auto", help="where to run; auto = cuda when available")
+    add_dataclass_arguments(p.add_argument_group("server"), ServerConfig)
+    add_engine_arguments(p.add_argument_group("engine"))
+    p.set_defaults(handler=run)
+
+
+def server_config(args) -> ServerConfig:
+    """The server options of the flags, the API key from $COMPILED_LLM_API_KEY when no flag gives one."""
+    options = dataclass_options(args, ServerConfig)
+    if options["api_key"] is None:
+        options["api_key"] = os.environ.get(API_KEY_VAR) or None
+    return ServerConfig(**options)
+
+
+def run(args) -> int:
+    from compiled_llm.cli.main import LOGGING_LEVEL_VAR
+    from compiled_llm.cli.run import build_llm
+    from compiled_llm.serve.openai.api_server import serve
+
+    config = server_config(args)  # bad values fail before anything loads
+    if not os.environ.get(LOGGING_LEVEL_VAR):
+        # a server's log is its output: the ready line and the stats lines show without a terminal too
+        logging.getLogger("compiled_llm").setLevel(logging.INFO)
+    llm = build_llm(args)
+    # The engine's stepping thread gives up the GIL at every step's device sync; with the
+    # default 5 ms switch interval, a busy event loop would then hold it for up to 5 ms more per
+    # step. A short interval hands it back within a fraction of a decode step.
+    sys.setswitchinterval(float(os.environ.get("COMPILED_LLM_SWITCH_INTERVAL", "0.0002")))
+    return serve(llm.engine, config, model_name=args.source)

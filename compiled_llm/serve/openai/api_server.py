@@ -1,0 +1,237 @@
+"""The OpenAI-compatible HTTP server: ``build_app`` makes the FastAPI app over one engine,
+``serve`` runs it under uvicorn until SIGTERM (drain, then exit) or Ctrl-C.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these need
+the API key when one is set, as in vLLM), ``GET /health``, ``GET /metrics`` (Prometheus text),
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes). Every error is OpenAI's JSON,
+``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters (a pydantic type
+error included), 401 without the key, 404 for an unknown model, 503 with Retry-After when the
+waiting queue is full or the server is shutting down, 504 when a request times out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from compiled_llm.errors import CompiledLLMError, EngineError
+from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
+from compiled_llm.serve.llm_engine import LLMEngine
+from compiled_llm.serve.metrics import CONTENT_TYPE, ServerMetrics
+from compiled_llm.serve.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                                TokenizeResponse)
+from compiled_llm.serve.openai.serving import ApiError, ServerState
+from compiled_llm.serve.openai.serving_chat import chat_prompt_ids, create_chat_completion
+from compiled_llm.serve.openai.serving_completions import create_completion
+from compiled_llm.serve.server_config import ServerConfig
+
+logger = logging.getLogger("compiled_llm.serve.openai.api_server")
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line naming each bad field, and the first one's name."""
+    parts, first = [], None
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', 'cannot parse it')}", None
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        name = ".".join(loc) or "body"
+        first = first or (loc[0] if loc else None)
+        parts.append(f"{name}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request body", first
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, "BadRequestError", param=param)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.type, param=exc.param, code=exc.code)
+
+    @app.exception_handler(ServiceUnavailableError)
+    async def _unavailable(request, exc: ServiceUnavailableError):
+        return error_response(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request, exc: EngineError):
+        return error_response(500, str(exc), "InternalServerError")
+
+    @app.exception_handler(CompiledLLMError)
+    async def _bad_request(request, exc: CompiledLLMError):  # InvalidRequestError and the like
+        return error_response(400, str(exc), "BadRequestError")
+
+    @app.exception_handler(Exception)
+    async def _bug(request, exc: Exception):  # still logged with its traceback by the server
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
+
+
+def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), model_name: str | None = None) -> FastAPI:
+    """The app serving ``engine``; its lifespan starts and stops the stepping thread. Clients
+    name the model ``config.served_model_name``, else ``model_name``, else the engine's name."""
+    name = config.served_model_name or model_name or engine.model.name
+    metrics = ServerMetrics(engine, name, config.log_stats_interval)
+    async_engine = AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests,
+                               max_waiting_prompt_tokens=config.max_waiting_prompt_tokens,
+                               request_timeout=config.request_timeout, metrics=metrics)
+    state = ServerState(engine, async_engine, metrics, config, name, int(time.time()))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.stop()
+
+    app = FastAPI(title="compiled_llm", description="An OpenAI-compatible server", lifespan=lifespan)
+    app.state.server = state
+    _install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           "AuthenticationError", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, created=state.created, root=str(engine.model.name),
+                                         max_model_len=engine.max_model_len)])
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(state, body, request, time.perf_counter())
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(state, body, request, time.perf_counter())
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.failure is not None:
+            return error_response(500, f"the engine stopped: {async_engine.failure}", "InternalServerError")
+        if not async_engine.accepting:
+            return error_response(503, "the server is shutting down", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give either prompt or messages", "BadRequestError")
+        if body.messages is not None:
+            ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+        else:
+            _, ids = engine.prompt_token_ids(body.prompt)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        state.check_model(body.model)
+        if engine.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "BadRequestError")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+    return app
+
+
+# ---- running it ---------------------------------------------------------------------------------
+
+
+def serve(engine: LLMEngine, config: ServerConfig, model_name: str | None = None) -> int:
+    """Serve until SIGTERM (refuse new requests with 503, let running ones finish for up to
+    ``config.shutdown_timeout`` seconds, abort the rest, return 0) or Ctrl-C (abort all, and
+    uvicorn re-raises the interrupt)."""
+    app = build_app(engine, config, model_name)
+    # after the drain, connections get a few seconds to send their last bytes
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                               access_log=config.access_log, lifespan="on", timeout_graceful_shutdown=5)
+    DrainingServer(uv_config, app.state.server).run()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server, with SIGTERM draining the engine before uvicorn shuts down (uvicorn's
+    own SIGTERM would stop accepting connections at once, and re-raise the signal so the
+    process dies of it). Ctrl-C, or a second SIGTERM, aborts every request and stops."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._drain_requested = False
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None):
+        self._aio = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+            _log_ready(self, self.state)
+
+    def handle_exit(self, sig, frame):
+        if sig == signal.SIGTERM and self._aio is not None and not self._drain_requested:
+            self._drain_requested = True
+            self._aio.call_soon_threadsafe(self._start_drain)  # a signal handler must not touch the loop itself
+            return
+        if self._aio is not None:
+            self._aio.call_soon_threadsafe(self.state.async_engine.abort_all)
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        grace = self.state.config.shutdown_timeout
+        logger.info("SIGTERM: refusing new requests, letting running ones finish for up to %g s", grace)
+        try:
+            await self.state.async_engine.drain(grace)
+        finally:
+            self.should_exit = True
+
+
+def _log_ready(server: uvicorn.Server, state: ServerState) -> None:
+    host, port = state.config.host, state.config.port
+    for s in server.servers:
+        for sock in s.sockets or ():
+            host, port = sock.getsockname()[:2]
+            break
+    shown = f"[{host}]" if ":" in host else host
+    logger.info("serving %r at http://%s:%d/v1 (OpenAI API; /health, /metrics)%s", state.model_name, shown, port,
+                "" if state.config.api_key is None else ", API key required")

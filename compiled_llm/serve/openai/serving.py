@@ -1,0 +1,254 @@
+"""What the completions and chat endpoints share: the server's state, the API request ->
+SamplingParams mapping, logprob conversions, server-sent events and client-disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+import uuid
+from typing import Any, AsyncIterator, Iterable
+
+from starlette.requests import Request
+
+from compiled_llm.errors import CompiledLLMError, InvalidRequestError
+from compiled_llm.serve.async_engine import AsyncEngine, RequestGroup, ServiceUnavailableError
+from compiled_llm.serve.llm_engine import LLMEngine
+from compiled_llm.serve.metrics import ServerMetrics
+from compiled_llm.serve.outputs import Logprob, PositionLogprobs, RequestOutput
+from compiled_llm.serve.sampling import SamplingParams
+from compiled_llm.serve.server_config import ServerConfig
+
+# JSON has no -inf; vLLM sends this for a token the model rules out.
+MIN_LOGPROB = -9999.0
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape (401, 404, 504, ...)."""
+
+    def __init__(self, status: int, message: str, type: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    metrics: ServerMetrics
+    config: ServerConfig
+    model_name: str
+    created: int  # when the server started (unix seconds): the model card's "created"
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           "NotFoundError", code="model_not_found", param="model")
+
+    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ---- request -> SamplingParams ----------------------------------------------------------------------
+
+
+def sampling_params(state: ServerState, req, *, max_tokens: int | None, prompt_len: int, fallback_max_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    """The request's sampling fields. One the client left unset (or null) takes the checkpoint's
+    generation default (``LoadedModel.generation_defaults``), then OpenAI's. Unset max_tokens:
+    the checkpoint's, else ``fallback_max_tokens`` (None: all the context left), at most the
+    context left after the prompt."""
+    if req.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported")
+    defaults = getattr(state.engine.model, "generation_defaults", None) or {}
+    given = req.model_fields_set
+
+    def pick(name: str, fallback):
+        value = getattr(req, name) if name in given else None
+        return value if value is not None else defaults.get(name, fallback)
+
+    if max_tokens is None:
+        left = max(state.engine.max_model_len - prompt_len, 1)
+        max_tokens = min(defaults.get("max_tokens", fallback_max_tokens or left), left)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=pick("top_k", -1),
+        min_p=pick("min_p", 0.0),
+        presence_penalty=pick("presence_penalty", 0.0),
+        frequency_penalty=pick("frequency_penalty", 0.0),
+        repetition_penalty=pick("repetition_penalty", 1.0),
+        seed=req.seed,
+        n=req.n,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+    )
+
+
+# ---- logprobs -------------------------------------------------------------------------------------------
+
+
+def clamp_logprob(value: float) -> float:
+    return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else value
+
+
+def vllm_prompt_logprobs(positions: list[PositionLogprobs | None] | None) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, token id -> {logprob, rank, decoded_token}."""
+    if positions is None:
+        return None
+    return [
+        None if p is None else {
+            str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in p.items()
+        }
+        for p in positions
+    ]
+
+
+class CompletionLogprobsWriter:
+    """The completions API's logprobs of one choice, piece by piece (a stream sends the
+    pieces; ``text_offset`` continues across them)."""
+
+    def __init__(self, state: ServerState, offset: int = 0):
+        self.state = state
+        self.offset = offset
+
+    def piece(self, token_ids: Iterable[int], positions: Iterable[PositionLogprobs | None]) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, position in zip(token_ids, positions):
+            chosen = None if position is None else position.get(token_id)
+            text = self.state.token_text(token_id, chosen)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if chosen is None else clamp_logprob(chosen.logprob))
+            out["top_logprobs"].append(None if position is None else {
+                self.state.token_text(t, lp): clamp_logprob(lp.logprob) for t, lp in position.items()
+            })
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def chat_logprobs(state: ServerState, token_ids: Iterable[int], positions: Iterable[PositionLogprobs], top: int) -> dict:
+    """The chat API's logprobs: per token its text, logprob, UTF-8 bytes and the ``top`` most
+    likely tokens in rank order."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position.get(token_id)
+        text = state.token_text(token_id, chosen)
+        best = sorted(((lp.rank, t, lp) for t, lp in position.items() if lp.rank <= top), key=lambda e: e[0])
+        content.append({
+            "token": text,
+            "logprob": MIN_LOGPROB if chosen is None else clamp_logprob(chosen.logprob),
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": (s := state.token_text(t, lp)), "logprob": clamp_logprob(lp.logprob),
+                 "bytes": list(s.encode("utf-8"))}
+                for _, t, lp in best
+            ],
+        })
+    return {"content": content}
+
+
+# ---- responses --------------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: Any) -> str:
+    return "data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def abort_on_disconnect(request: Request, group: RequestGroup) -> None:
+    """Abort ``group`` as soon as the client disconnects. Once the body is read, ASGI's
+    ``receive`` blocks until the disconnect (no polling)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            group.abort("disconnect")
+            return
+        await asyncio.sleep(0.1)  # not expected after the body, but never spin
+
+
+async def final_outputs(group: RequestGroup, request: Request) -> list[RequestOutput]:
+    """Every request's final output for a call that is not streamed; the call is aborted if
+    its client disconnects, and a call the server aborted is an error."""
+    watcher = asyncio.ensure_future(abort_on_disconnect(request, group))
+    try:
+        outputs = await group.results()
+    finally:
+        watcher.cancel()
+        group.release()
+    reason = group.abort_reason
+    if reason == "timeout":
+        raise ApiError(504, f"the request took longer than the server's request timeout of "
+                            f"{group._owner.request_timeout} s and was aborted", "Timeout", code="timeout")
+    if reason == "shutdown":
+        raise ServiceUnavailableError("the server shut down before the request finished", retry_after=5)
+    if reason is not None:  # the client is gone; nobody reads this
+        raise ApiError(499, "the client disconnected", "ClientDisconnected")
+    return outputs
+
+
+class StreamWriter:
+    """Turns a group's merged outputs into SSE chunks: ``head`` before any output, ``chunks``
+    for each list of ready outputs, ``tail`` after the last (the usage chunk)."""
+
+    def head(self) -> list[dict]:
+        return []
+
+    def chunks(self, ready: list[tuple[int, RequestOutput]]) -> list[dict]:
+        raise NotImplementedError
+
+    def tail(self) -> list[dict]:
+        return []
+
+
+async def sse_stream(group: RequestGroup, request: Request, writer: StreamWriter) -> AsyncIterator[str]:
+    """The events of a streamed call: each batch of ready outputs is one write. Closing or
+    cancelling this generator (the client went away) aborts the call at once."""
+    watcher = asyncio.ensure_future(abort_on_disconnect(request, group))
+    try:
+        head = writer.head()
+        if head:
+            yield "".join(map(sse, head))
+        async for ready in group:
+            events = writer.chunks(ready)
+            if events:
+                yield "".join(map(sse, events))
+        tail = writer.tail()
+        yield "".join(map(sse, tail)) + SSE_DONE
+    except CompiledLLMError as e:  # the engine failed the call: tell the client in the stream
+        yield sse({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": None}}) + SSE_DONE
+    finally:
+        watcher.cancel()
+        group.release()
+
+
+def now_s() -> int:
+    return int(time.time())
+

@@ -1,0 +1,147 @@
+"""POST /v1/chat/completions: messages -> the tokenizer's chat template -> one engine request ->
+a chat completion or a stream of chunks (each choice's role first, then its content deltas)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from compiled_llm.errors import InvalidRequestError
+from compiled_llm.serve.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, ChatMessage
+from compiled_llm.serve.openai.serving import (ServerState, StreamWriter, chat_logprobs, final_outputs, new_id, now_s,
+                                               sampling_params, sse_stream, usage, vllm_prompt_logprobs)
+from compiled_llm.serve.outputs import RequestOutput
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Plain {"role", "content"} dicts for the template; text parts are joined by newlines."""
+    if not messages:
+        raise InvalidRequestError("messages is empty; give at least one message")
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequestError(f"message content of type {part.type!r} is not supported, only 'text'")
+            content = "\n".join(part.text for part in content)
+        message = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    tok = state.tokenizer
+    if tok is None:
+        raise InvalidRequestError("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
+    if not tok.has_chat_template:
+        raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions")
+    dicts = chat_messages(messages)
+    try:
+        return list(tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt))
+    except Exception as e:  # the template's own checks (roles must alternate, ...)
+        raise InvalidRequestError(f"the chat template refused the messages: {e}") from None
+
+
+def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
+    if req.tools:
+        raise InvalidRequestError("tools are not supported")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise InvalidRequestError(f"response_format {req.response_format.get('type')!r} is not supported, only 'text'")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs to be true")
+    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(state, req, max_tokens=max_tokens, prompt_len=len(ids), fallback_max_tokens=None,
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             prompt_logprobs=req.prompt_logprobs)
+    return state.engine.validate({"prompt_token_ids": ids}, params)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, http: Request, arrival: float):
+    state.check_model(req.model)
+    request = _validated(state, req)
+    group = state.async_engine.submit([request], stream=req.stream, arrival=arrival)
+    shape = _Shape(state, req, new_id("chatcmpl"), now_s())
+    if req.stream:
+        return StreamingResponse(sse_stream(group, http, _ChatStream(shape, len(request[1]))),
+                                 media_type="text/event-stream")
+    (out,) = await final_outputs(group, http)
+    return shape.response(out)
+
+
+class _Shape:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, id: str, created: int):
+        self.state, self.req, self.id, self.created = state, req, id, created
+        self.top = req.top_logprobs or 0
+
+    def logprobs(self, token_ids, positions) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(self.state, token_ids, positions or [], self.top)
+
+    def prompt_logprobs(self, out: RequestOutput):
+        return vllm_prompt_logprobs(out.prompt_logprobs) if self.req.prompt_logprobs is not None else None
+
+    def response(self, out: RequestOutput) -> ChatCompletionResponse:
+        choices = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": self.logprobs(c.token_ids, c.logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "prompt_logprobs": self.prompt_logprobs(out),
+        } for c in out.outputs]
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
+                                      usage=usage(len(out.prompt_token_ids), completion_tokens))
+
+    def chunk(self, choice: dict) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.state.model_name, "choices": [choice]}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+class _ChatStream(StreamWriter):
+    def __init__(self, shape: _Shape, prompt_tokens: int):
+        self.shape = shape
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.finished: set[int] = set()
+        self.prompt_logprobs_sent = False
+
+    def head(self) -> list[dict]:
+        return [self.shape.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}) for i in range(self.shape.req.n)]
+
+    def chunks(self, ready: list[tuple[int, RequestOutput]]) -> list[dict]:
+        s = self.shape
+        events = []
+        for _, out in ready:
+            for c in out.outputs:
+                if c.index in self.finished:
+                    continue  # a finished request's output repeats its completions
+                if not c.delta_text and not c.delta_token_ids and c.finish_reason is None:
+                    continue
+                choice = {"index": c.index, "delta": {"content": c.delta_text},
+                          "logprobs": s.logprobs(c.delta_token_ids, c.delta_logprobs),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if not self.prompt_logprobs_sent and s.req.prompt_logprobs is not None and out.prompt_logprobs:
+                    choice["prompt_logprobs"] = s.prompt_logprobs(out)
+                    self.prompt_logprobs_sent = True
+                events.append(s.chunk(choice))
+                if c.finish_reason is not None:
+                    self.finished.add(c.index)
+                    self.completion_tokens += len(c.token_ids)
+        return events
+
+    def tail(self) -> list[dict]:
+        s = self.shape
+        if not s.req.include_usage:
+            return []
+        return [{"id": s.id, "object": "chat.completion.chunk", "created": s.created, "model": s.state.model_name,
+                 "choices": [], "usage": usage(self.prompt_tokens, self.completion_tokens)}]

@@ -1,0 +1,61 @@
+"""``ServerConfig``: the options of ``compiled-llm serve`` beyond the engine's, the one place their
+names, defaults and help live (``cli/engine_args.py`` makes a flag of each field, as it does for
+``EngineConfig``). Plain Python: building the command line imports no torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from compiled_llm.errors import InvalidOptionError
+
+API_KEY_VAR = "COMPILED_LLM_API_KEY"
+
+
+def _option(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """How the OpenAI-compatible server listens, whom it serves and how much it queues."""
+
+    # vLLM listens on every interface by default; a server reachable from elsewhere should be a
+    # decision (and come with --api-key), so ours listens on this machine only unless told.
+    host: str = _option("127.0.0.1", "address to listen on: 127.0.0.1 (the default) serves this machine "
+                                     "only; 0.0.0.0 every interface (vLLM's default)")
+    port: int = _option(8000, "TCP port to listen on (0: any free port; the log names it)")
+    api_key: str | None = dataclasses.field(default=None, repr=False, metadata={"help": (
+        f"clients must send 'Authorization: Bearer KEY' to the /v1 endpoints; unset: ${API_KEY_VAR}, "
+        "else no key is needed")})
+    served_model_name: str | None = _option(
+        None, "the model name clients send and /v1/models lists; unset: ENGINE|SOURCE as given")
+    max_waiting_requests: int = _option(
+        1024, "most requests accepted but not yet scheduled; more are refused with 503 and Retry-After")
+    max_waiting_prompt_tokens: int = _option(
+        1 << 20, "most prompt tokens of requests accepted but not yet scheduled; more are refused with 503")
+    request_timeout: float | None = _option(
+        None, "seconds a request may take before it is aborted (finish reason 'abort'); unset: no limit")
+    shutdown_timeout: float = _option(
+        30.0, "on SIGTERM, seconds to let running requests finish before the rest are aborted")
+    log_stats_interval: float = _option(
+        10.0, "seconds between the log lines of throughput, queue and KV-cache usage while busy")
+    access_log: bool = _option(False, "log every HTTP request (uvicorn's access log)")
+
+    def __post_init__(self):
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise InvalidOptionError(f"port must be an integer in 0..65535, got {self.port!r}")
+        for name in ("max_waiting_requests", "max_waiting_prompt_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidOptionError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("request_timeout", "shutdown_timeout", "log_stats_interval"):
+            value = getattr(self, name)
+            if value is None and name == "request_timeout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidOptionError(f"{name} must be a number of seconds, got {value!r}")
+            if value < 0 or (value == 0 and name != "shutdown_timeout"):
+                raise InvalidOptionError(f"{name} must be {'>= 0' if name == 'shutdown_timeout' else '> 0'} seconds, got {value}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise InvalidOptionError("api_key is empty; leave it unset to serve without a key")

@@ -1,0 +1,88 @@
+"""`compiled-llm serve` as a subprocess, for tests that talk to it over HTTP.
+
+    with serve_process(engine_dir, "--api-key", "k") as server:
+        client = openai.OpenAI(base_url=server.api_url, api_key="k", max_retries=0)
+        ...
+
+The server listens on a free port of 127.0.0.1; the context manager returns once /health
+answers 200 and, on exit, stops it with SIGTERM (a drain) and waits for it. Its log (stdout and
+stderr) goes to a file, so a busy server never blocks on a full pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class RunningServer:
+    url: str  # http://127.0.0.1:PORT
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def api_url(self) -> str:
+        """The OpenAI client's base_url."""
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str, timeout: float = 5.0) -> int | None:
+    """The status of GET ``url``, None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return None
+
+
+@contextlib.contextmanager
+def serve_process(source, *flags: str, log_path: Path | None = None, startup_timeout: float = 180.0,
+                  stop_timeout: float = 60.0, env: dict | None = None):
+    """Run ``compiled-llm serve SOURCE --device cpu --port <free> FLAGS...`` until the block
+    ends; its log goes to ``log_path`` (default: a new temporary file)."""
+    port = free_port()
+    log = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(prefix="compiled_llm_serve_", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "compiled_llm.cli.main", "serve", str(source), "--device", "cpu",
+           "--host", "127.0.0.1", "--port", str(port), *flags]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = RunningServer(f"http://127.0.0.1:{port}", process, log)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while http_status(server.url + "/health", timeout=1.0) != 200:
+            if process.poll() is not None:
+                raise RuntimeError(f"compiled-llm serve exited with {process.returncode}:\n{server.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"compiled-llm serve did not answer /health in {startup_timeout} s:\n{server.log()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(stop_timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

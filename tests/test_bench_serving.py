@@ -1,0 +1,188 @@
+"""`bench --workload serving`: the client's SSE parsing and per-request timing, the Poisson
+schedule and the statistics, then one real run on a CPU (a tiny engine served by `compiled-llm
+serve` in a subprocess, the bench process its client) whose numbers must add up."""
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+
+from compiled_llm.cli.bench import serving
+from compiled_llm.cli.bench.workloads import Result, throughput_requests
+from compiled_llm.errors import InvalidOptionError
+
+
+def sse(*payloads: str, newline: str = "\n") -> bytes:
+    return "".join(f"data: {p}{newline}{newline}" for p in payloads).encode()
+
+
+def completion_chunk(text: str, finish_reason=None, completion_tokens=None, prompt_tokens=7) -> str:
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if completion_tokens is not None:
+        chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}
+    return json.dumps(chunk)
+
+
+def usage_chunk(completion_tokens: int, prompt_tokens=7) -> str:
+    return json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": [],
+                       "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens}})
+
+
+# ---- SSE parsing ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_sse_events_come_out_whole_wherever_the_bytes_are_split(newline):
+    payloads = [completion_chunk("Hel"), completion_chunk("lo", "length", 2), usage_chunk(2), "[DONE]"]
+    stream = (": a comment the server may send\n\n" + "event: completion\n").encode() + sse(*payloads, newline=newline)
+    for cut in range(1, len(stream)):
+        decoder = serving.SSEDecoder()
+        events = decoder.feed(stream[:cut]) + decoder.feed(stream[cut:])
+        assert [e.decode() for e in events] == payloads, f"split at byte {cut}"
+    decoder = serving.SSEDecoder()  # and one byte at a time
+    assert [e.decode() for b in stream for e in decoder.feed(bytes([b]))] == payloads
+
+
+def test_sse_multi_line_data_is_joined_with_newlines():
+    assert serving.SSEDecoder().feed(b"data: a\ndata:b\n\n") == [b"a\nb"]
+
+
+# ---- per-request timing -----------------------------------------------------------------------
+
+
+def timed(events: list[tuple[float, str]], prompt_len=7) -> serving.RequestRecord:
+    timer = serving.StreamTimer(sent=100.0)
+    for now, payload in events:
+        timer.on_event(payload.encode(), now)
+    return timer.record(now=events[-1][0], prompt_len=prompt_len)
+
+
+def test_timer_counts_tokens_by_usage_in_every_chunk_even_when_text_is_empty():
+    # continuous usage: a chunk with empty text (an incomplete UTF-8 character) still carries a
+    # token, and a chunk may carry two
+    record = timed([(100.5, completion_chunk("", None, 1)), (100.6, completion_chunk("é", None, 2)),
+                    (100.8, completion_chunk("ab", None, 4)), (101.0, completion_chunk("c", "length", 5)),
+                    (101.0, usage_chunk(5)), (101.1, "[DONE]")])
+    assert record.ok and record.finish_reason == "length"
+    assert record.output_tokens == 5 and record.prompt_tokens == 7
+    assert record.ttft == pytest.approx(0.5)
+    assert record.itl == pytest.approx([0.1, 0.2, 0.2])  # per chunk, as vLLM counts it
+    assert record.e2e == pytest.approx(1.1)
+
+
+def test_timer_without_continuous_usage_counts_a_token_per_chunk_and_takes_the_final_usage():
+    record = timed([(100.2, completion_chunk("a")), (100.3, completion_chunk("b")),
+                    (100.5, completion_chunk("", "length")),  # only closes the stream
+                    (100.5, usage_chunk(2)), (100.6, "[DONE]")])
+    assert record.ok and record.output_tokens == 2
+    assert record.ttft == pytest.approx(0.2) and record.itl == pytest.approx([0.1])
+
+
+def test_timer_reports_streams_that_end_badly():
+    no_finish = timed([(100.2, completion_chunk("a")), (100.3, "[DONE]")])
+    assert not no_finish.ok and "finish_reason" in no_finish.error
+    error = timed([(100.2, json.dumps({"error": {"message": "engine failed", "type": "InternalServerError"}}))])
+    assert not error.ok and error.error == "engine failed"
+    assert serving.error_message(400, b'{"error": {"message": "top_p must be in (0, 1]", "type": "x"}}') == \
+        "HTTP 400: top_p must be in (0, 1]"
+
+
+# ---- schedule and statistics ------------------------------------------------------------------
+
+
+def test_poisson_send_times_are_seeded_with_the_rate_as_mean():
+    times = serving.send_times(20_000, rate=50.0, seed=3)
+    assert times == serving.send_times(20_000, rate=50.0, seed=3) != serving.send_times(20_000, rate=50.0, seed=4)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert times[0] == 0.0 and min(gaps) >= 0
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50.0, rel=0.03)
+    # exponential gaps: the standard deviation equals the mean
+    mean = sum(gaps) / len(gaps)
+    assert math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) == pytest.approx(mean, rel=0.05)
+    assert serving.send_times(5, math.inf) == [0.0] * 5
+
+
+def test_percentile_matches_numpy():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(0)
+    for n in (1, 2, 7, 100):
+        values = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (0, 50, 90, 99, 100):
+            assert serving.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_summary_figures_follow_their_definitions():
+    records = [serving.RequestRecord(ok=True, prompt_tokens=10, output_tokens=5, ttft=0.1, itl=[0.01, 0.02, 0.03, 0.04], e2e=0.2),
+               serving.RequestRecord(ok=True, prompt_tokens=20, output_tokens=3, ttft=0.3, itl=[0.05, 0.05], e2e=0.4),
+               serving.RequestRecord(ok=False, error="HTTP 503: busy")]
+    m = serving.summarize(records, duration_s=2.0)
+    assert (m["completed"], m["failed"], m["output_tokens"]) == (2, 1, 8)
+    assert m["request_s"] == pytest.approx(1.0)
+    assert m["output_tok_s"] == pytest.approx(4.0) and m["total_tok_s"] == pytest.approx(19.0)
+    assert m["ttft_ms_mean"] == pytest.approx(200.0) and m["ttft_ms_p50"] == pytest.approx(200.0)
+    # TPOT = (e2e - TTFT) / (output tokens - 1): 25 ms and 50 ms
+    assert m["tpot_ms_mean"] == pytest.approx(37.5)
+    assert m["itl_ms_mean"] == pytest.approx(1e3 * 0.2 / 6)
+    assert m["itl_ms_p99"] == pytest.approx(serving.percentile([10, 20, 30, 40, 50, 50], 99))
+
+
+def test_options_are_checked_and_passed_to_the_server_as_flags():
+    with pytest.raises(InvalidOptionError, match="rate"):
+        serving.parse_rate("0")
+    with pytest.raises(InvalidOptionError, match="rate"):
+        serving.parse_rate("fast")
+    assert serving.parse_rate("inf") == math.inf and serving.parse_rate("2.5") == 2.5
+    with pytest.raises(InvalidOptionError, match="max_input_len"):
+        serving.ServingOptions(max_input_len=50)
+    flags = serving.option_flags({"max_num_seqs": 8, "enforce_eager": True, "enable_prefix_caching": False,
+                                  "num_blocks": None, "device": "cpu"})
+    assert flags == ["--max-num-seqs", "8", "--enforce-eager", "--no-enable-prefix-caching", "--device", "cpu"]
+
+
+def test_split_load_keeps_the_schedule():
+    bodies = [b"%d" % i for i in range(7)]
+    loads = serving.split_load("http://x", bodies, list(range(7)), [0.1 * i for i in range(7)], processes=3)
+    assert sorted(b for load in loads for b in load.bodies) == sorted(bodies)
+    for load in loads:  # each request keeps its own send time
+        assert all(at == pytest.approx(0.1 * int(b)) for b, at in zip(load.bodies, load.send_at))
+
+
+# ---- a real run ---------------------------------------------------------------------------------
+
+
+def test_bench_serving_on_cpu_reports_every_request(capsys):
+    from compiled_llm.cli.main import main
+
+    rate, n, max_in, max_out = 20.0, 8, 110, 104
+    code = main(["bench", "tiny-qwen2", "--workload", "serving", "--num-requests", str(n), "--request-rate", str(rate),
+                 "--request-rate", "inf", "--max-input-len", str(max_in), "--max-output-len", str(max_out),
+                 "--client-processes", "2", "--no-hf", "--device", "cpu", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    results = [Result(**r) for r in json.loads(captured.out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))]
+    (offline,) = [r for r in results if r.system.startswith("offline")]
+    runs = [r for r in results if r.system.startswith("compiled-llm serve")]
+    assert [r.extra["request_rate"] for r in runs] == ["20", "inf"]
+    assert offline.metrics["output_tok_s"] > 0
+
+    _, max_tokens = throughput_requests(n, max_in, max_out)
+    for run in runs:
+        m = run.metrics
+        assert (m["completed"], m["failed"]) == (n, 0), run.extra["errors"]
+        assert m["output_tokens"] == sum(max_tokens)  # ignore_eos: every request runs to max_tokens
+        assert m["output_tok_s"] > 0 and m["request_s"] > 0 and m["total_tok_s"] > m["output_tok_s"]
+        assert m["vs_offline"] == pytest.approx(m["output_tok_s"] / offline.metrics["output_tok_s"])
+        for name in ("ttft", "tpot", "itl", "e2e"):
+            assert 0 < m[f"{name}_ms_p50"] <= m[f"{name}_ms_p99"], name
+        assert m["ttft_ms_p99"] <= m["e2e_ms_p99"]
+        assert run.extra["client_chunks"] >= n and run.extra["client_processes"] == 2
+    # the Poisson run sends its last request at the schedule's last time
+    assert runs[0].metrics["duration_s"] >= serving.send_times(n, rate)[-1]
+
+    table = serving.format_table(results)
+    assert "rate=20" in table and "rate=inf" in table and "ttft_ms_p99" in table and "offline" in table

@@ -1,0 +1,644 @@
+"""`compiled-llm serve`: the official openai client against a real server process on a CPU, its
+greedy tokens checked against transformers (the lively checkpoint, whose outputs vary), and the
+async front end on its own.
+
+Two server processes for the whole module: one with an API key for the API's behaviour, and one
+with a one-request batch and a one-request waiting queue for admission control and the SIGTERM
+drain (which ends it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lively import greedy_continuation
+from server_fixtures import http_status, serve_process
+
+API_KEY = "test-key"
+MODEL = "lively"
+PROMPTS = [
+    "The quick brown fox",
+    "A compiler lowers",
+    "Once upon a time",
+    "Paged attention keeps",
+    "hello world",
+    "continuous batching of requests",
+    "in the beginning",
+    "tokens per second",
+]
+
+
+# ---- fixtures ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(lively_bpe_checkpoint):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(lively_bpe_checkpoint[0])
+
+
+@pytest.fixture(scope="module")
+def oracle(lively_bpe_checkpoint, hf_tokenizer):
+    """expected(prompt ids, n) -> (greedy token ids, their text) from transformers, run to n tokens."""
+    model = lively_bpe_checkpoint[1]
+    cache = {}
+
+    def expected(ids: list[int], n: int) -> tuple[list[int], str]:
+        key = (tuple(ids), n)
+        if key not in cache:
+            tokens = list(greedy_continuation(model, list(ids), n).token_ids)
+            cache[key] = tokens, hf_tokenizer.decode(tokens, skip_special_tokens=True)
+        return cache[key]
+
+    return expected
+
+
+@pytest.fixture(scope="module")
+def server(lively_bpe_engine, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    with serve_process(lively_bpe_engine, "--api-key", API_KEY, "--served-model-name", MODEL, log_path=log) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def small_server(lively_bpe_engine, tmp_path_factory):
+    """One sequence at a time and one waiting request: the third concurrent request is refused."""
+    log = tmp_path_factory.mktemp("small_server") / "serve.log"
+    with serve_process(lively_bpe_engine, "--served-model-name", MODEL, "--max-num-seqs", "1",
+                       "--max-waiting-requests", "1", "--shutdown-timeout", "60", log_path=log) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.api_url, api_key=API_KEY, max_retries=0)
+
+
+def greedy(**extra):
+    """Greedy sampling that ignores EOS, so every request runs to max_tokens like the oracle."""
+    return {"temperature": 0.0, "extra_body": {"ignore_eos": True, **extra}}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {sample name + sorted labels: value}, the model_name label left out."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            values[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return values
+
+
+def wait_until(check, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def idle(url: str) -> bool:
+    m = scrape(url)
+    return (m["compiled_llm:num_requests_running"] == 0 and m["compiled_llm:num_requests_waiting"] == 0
+            and m["compiled_llm:kv_cache_usage_perc"] == 0)
+
+
+# ---- the API ---------------------------------------------------------------------------------------------
+
+
+def test_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_equals_transformers_greedy(client, hf_tokenizer, oracle):
+    prompt = PROMPTS[0]
+    ids, text = oracle(hf_tokenizer(prompt)["input_ids"], 24)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **greedy())
+    assert out.id.startswith("cmpl-") and out.object == "text_completion"
+    assert out.choices[0].text == text
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(hf_tokenizer(prompt)["input_ids"]), 24)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 24
+
+
+def test_completion_stops_at_eos_like_transformers(client, hf_tokenizer, oracle):
+    # without ignore_eos the output is the oracle's run cut after its first end token (the
+    # checkpoint's EOS and the tokenizer's, as in vLLM), or at max_tokens
+    ends = {hf_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    stops = 0
+    for prompt in PROMPTS:
+        ids, _ = oracle(hf_tokenizer(prompt)["input_ids"], 40)
+        end = next((i for i, t in enumerate(ids) if t in ends), None)
+        cut = ids if end is None else ids[:end + 1]
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0.0)
+        assert out.choices[0].text == hf_tokenizer.decode(cut, skip_special_tokens=True)
+        assert out.choices[0].finish_reason == ("length" if end is None else "stop")
+        assert out.usage.completion_tokens == len(cut)
+        stops += end is not None
+    assert stops > 0  # the prompts exercise a stop
+
+
+def test_token_id_prompts_give_one_choice_each_in_order(client, hf_tokenizer, oracle):
+    prompts = [hf_tokenizer(p)["input_ids"] for p in PROMPTS[1:4]]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, echo=True, **greedy())
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for choice, ids in zip(out.choices, prompts):
+        assert choice.text == hf_tokenizer.decode(ids) + oracle(ids, 12)[1]
+    assert out.usage.prompt_tokens == sum(map(len, prompts))
+    assert out.usage.completion_tokens == 3 * 12
+
+
+def test_streamed_completion_equals_transformers_greedy(client, hf_tokenizer, oracle):
+    prompt = PROMPTS[2]
+    _, text = oracle(hf_tokenizer(prompt)["input_ids"], 32)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, stream=True,
+                                            stream_options={"include_usage": True}, **greedy()))
+    pieces = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in pieces) == text
+    assert [c.choices[0].finish_reason for c in pieces][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in pieces[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 32
+
+
+def chat_messages(text: str) -> list[dict]:
+    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]
+
+
+def chat_prompt_ids(hf_tokenizer, messages) -> list[int]:
+    out = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_chat_completion_equals_transformers_greedy(client, hf_tokenizer, oracle):
+    messages = chat_messages(PROMPTS[3])
+    ids = chat_prompt_ids(hf_tokenizer, messages)
+    _, text = oracle(ids, 20)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20, **greedy())
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == text
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 20)
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, stream=True, **greedy())
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_32_concurrent_streams_are_each_correct(server, hf_tokenizer, oracle):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
+    expected = [oracle(hf_tokenizer(p)["input_ids"], 16 + i % 8)[1] for i, p in enumerate(prompts)]
+
+    async def one(aclient, i: int) -> str:
+        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16 + i % 8,
+                                                  stream=True, **greedy())
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server.api_url, api_key=API_KEY, max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+    assert asyncio.run(all_of_them()) == expected
+
+
+def test_a_stream_closed_midway_is_aborted_and_frees_its_blocks(client, server):
+    before = scrape(server.url)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=480, stream=True, **greedy())
+    first = next(iter(stream))
+    assert first.choices[0].finish_reason is None
+    stream.close()
+    wait_until(lambda: idle(server.url), what="running 0 and KV-cache usage 0")
+    after = scrape(server.url)
+    aborted = "compiled_llm:request_success_total{finished_reason=abort}"
+    assert after[aborted] == before.get(aborted, 0.0) + 1
+    generated = "compiled_llm:generation_tokens_total"
+    assert after[generated] - before[generated] < 480  # it stopped before its max_tokens
+
+
+def test_n_completions_are_indexed_prompt_major(client, hf_tokenizer, oracle):
+    expected = [oracle(hf_tokenizer(p)["input_ids"], 6)[1] for p in PROMPTS[:2]]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=6, **greedy())
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [expected[0]] * 2 + [expected[1]] * 2
+    assert out.usage.completion_tokens == 4 * 6
+
+    streamed = {}
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=6, stream=True,
+                                           **greedy()):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == [expected[0]] * 2 + [expected[1]] * 2
+
+
+def test_a_seed_makes_sampling_reproducible(client):
+    def sample():
+        return client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=7,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    assert sample() == sample()
+
+
+def test_stop_strings_end_the_text(client, hf_tokenizer, oracle):
+    _, text = oracle(hf_tokenizer(PROMPTS[0])["input_ids"], 24)
+    stop = text[6:9]
+    cut = text[:text.index(stop)]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, stop=[stop], **greedy())
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
+    assert out.choices[0].model_extra["stop_reason"] == stop
+    kept = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, stop=[stop],
+                                     **greedy(include_stop_str_in_output=True))
+    assert kept.choices[0].text == cut + stop
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(lively_bpe_checkpoint):
+    """log_softmax of transformers' logits for each token of ``ids`` after the first ``start``."""
+    import torch
+
+    model = lively_bpe_checkpoint[1]
+
+    def reference(ids: list[int], start: int):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)[start - 1:len(ids) - 1]
+
+    return reference
+
+
+def test_completion_logprobs_are_the_models_log_softmax(client, hf_tokenizer, oracle, reference_logprobs):
+    prompt = hf_tokenizer(PROMPTS[5])["input_ids"]
+    ids, _ = oracle(prompt, 8)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logprobs=3, **greedy())
+    lp = out.choices[0].logprobs
+    ref = reference_logprobs(prompt + ids, len(prompt))
+    assert "".join(lp.tokens) == hf_tokenizer.decode(ids, skip_special_tokens=False)
+    assert lp.text_offset == [len("".join(lp.tokens[:j])) for j in range(8)]
+    for j, token in enumerate(ids):
+        assert lp.token_logprobs[j] == pytest.approx(float(ref[j, token]), abs=1e-4)
+        best = sorted(lp.top_logprobs[j].values(), reverse=True)[:3]
+        assert best == pytest.approx(ref[j].topk(3).values.tolist(), abs=1e-4)
+
+
+def test_chat_logprobs_list_the_top_tokens_in_order(client, hf_tokenizer, oracle, reference_logprobs):
+    messages = chat_messages(PROMPTS[6])
+    prompt = chat_prompt_ids(hf_tokenizer, messages)
+    ids, _ = oracle(prompt, 6)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logprobs=True,
+                                         top_logprobs=2, **greedy())
+    content = out.choices[0].logprobs.content
+    ref = reference_logprobs(prompt + ids, len(prompt))
+    assert len(content) == 6
+    for j, entry in enumerate(content):
+        assert entry.logprob == pytest.approx(float(ref[j, ids[j]]), abs=1e-4)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(ref[j].topk(2).values.tolist(), abs=1e-4)
+        assert entry.top_logprobs[0].token == entry.token  # greedy takes the most likely
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+def test_the_v1_api_needs_the_key_but_health_and_metrics_do_not(server):
+    bad = openai.OpenAI(base_url=server.api_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401
+    request = urllib.request.Request(server.api_url + "/completions", data=json.dumps({"prompt": "hi"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 401
+    assert set(json.loads(e.value.read())["error"]) == {"message", "type", "param", "code"}
+    assert http_status(server.url + "/health") == 200
+    assert http_status(server.url + "/metrics") == 200
+
+
+@pytest.mark.parametrize("params, named", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens"),  # a type error is a 400 too, not FastAPI's 422
+    ({"max_tokens": 100_000}, "max length"),
+    ({"extra_body": {"stop_token_ids": [-3]}}, "stop_token_ids"),
+])
+def test_bad_parameters_are_400_with_the_reason(client, params, named):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hello", **params)
+    assert e.value.status_code == 400
+    assert named in e.value.body["message"]
+
+
+def test_bad_chat_messages_are_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[])
+    assert "messages" in e.value.body["message"]
+
+
+def test_an_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="hello", max_tokens=2)
+    assert "no-such-model" in e.value.body["message"]
+
+
+def test_tokenize_and_detokenize(server, hf_tokenizer):
+    def post(path, body):
+        request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return json.loads(r.read())
+
+    ids = post("/tokenize", {"prompt": PROMPTS[5]})
+    assert ids["tokens"] == hf_tokenizer(PROMPTS[5])["input_ids"] and ids["count"] == len(ids["tokens"])
+    assert post("/detokenize", {"tokens": ids["tokens"]})["prompt"] == PROMPTS[5]
+    chat = post("/tokenize", {"messages": chat_messages("hi")})
+    assert chat["tokens"] == chat_prompt_ids(hf_tokenizer, chat_messages("hi"))
+
+
+def test_metrics_show_the_histograms_and_counters(client, server):
+    client.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=8, **greedy())
+    m = scrape(server.url)
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert m[f"compiled_llm:{name}_count"] >= 1, name
+        assert m[f"compiled_llm:{name}_bucket{{le=+Inf}}"] == m[f"compiled_llm:{name}_count"]
+    assert m["compiled_llm:request_success_total{finished_reason=length}"] >= 1
+    assert m["compiled_llm:prompt_tokens_total"] > 0 and m["compiled_llm:generation_tokens_total"] >= 8
+    assert m["compiled_llm:prefix_cache_queries_total"] >= m["compiled_llm:prefix_cache_hits_total"]
+    assert "compiled_llm:num_preemptions_total" in m
+
+
+# ---- admission control and SIGTERM (the one-sequence server) ------------------------------------------------
+
+
+def test_past_the_waiting_limit_requests_get_503_with_retry_after(small_server):
+    results = []
+
+    def call(i: int):
+        body = json.dumps({"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 48, "temperature": 0.0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(small_server.api_url + "/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                results.append((r.status, None, json.loads(r.read())))
+        except urllib.error.HTTPError as e:
+            results.append((e.code, e.headers.get("Retry-After"), json.loads(e.read())))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    refused = [r for r in results if r[0] == 503]
+    served = [r for r in results if r[0] == 200]
+    assert len(refused) + len(served) == 8
+    assert refused and served  # the first is always taken; at most one waits behind the running one
+    for _, retry_after, body in refused:
+        assert int(retry_after) >= 1 and "busy" in body["error"]["message"]
+    for _, _, body in served:
+        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 48
+    wait_until(lambda: idle(small_server.url), what="an idle engine")
+
+
+def test_sigterm_lets_the_running_request_finish_and_exits_0(small_server, hf_tokenizer, oracle):
+    client = openai.OpenAI(base_url=small_server.api_url, api_key="unused", max_retries=0)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=400, stream=True, **greedy())
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    small_server.process.send_signal(signal.SIGTERM)
+    # draining: new requests are refused while the running one goes on
+    wait_until(lambda: http_status(small_server.url + "/health") in (503, None), what="the drain")
+    with pytest.raises((openai.APIStatusError, openai.APIConnectionError)) as e:
+        client.completions.create(model=MODEL, prompt="late", max_tokens=2)
+    assert getattr(e.value, "status_code", 503) == 503
+    last = None
+    for chunk in chunks:
+        text += chunk.choices[0].text
+        last = chunk
+    assert last.choices[0].finish_reason == "length"
+    assert text == oracle(hf_tokenizer(PROMPTS[7])["input_ids"], 400)[1]
+    assert small_server.process.wait(60) == 0
+    assert "Traceback" not in small_server.log()
+
+
+# ---- the async front end, without HTTP ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(lively_bpe_engine):
+    from compiled_llm.serve.llm import LLM
+
+    return LLM(str(lively_bpe_engine), device="cpu").engine
+
+
+def requests_of(engine, prompts, max_tokens: int, **params):
+    from compiled_llm.serve.sampling import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
+    return [engine.validate(p, sp) for p in prompts]
+
+
+def all_blocks_free(engine) -> bool:
+    return engine.block_manager.num_free_blocks == engine.num_blocks and not engine.has_unfinished_requests()
+
+
+async def wait_for(check, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_streamed_deltas_add_up_to_the_final_output(engine):
+    from compiled_llm.serve.async_engine import AsyncEngine
+
+    async def main():
+        front = AsyncEngine(engine)
+        front.start()
+        try:
+            final = await front.submit(requests_of(engine, PROMPTS[:3], 20)).results()
+            stream = front.submit(requests_of(engine, PROMPTS[:3], 20), stream=True)
+            texts, ids, finished = ["", "", ""], [[], [], []], [None] * 3
+            async for ready in stream:
+                for i, out in ready:
+                    texts[i] += out.outputs[0].delta_text
+                    ids[i] += out.outputs[0].delta_token_ids
+                    finished[i] = out.outputs[0].finish_reason
+            stream.release()
+            return final, texts, ids, finished
+        finally:
+            await front.stop()
+
+    final, texts, ids, finished = asyncio.run(main())
+    assert [o.outputs[0].text for o in final] == texts
+    assert [o.outputs[0].token_ids for o in final] == ids and all(len(i) == 20 for i in ids)
+    assert finished == ["length"] * 3
+    assert all_blocks_free(engine)
+
+
+def test_a_busy_event_loop_gets_the_steps_it_missed_as_one_output(engine):
+    from compiled_llm.serve.async_engine import AsyncEngine
+
+    async def main():
+        front = AsyncEngine(engine)
+        front.start()
+        try:
+            group = front.submit(requests_of(engine, [PROMPTS[0]], 30), stream=True)
+            first = await group.next_outputs()
+            time.sleep(0.5)  # the event loop is blocked while the engine steps on
+            merged = await group.next_outputs()
+            rest = [out async for ready in group for _, out in ready]
+            group.release()
+            return first, merged, rest
+        finally:
+            await front.stop()
+
+    first, merged, rest = asyncio.run(main())
+    out = merged[0][1].outputs[0]
+    assert len(out.delta_token_ids) > 1
+    # the merged delta is exactly what the steps it covers added
+    before = len(first[0][1].outputs[0].delta_token_ids)
+    assert out.token_ids[before:before + len(out.delta_token_ids)] == out.delta_token_ids
+    everything = first + merged + [(0, o) for o in rest]
+    assert sum(len(o.outputs[0].delta_token_ids) for _, o in everything) == 30
+
+
+def test_admission_counts_requests_not_yet_scheduled(engine):
+    from compiled_llm.errors import InvalidRequestError
+    from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
+
+    async def main():
+        front = AsyncEngine(engine, max_waiting_requests=2, max_waiting_prompt_tokens=64)
+        # not started: nothing is scheduled, so the accepted requests keep waiting
+        groups = [front.submit(requests_of(engine, [p], 4)) for p in PROMPTS[:2]]
+        assert front.num_unscheduled[0] == 2
+        with pytest.raises(ServiceUnavailableError, match="busy"):
+            front.submit(requests_of(engine, [PROMPTS[2]], 4))
+        with pytest.raises(InvalidRequestError, match="waiting prompt tokens"):
+            front.submit(requests_of(engine, [list(range(1, 70))], 4))  # could never be admitted
+        front.start()
+        try:
+            results = [await g.results() for g in groups]
+            for g in groups:
+                g.release()
+            assert front.num_unscheduled == (0, 0)
+            later = await front.submit(requests_of(engine, [PROMPTS[2]], 4)).results()
+            return results, later
+        finally:
+            await front.stop()
+
+    results, later = asyncio.run(main())
+    assert [len(r[0].outputs[0].token_ids) for r in results + [later]] == [4, 4, 4]
+    assert all_blocks_free(engine)
+
+
+def test_a_request_past_its_timeout_is_aborted_and_frees_its_blocks(engine):
+    from compiled_llm.serve.async_engine import AsyncEngine
+
+    async def main():
+        front = AsyncEngine(engine, request_timeout=0.2)
+        front.start()
+        try:
+            group = front.submit(requests_of(engine, [PROMPTS[1]], 480), stream=True)
+            outputs = [out async for ready in group for _, out in ready]
+            group.release()
+            await wait_for(lambda: all_blocks_free(engine))
+            return group, outputs
+        finally:
+            await front.stop()
+
+    group, outputs = asyncio.run(main())
+    assert group.abort_reason == "timeout"
+    assert outputs[-1].outputs[0].finish_reason == "abort"
+    assert len(outputs[-1].outputs[0].token_ids) < 480
+
+
+def test_release_mid_stream_aborts_at_once(engine):
+    from compiled_llm.serve.async_engine import AsyncEngine
+
+    async def main():
+        front = AsyncEngine(engine)
+        front.start()
+        try:
+            group = front.submit(requests_of(engine, [PROMPTS[2]], 480), stream=True)
+            await group.next_outputs()
+            group.release()
+            await wait_for(lambda: all_blocks_free(engine), timeout=2.0)
+            return engine.stats.generated_tokens
+        finally:
+            await front.stop()
+
+    generated_before = engine.stats.generated_tokens
+    assert asyncio.run(main()) - generated_before < 480
+
+
+def test_drain_refuses_new_calls_and_aborts_what_outlives_the_grace(engine):
+    from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
+
+    async def main():
+        front = AsyncEngine(engine)
+        front.start()
+        quick = front.submit(requests_of(engine, [PROMPTS[3]], 4))
+        slow = front.submit(requests_of(engine, [PROMPTS[4]], 480))
+        reader = asyncio.ensure_future(asyncio.gather(quick.results(), slow.results()))
+        await asyncio.sleep(0.05)
+        drained = asyncio.ensure_future(front.drain(grace=0.3))
+        await asyncio.sleep(0)
+        with pytest.raises(ServiceUnavailableError, match="shutting down"):
+            front.submit(requests_of(engine, [PROMPTS[5]], 4))
+        (quick_out,), (slow_out,) = await reader
+        quick.release()
+        slow.release()
+        await drained
+        return quick_out, slow_out, slow.abort_reason, front._thread.is_alive()
+
+    quick_out, slow_out, reason, alive = asyncio.run(main())
+    assert quick_out.outputs[0].finish_reason == "length"
+    assert slow_out.outputs[0].finish_reason == "abort" and reason == "shutdown"
+    assert not alive
+    assert all_blocks_free(engine)
+
+
+def test_metrics_count_the_engine_and_log_a_stats_line_while_busy(engine, caplog):
+    import logging
+
+    from compiled_llm.serve.async_engine import AsyncEngine
+    from compiled_llm.serve.metrics import ServerMetrics
+
+    caplog.set_level(logging.INFO, logger="compiled_llm.serve.metrics")
+    metrics = ServerMetrics(engine, "m", log_stats_interval=0.05)
+    generated_before = engine.stats.generated_tokens
+
+    async def main():
+        front = AsyncEngine(engine, metrics=metrics)
+        front.start()
+        try:
+            outs = await front.submit(requests_of(engine, PROMPTS[:2], 60)).results()
+            await asyncio.sleep(0.2)  # the idle thread still logs the busy interval's line
+            return outs
+        finally:
+            await front.stop()
+
+    asyncio.run(main())
+    value = metrics.registry.get_sample_value
+    labels = {"model_name": "m"}
+    assert value("compiled_llm:generation_tokens_total", labels) == engine.stats.generated_tokens - generated_before
+    assert value("compiled_llm:request_success_total", {**labels, "finished_reason": "length"}) == 2
+    assert value("compiled_llm:e2e_request_latency_seconds_count", labels) == 2
+    assert value("compiled_llm:num_requests_running", labels) == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "compiled_llm.serve.metrics"]
+    assert any("Avg generation throughput" in line and "KV cache usage" in line for line in lines)
