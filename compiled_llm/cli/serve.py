@@ -59,5 +59,5 @@ def run(args) -> int:
     # The engine's stepping thread gives up the GIL at every step's device sync; with the
     # default 5 ms switch interval, a busy event loop would then hold it for up to 5 ms more per
     # step. A short interval hands it back within a fraction of a decode step.
-    sys.setswitchinterval(float(os.environ.get("COMPILED_LLM_SWITCH_INTERVAL", "0.0002")))
+    sys.setswitchinterval(0.0002)
     return serve(llm.engine, config, model_name=args.source)
