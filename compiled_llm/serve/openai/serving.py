@@ -176,6 +176,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def usage_chunk(shape, object_name: str, prompt_tokens: int, completion_tokens: int) -> list[dict]:
+    """A stream's last chunk before [DONE] when the client asked for usage
+    (stream_options.include_usage): no choices, the request's token counts."""
+    if not shape.req.include_usage:
+        return []
+    return [{"id": shape.id, "object": object_name, "created": shape.created, "model": shape.state.model_name,
+             "choices": [], "usage": usage(prompt_tokens, completion_tokens)}]
+
+
 def sse(payload: Any) -> str:
     return "data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 

@@ -9,7 +9,7 @@ from starlette.responses import StreamingResponse
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.serve.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, ChatMessage
 from compiled_llm.serve.openai.serving import (ServerState, StreamWriter, chat_logprobs, final_outputs, new_id, now_s,
-                                               sampling_params, sse_stream, usage, vllm_prompt_logprobs)
+                                               sampling_params, sse_stream, usage, usage_chunk, vllm_prompt_logprobs)
 from compiled_llm.serve.outputs import RequestOutput
 
 
@@ -140,8 +140,4 @@ class _ChatStream(StreamWriter):
         return events
 
     def tail(self) -> list[dict]:
-        s = self.shape
-        if not s.req.include_usage:
-            return []
-        return [{"id": s.id, "object": "chat.completion.chunk", "created": s.created, "model": s.state.model_name,
-                 "choices": [], "usage": usage(self.prompt_tokens, self.completion_tokens)}]
+        return usage_chunk(self.shape, "chat.completion.chunk", self.prompt_tokens, self.completion_tokens)

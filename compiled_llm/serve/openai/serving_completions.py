@@ -14,7 +14,7 @@ from starlette.responses import StreamingResponse
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.serve.openai.protocol import CompletionRequest, CompletionResponse
 from compiled_llm.serve.openai.serving import (CompletionLogprobsWriter, ServerState, StreamWriter, final_outputs, new_id,
-                                               now_s, sampling_params, sse_stream, usage, vllm_prompt_logprobs)
+                                               now_s, sampling_params, sse_stream, usage, usage_chunk, vllm_prompt_logprobs)
 from compiled_llm.serve.outputs import CompletionOutput, RequestOutput
 
 # OpenAI's default for the completions API
@@ -164,8 +164,4 @@ class _CompletionStream(StreamWriter):
         return events
 
     def tail(self) -> list[dict]:
-        s = self.shape
-        if not s.req.include_usage:
-            return []
-        return [{"id": s.id, "object": "text_completion", "created": s.created, "model": s.state.model_name,
-                 "choices": [], "usage": usage(self.prompt_tokens, self.completion_tokens)}]
+        return usage_chunk(self.shape, "text_completion", self.prompt_tokens, self.completion_tokens)
