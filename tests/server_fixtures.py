@@ -40,6 +40,24 @@ class RunningServer:
         return self.log_path.read_text(errors="replace")
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux's /proc): a server's engine process, and
+    multiprocessing's resource tracker."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def process_exists(pid: int) -> bool:
+    """Running, or exited but not yet reaped (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

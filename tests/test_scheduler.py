@@ -10,9 +10,9 @@ BS = 4
 EOS = 0
 
 
-def make(num_blocks=64, max_num_seqs=8, budget=16, prefix_caching=True):
+def make(num_blocks=64, max_num_seqs=8, budget=16, prefix_caching=True, solo=0):
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256,
-                          enable_chunked_prefill=True)
+                          enable_chunked_prefill=True, solo_prefill_max_tokens=solo)
     return Scheduler(cfg, BlockManager(num_blocks, BS, prefix_caching), stop_token_ids=[EOS])
 
 
@@ -70,6 +70,37 @@ def test_decodes_are_scheduled_before_new_prefills_and_prefills_fill_the_rest():
     # the next step: decodes still first, then c's next chunk
     batch = step(s)
     assert plan(batch) == [(a.request_id, 1), (b.request_id, 1), (c.request_id, 8)]
+
+
+def test_a_trickle_of_prompts_runs_alone_ahead_of_the_decodes_when_prefill_graphs_exist():
+    s = make(budget=32, solo=12)
+    a, b = seq(6), seq(6, first=20)
+    s.add(a)
+    s.add(b)
+    step(s)  # both prompts (12 tokens in all): one mixed step, nothing runs yet
+    c = seq(5, first=40)
+    s.add(c)
+    solo = step(s)
+    assert plan(solo) == [(c.request_id, 5)] and solo.sample_rows == [0]  # the decodes wait one step
+    after = step(s)
+    assert plan(after) == [(a.request_id, 1), (b.request_id, 1), (c.request_id, 1)] and after.is_decode
+    # more waiting tokens than the limit: the usual step, decodes first and the prompts after
+    d, e = seq(7, first=60), seq(7, first=80)
+    s.add(d)
+    s.add(e)
+    mixed = step(s)
+    assert plan(mixed) == [(a.request_id, 1), (b.request_id, 1), (c.request_id, 1), (d.request_id, 7),
+                           (e.request_id, 7)]
+
+
+def test_without_prefill_graphs_a_new_prompt_joins_the_decodes():
+    s = make(budget=32)
+    a = seq(6)
+    s.add(a)
+    step(s)
+    c = seq(5, first=40)
+    s.add(c)
+    assert plan(step(s)) == [(a.request_id, 1), (c.request_id, 5)]
 
 
 def test_max_num_seqs_caps_the_running_set():

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lively import greedy_continuation
-from server_fixtures import http_status, serve_process
+from server_fixtures import child_pids, http_status, process_exists, serve_process
 
 API_KEY = "test-key"
 MODEL = "lively"
@@ -419,6 +419,8 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(small_server, hf_to
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=400, stream=True, **greedy())
     chunks = iter(stream)
     text = next(chunks).choices[0].text
+    children = child_pids(small_server.process.pid)  # the engine process, multiprocessing's helper
+    assert any("spawn_main" in open(f"/proc/{c}/cmdline").read() for c in children)
     small_server.process.send_signal(signal.SIGTERM)
     # draining: new requests are refused while the running one goes on
     wait_until(lambda: http_status(small_server.url + "/health") in (503, None), what="the drain")
@@ -432,6 +434,7 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(small_server, hf_to
     assert last.choices[0].finish_reason == "length"
     assert text == oracle(hf_tokenizer(PROMPTS[7])["input_ids"], 400)[1]
     assert small_server.process.wait(60) == 0
+    wait_until(lambda: not any(map(process_exists, children)), timeout=10, what="the server's children to end")
     assert "Traceback" not in small_server.log()
 
 
@@ -467,7 +470,7 @@ def test_streamed_deltas_add_up_to_the_final_output(engine):
     from compiled_llm.serve.async_engine import AsyncEngine
 
     async def main():
-        front = AsyncEngine(engine)
+        front = AsyncEngine.in_thread(engine)
         front.start()
         try:
             final = await front.submit(requests_of(engine, PROMPTS[:3], 20)).results()
@@ -494,7 +497,7 @@ def test_a_busy_event_loop_gets_the_steps_it_missed_as_one_output(engine):
     from compiled_llm.serve.async_engine import AsyncEngine
 
     async def main():
-        front = AsyncEngine(engine)
+        front = AsyncEngine.in_thread(engine)
         front.start()
         try:
             group = front.submit(requests_of(engine, [PROMPTS[0]], 30), stream=True)
@@ -522,7 +525,7 @@ def test_admission_counts_requests_not_yet_scheduled(engine):
     from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
 
     async def main():
-        front = AsyncEngine(engine, max_waiting_requests=2, max_waiting_prompt_tokens=64)
+        front = AsyncEngine.in_thread(engine, max_waiting_requests=2, max_waiting_prompt_tokens=64)
         # not started: nothing is scheduled, so the accepted requests keep waiting
         groups = [front.submit(requests_of(engine, [p], 4)) for p in PROMPTS[:2]]
         assert front.num_unscheduled[0] == 2
@@ -550,7 +553,7 @@ def test_a_request_past_its_timeout_is_aborted_and_frees_its_blocks(engine):
     from compiled_llm.serve.async_engine import AsyncEngine
 
     async def main():
-        front = AsyncEngine(engine, request_timeout=0.2)
+        front = AsyncEngine.in_thread(engine, request_timeout=0.2)
         front.start()
         try:
             group = front.submit(requests_of(engine, [PROMPTS[1]], 480), stream=True)
@@ -571,7 +574,7 @@ def test_release_mid_stream_aborts_at_once(engine):
     from compiled_llm.serve.async_engine import AsyncEngine
 
     async def main():
-        front = AsyncEngine(engine)
+        front = AsyncEngine.in_thread(engine)
         front.start()
         try:
             group = front.submit(requests_of(engine, [PROMPTS[2]], 480), stream=True)
@@ -590,7 +593,7 @@ def test_drain_refuses_new_calls_and_aborts_what_outlives_the_grace(engine):
     from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
 
     async def main():
-        front = AsyncEngine(engine)
+        front = AsyncEngine.in_thread(engine)
         front.start()
         quick = front.submit(requests_of(engine, [PROMPTS[3]], 4))
         slow = front.submit(requests_of(engine, [PROMPTS[4]], 480))
@@ -604,7 +607,7 @@ def test_drain_refuses_new_calls_and_aborts_what_outlives_the_grace(engine):
         quick.release()
         slow.release()
         await drained
-        return quick_out, slow_out, slow.abort_reason, front._thread.is_alive()
+        return quick_out, slow_out, slow.abort_reason, front.core.alive
 
     quick_out, slow_out, reason, alive = asyncio.run(main())
     assert quick_out.outputs[0].finish_reason == "length"
@@ -617,14 +620,15 @@ def test_metrics_count_the_engine_and_log_a_stats_line_while_busy(engine, caplog
     import logging
 
     from compiled_llm.serve.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_messages import EngineSnapshot
     from compiled_llm.serve.metrics import ServerMetrics
 
     caplog.set_level(logging.INFO, logger="compiled_llm.serve.metrics")
-    metrics = ServerMetrics(engine, "m", log_stats_interval=0.05)
+    metrics = ServerMetrics("m", EngineSnapshot.of(engine), log_stats_interval=0.05)
     generated_before = engine.stats.generated_tokens
 
     async def main():
-        front = AsyncEngine(engine, metrics=metrics)
+        front = AsyncEngine.in_thread(engine, metrics=metrics)
         front.start()
         try:
             outs = await front.submit(requests_of(engine, PROMPTS[:2], 60)).results()

@@ -1,14 +1,15 @@
 """`compiled-llm serve ENGINE|SOURCE`: an OpenAI-compatible HTTP server (``compiled_llm.serve.openai``).
 
-The model loads as in ``run`` (a SOURCE is built into the engine cache on first use); the server
-options are ``ServerConfig``'s fields and the engine options ``EngineConfig``'s, both as flags.
+The model loads as in ``run`` (a SOURCE is built into the engine cache on first use), in the
+engine process the server starts (``serve.engine_core``); the server options are
+``ServerConfig``'s fields and the engine options ``EngineConfig``'s, both as flags.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import sys
 
 from compiled_llm.cli.engine_args import add_dataclass_arguments, add_engine_arguments, dataclass_options
 from compiled_llm.cli.run import DEVICES, DTYPES
@@ -46,18 +47,25 @@ def server_config(args) -> ServerConfig:
     return ServerConfig(**options)
 
 
+def load_engine(args):
+    """The engine process's loader: the model as ``run`` loads it, logging as this command does."""
+    from compiled_llm.cli.main import configure_logging
+    from compiled_llm.cli.run import build_llm
+
+    configure_logging()
+    return build_llm(args).engine
+
+
 def run(args) -> int:
     from compiled_llm.cli.main import LOGGING_LEVEL_VAR
-    from compiled_llm.cli.run import build_llm
+    from compiled_llm.serve.engine_core_client import EngineCoreClient
     from compiled_llm.serve.openai.api_server import serve
 
     config = server_config(args)  # bad values fail before anything loads
     if not os.environ.get(LOGGING_LEVEL_VAR):
-        # a server's log is its output: the ready line and the stats lines show without a terminal too
+        # a server's log is its output: the ready line and the stats lines show without a
+        # terminal too, in the engine process as well (it reads the variable)
+        os.environ[LOGGING_LEVEL_VAR] = "INFO"
         logging.getLogger("compiled_llm").setLevel(logging.INFO)
-    llm = build_llm(args)
-    # The engine's stepping thread gives up the GIL at every step's device sync; with the
-    # default 5 ms switch interval, a busy event loop would then hold it for up to 5 ms more per
-    # step. A short interval hands it back within a fraction of a decode step.
-    sys.setswitchinterval(0.0002)
-    return serve(llm.engine, config, model_name=args.source)
+    core = EngineCoreClient.start_process(functools.partial(load_engine, args))
+    return serve(core, config, model_name=args.source)

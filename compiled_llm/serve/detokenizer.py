@@ -33,7 +33,13 @@ class IncrementalDetokenizer:
 
     def add(self, token: int) -> bool:
         """Append one token; True when the text now contains a stop string (cut off)."""
-        self.token_ids.append(token)
+        return self.add_tokens((token,))
+
+    def add_tokens(self, tokens: Sequence[int]) -> bool:
+        """Append tokens, decoding the new window once (a stream's front end that fell behind
+        catches up in one call). Without stop strings only: a stop string must be found at the
+        token that completes it."""
+        self.token_ids.extend(tokens)
         prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
         full = self._decode(self.token_ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

@@ -7,8 +7,8 @@ submissions and aborts, runs one engine step and puts each output on its request
 Whoever waits for output drives. A caller whose queue is empty runs steps until it is not
 (``wait``); outputs of other requests go to their queues meanwhile. So any number of threads can
 call ``LLM.generate`` and ``LLM.stream`` on one engine, and streams can be read in any order,
-without losing a token. A server runs one thread that steps while there is work and wakes its
-asyncio waiters through each queue's ``notify``.
+without losing a token. (The HTTP server does not share a process with its engine: its engine
+process steps in a loop of its own, ``engine_core``.)
 
 A submission is atomic: its requests are validated before it is queued and enter the engine
 together in one step. If a step raises, the engine aborts the requests it held (their blocks go
@@ -28,7 +28,7 @@ from compiled_llm.serve.outputs import RequestOutput
 
 class RequestQueue:
     """The outputs of one request, in order, ending with a finished output or an exception.
-    ``notify(queue)`` runs after each put, in the stepping thread."""
+    ``notify(queue)`` runs after each put, in the thread that stepped."""
 
     def __init__(self, request_id: str, notify: Callable[["RequestQueue"], None] | None = None):
         self.request_id = request_id

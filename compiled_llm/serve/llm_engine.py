@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 import time
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -28,6 +27,7 @@ from compiled_llm.serve.block_manager import BlockManager, cdiv
 from compiled_llm.serve.detokenizer import IncrementalDetokenizer
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.serve.model_runner import ModelRunner, _label, profile_step
+from compiled_llm.serve.request_validator import RequestValidator
 from compiled_llm.serve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from compiled_llm.serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from compiled_llm.serve.sequence import Sequence
@@ -62,6 +62,7 @@ class _Request:
     stream: bool
     # per completion: how many of its tokens / logprobs earlier outputs have carried
     sent_tokens: list[int]
+    prompt_logprobs_sent: bool = False  # a delta has carried them
 
     @property
     def finished(self) -> bool:
@@ -118,6 +119,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                solo_prefill_max_tokens=solo_prefill_max_tokens(config, self.device, self.max_model_len),
             ),
             self.block_manager,
             stop_token_ids=model.eos_token_ids,
@@ -133,6 +135,10 @@ class LLMEngine:
             # captured bucket by bucket on first use, so none stands before the first token
             self.runner.prepare_graphs(min(config.prefill_graph_max_tokens, self.max_model_len))
 
+        self.validator = RequestValidator(
+            tokenizer=self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len, block_size=bs,
+            num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+        )
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -177,76 +183,12 @@ class LLMEngine:
         self.runner.profile_labels = on
 
     def prompt_token_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt given as text, {"prompt_token_ids": [...]} or a list
-        of ids. A text too long to fit the model in any tokenization is refused untokenized."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "text prompt given but the model has no tokenizer; pass {'prompt_token_ids': [...]}"
-                )
-            self._check_text(prompt)
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" not in prompt:
-                raise InvalidRequestError("a dict prompt needs a 'prompt_token_ids' list")
-            ids = prompt["prompt_token_ids"]
-            text = prompt.get("prompt")
-        elif isinstance(prompt, (list, tuple)):
-            ids, text = prompt, None
-        elif isinstance(prompt, (bytes, bytearray)):
-            raise InvalidRequestError("prompt is bytes; decode it to a str first")
-        else:
-            raise InvalidRequestError(
-                f"a prompt is a string, a list of token ids or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
-            )
-        if not isinstance(ids, (list, tuple)) or any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in ids):
-            raise InvalidRequestError("prompt_token_ids must be a list of integers")
-        return text, [int(t) for t in ids]
-
-    def _check_text(self, text: str) -> None:
-        if len(text) > self.max_model_len:  # shorter texts are cheap to tokenize and count
-            limit = self.max_model_len * self.tokenizer.max_text_bytes_per_token
-            size = len(text.encode("utf-8", "surrogatepass"))
-            if size > limit:
-                raise InvalidRequestError(
-                    f"prompt of {size} bytes cannot fit the model's max length of {self.max_model_len} tokens"
-                )
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequestError(
-                f"prompt is not valid UTF-8 text: {text[e.start]!r} at position {e.start} (a lone surrogate)"
-            ) from None
+        """(text, token ids) of a prompt given as text, {"prompt_token_ids": [...]} or a list of ids."""
+        return self.validator.prompt_token_ids(prompt)
 
     def validate(self, prompt: Any, params: SamplingParams | None) -> tuple[str | None, list[int], SamplingParams]:
         """Everything that can be wrong with a request, checked before it is queued."""
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params)  # re-runs its validation
-        text, ids = self.prompt_token_ids(prompt)
-        n = len(ids)
-        if n == 0:
-            raise InvalidRequestError("prompt is empty; give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt of {n} tokens + max_tokens {params.max_tokens} exceeds the model's max length of {self.max_model_len} tokens"
-            )
-        need = cdiv(n + params.max_tokens, self.config.block_size)
-        if need > self.num_blocks:
-            raise InvalidRequestError(
-                f"request needs {need} KV-cache blocks ({n} + {params.max_tokens} tokens) but the cache has only {self.num_blocks}"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(f"n = {params.n} exceeds max_num_seqs ({self.config.max_num_seqs})")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
-        return text, ids, params
+        return self.validator.validate(prompt, params)
 
     def add_request(
         self,
@@ -303,8 +245,18 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One step's results. With async scheduling a decode step is usually already queued
-        on the device (launched by the previous call); this call queues the one after it
+        """One step's results: finished requests, and every new token of streaming ones."""
+        return [self._output(request, indices) for request, indices in self._changes()]
+
+    def step_deltas(self) -> list[tuple]:
+        """One step's results as what is new in them, the tuples the engine process sends
+        (``engine_messages``): no output objects, nothing proportional to a request's length."""
+        return [self._delta(request, indices) for request, indices in self._changes()]
+
+    def _changes(self) -> list[tuple[_Request, list[int] | range]]:
+        """Run one step; the requests it finished, and the streamed ones it changed, with the
+        completions that changed. With async scheduling a decode step is usually already
+        queued on the device (launched by the previous call); this call queues the one after it
         before it waits, then applies the tokens of the step it waited for. A token computed
         ahead for a sequence that has finished meanwhile (EOS, stop string, abort) is dropped.
 
@@ -332,7 +284,7 @@ class LLMEngine:
             self.abort_request(rid)
         return ids
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[tuple[_Request, list[int] | range]]:
         t0 = time.perf_counter()
         if self._pending is not None:
             batch, handle = self._pending
@@ -399,15 +351,15 @@ class LLMEngine:
             elif not request.stream:
                 continue  # nothing to report until it finishes
             changed_by_request.setdefault(seq.request_id, []).append(seq.index)
-        outputs = []
+        changes = []
         for rid, indices in changed_by_request.items():
             request = self._requests[rid]
             if request.finished:
                 del self._requests[rid]
-                outputs.append(self._output(request, range(len(request.seqs))))
+                changes.append((request, range(len(request.seqs))))
             elif request.stream:
-                outputs.append(self._output(request, indices))
-        return outputs
+                changes.append((request, indices))
+        return changes
 
     # ---- outputs ------------------------------------------------------------------------------
 
@@ -434,45 +386,74 @@ class LLMEngine:
                 seq.prompt_logprobs.append(self._position(seq.prompt_token_ids[p], entry))
 
     def _output(self, request: _Request, indices) -> RequestOutput:
-        completions = [self._completion(request, i) for i in indices]
+        """The request's output for completions ``indices``, with what is new since their
+        previous outputs. Its lists are copies once finished, else the live ones (a stream
+        reads deltas)."""
+        _, finished, _, _, deltas = self._delta(request, indices)
         first = request.seqs[0]
-        prompt_logprobs = None
-        if first.params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + first.prompt_logprobs
+        completions = []
+        for index, delta_text, delta_ids, finish_reason, stop_reason, cumulative, delta_logprobs in deltas:
+            seq, det = request.seqs[index], request.detoks[index]
+            done = seq.is_finished
+            wants_lp = seq.params.logprobs is not None
+            completions.append(CompletionOutput(
+                index=index,
+                text=det.text if det is not None else "",
+                token_ids=list(seq.output_ids) if done else seq.output_ids,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                cumulative_logprob=cumulative,
+                logprobs=(list(seq.logprobs) if done else seq.logprobs) if wants_lp else None,
+                delta_text=delta_text,
+                delta_token_ids=delta_ids,
+                delta_logprobs=delta_logprobs,
+            ))
         return RequestOutput(
             request_id=request.request_id,
             prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids,
             outputs=completions,
-            finished=request.finished,
+            finished=finished,
             metrics=first.metrics,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=None if first.params.prompt_logprobs is None else [None] + first.prompt_logprobs,
         )
 
-    def _completion(self, request: _Request, index: int) -> CompletionOutput:
-        """Completion ``index`` of the request, with what is new since its previous output.
-        Its lists are copies once it has finished, else the live ones (a stream reads deltas)."""
-        seq, det = request.seqs[index], request.detoks[index]
-        finished = seq.is_finished
-        sent, now = request.sent_tokens[index], seq.num_output_tokens
-        request.sent_tokens[index] = now
-        out_ids = seq.output_ids[sent:]
-        wants_lp = seq.params.logprobs is not None
-        return CompletionOutput(
-            index=index,
-            text=det.text if det is not None else "",
-            token_ids=list(seq.output_ids) if finished else seq.output_ids,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            cumulative_logprob=seq.cumulative_logprob if wants_lp else None,
-            logprobs=(list(seq.logprobs) if finished else seq.logprobs) if wants_lp else None,
-            delta_text=det.take_delta(finished) if det is not None else "",
-            delta_token_ids=out_ids,
-            delta_logprobs=seq.logprobs[sent:now] if wants_lp else None,
-        )
+    def _delta(self, request: _Request, indices) -> tuple:
+        """What is new in completions ``indices`` since their previous outputs, as
+        ``engine_messages.EncodedOutput``: the metrics once finished, the prompt logprobs with
+        the first output (a request's first token comes after its whole prompt)."""
+        completions = []
+        for index in indices:
+            seq, det = request.seqs[index], request.detoks[index]
+            sent, now = request.sent_tokens[index], seq.num_output_tokens
+            request.sent_tokens[index] = now
+            wants_lp = seq.params.logprobs is not None
+            completions.append((
+                index,
+                det.take_delta(seq.is_finished) if det is not None else "",
+                seq.output_ids[sent:now],
+                seq.finish_reason,
+                seq.stop_reason,
+                seq.cumulative_logprob if wants_lp else None,
+                seq.logprobs[sent:now] if wants_lp else None,
+            ))
+        first, finished = request.seqs[0], request.finished
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True
+            prompt_logprobs = [None] + first.prompt_logprobs
+        return request.request_id, finished, first.metrics if finished else None, prompt_logprobs, completions
 
     def prefix_cache_stats(self):
         return self.block_manager.stats
+
+
+def solo_prefill_max_tokens(config: EngineConfig, device: torch.device, max_model_len: int) -> int:
+    """The scheduler's ``solo_prefill_max_tokens``: the prefill graphs' largest prompt when the
+    runner captures them (CUDA, graphs on), else 0."""
+    if config.enforce_eager or device.type != "cuda":
+        return 0
+    return min(config.prefill_graph_max_tokens, max_model_len)
 
 
 def _drop_finished(batch: ScheduledBatch, sampled: list[int], logprobs: list | None):

@@ -2,23 +2,23 @@
 meanings, and the periodic one-line stats log.
 
 Every collector lives in the server's own ``CollectorRegistry``, so one process (a test) can run
-several servers. Three kinds of updates, each where it is cheap:
+several servers. Two kinds of updates, each where it is cheap:
 
-- the engine gauges (running, waiting, KV-cache usage) are read when /metrics is scraped: a
-  length or two, always current, even after an abort between steps;
-- the engine counters (prompt and generation tokens, preemptions, prefix-cache queries and hits)
-  advance by the deltas of the engine's own counters, from the stepping thread after each step;
+- the engine's gauges (running, waiting, KV-cache usage) and counters (prompt and generation
+  tokens, preemptions, prefix-cache queries and hits) come with each message of the engine core
+  (an ``EngineSnapshot``): the gauges show the latest, the counters advance by the differences;
 - the histograms and the finished-request counter take one observation per finished request,
   from the server's timestamps (HTTP arrival, first token handed to the client, finish).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from compiled_llm.serve.engine_messages import EngineSnapshot
 
 logger = logging.getLogger("compiled_llm.serve.metrics")
 
@@ -33,37 +33,20 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
                     60.0, 120.0, 240.0, 480.0, 960.0)
 
 
-@dataclasses.dataclass
-class _EngineCounts:
-    """The engine's cumulative counters, as last seen."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-
-    @classmethod
-    def of(cls, engine) -> "_EngineCounts":
-        st, pc = engine.stats, engine.block_manager.stats
-        return cls(st.prefill_tokens, st.generated_tokens, engine.scheduler.num_preemptions,
-                   pc.queried_tokens, pc.hit_tokens)
-
-    def minus(self, other: "_EngineCounts") -> "_EngineCounts":
-        return _EngineCounts(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+_COUNTERS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries", "prefix_hits")
 
 
-def kv_cache_usage(engine) -> float:
-    """Fraction of the KV-cache blocks held by requests (cached prefixes nobody holds are free)."""
-    bm = engine.block_manager
-    return 1.0 - bm.num_free_blocks / bm.num_blocks
+def _counts(snapshot: EngineSnapshot) -> tuple[int, ...]:
+    return tuple(getattr(snapshot, name) for name in _COUNTERS)
 
 
 class ServerMetrics:
-    def __init__(self, engine, model_name: str, log_stats_interval: float = 10.0):
-        self.engine = engine
+    def __init__(self, model_name: str, start: EngineSnapshot, log_stats_interval: float = 10.0):
+        """``start``: the engine's snapshot when the server starts (what it counted loading and
+        warming up is not the server's)."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
+        self.snapshot = start  # the engine's latest
         reg, labels = self.registry, ["model_name"]
 
         def gauge(name: str, doc: str, read) -> None:
@@ -75,15 +58,17 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
 
-        sched = engine.scheduler
-        gauge("num_requests_running", "Number of requests (sequences) in the running batch.", lambda: len(sched.running))
-        gauge("num_requests_waiting", "Number of requests (sequences) waiting to be scheduled.", lambda: len(sched.waiting))
-        gauge("kv_cache_usage_perc", "KV-cache usage: 1 means all blocks are held.", lambda: kv_cache_usage(engine))
-        self.prompt_tokens = counter("prompt_tokens_total", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens_total", "Number of generation tokens processed.")
-        self.preemptions = counter("num_preemptions_total", "Cumulative number of preemptions.")
-        self.prefix_queries = counter("prefix_cache_queries_total", "Prefix-cache queries, in prompt tokens.")
-        self.prefix_hits = counter("prefix_cache_hits_total", "Prefix-cache hits, in prompt tokens.")
+        gauge("num_requests_running", "Number of requests (sequences) in the running batch.", lambda: self.snapshot.running)
+        gauge("num_requests_waiting", "Number of requests (sequences) waiting to be scheduled.",
+              lambda: self.snapshot.waiting)
+        gauge("kv_cache_usage_perc", "KV-cache usage: 1 means all blocks are held.", lambda: self.snapshot.kv_cache_usage)
+        self._counters = (
+            counter("prompt_tokens_total", "Number of prefill tokens processed."),
+            counter("generation_tokens_total", "Number of generation tokens processed."),
+            counter("num_preemptions_total", "Cumulative number of preemptions."),
+            counter("prefix_cache_queries_total", "Prefix-cache queries, in prompt tokens."),
+            counter("prefix_cache_hits_total", "Prefix-cache hits, in prompt tokens."),
+        )
         self._success = Counter(PREFIX + "request_success_total", "Count of finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=reg)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token sent.",
@@ -93,32 +78,25 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to finish.", _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time from entering the engine to first scheduled.",
                                     _REQUEST_BUCKETS)
-        self._seen = _EngineCounts.of(engine)
-        self._log = StatsLog(engine, log_stats_interval)
+        self._seen = start
+        self._log = StatsLog(log_stats_interval, start)
 
-    # ---- the stepping thread -------------------------------------------------------------------
+    def on_snapshot(self, snapshot: EngineSnapshot) -> None:
+        """The engine's state after a step: gauges now, counters advanced by what it counted
+        since the previous snapshot."""
+        for counter, now, before in zip(self._counters, _counts(snapshot), _counts(self._seen)):
+            if now > before:
+                counter.inc(now - before)
+        self._seen = self.snapshot = snapshot
+        self._log.after_step(snapshot)
 
-    def on_step(self) -> None:
-        """Advance the counters by what the engine counted since the previous call."""
-        now = _EngineCounts.of(self.engine)
-        d = now.minus(self._seen)
-        self._seen = now
-        for counter, value in ((self.prompt_tokens, d.prompt_tokens), (self.generation_tokens, d.generation_tokens),
-                               (self.preemptions, d.preemptions), (self.prefix_queries, d.prefix_queries),
-                               (self.prefix_hits, d.prefix_hits)):
-            if value:
-                counter.inc(value)
-        self._log.after_step(now)
-
-    def seconds_to_next_log(self) -> float | None:
-        """How long an idle stepping thread may sleep before the last busy interval's log line
-        is due; None when nothing is left to log."""
-        return self._log.seconds_to_next(_EngineCounts.of(self.engine))
+    def seconds_to_next_log(self) -> float:
+        return self._log.seconds_to_next()
 
     def log_if_due(self) -> None:
-        self._log.emit_if_due()
+        self._log.emit_if_due(self.snapshot)
 
-    # ---- the event loop ------------------------------------------------------------------------
+    # ---- finished requests ---------------------------------------------------------------------
 
     def observe_finished(self, output, arrival: float, first_token: float | None, finished: float) -> None:
         """One finished request (a RequestOutput with all its completions), by the server's
@@ -148,42 +126,32 @@ class StatsLog:
     running and waiting requests, KV-cache usage and the interval's prefix-cache hit rate.
     Logged only for intervals in which the engine did something."""
 
-    def __init__(self, engine, interval: float):
-        self.engine = engine
+    def __init__(self, interval: float, start: EngineSnapshot):
         self.interval = interval
         self._last_time = time.monotonic()
-        self._last = _EngineCounts.of(engine)
+        self._last = start
 
-    def _active(self, now: _EngineCounts) -> bool:
-        s = self.engine.scheduler
-        return now != self._last or bool(s.running or s.waiting)
-
-    def after_step(self, now: _EngineCounts) -> None:
+    def after_step(self, now: EngineSnapshot) -> None:
         if time.monotonic() - self._last_time >= self.interval:
             self._emit(now)
 
-    def seconds_to_next(self, now: _EngineCounts) -> float | None:
-        if not self._active(now):
-            return None
-        return max(self.interval - (time.monotonic() - self._last_time), 0.0)
+    def seconds_to_next(self) -> float:
+        return max(self.interval - (time.monotonic() - self._last_time), 0.01)
 
-    def _emit(self, now: _EngineCounts) -> None:
+    def emit_if_due(self, now: EngineSnapshot) -> None:
+        if time.monotonic() - self._last_time >= self.interval:
+            self._emit(now)
+
+    def _emit(self, now: EngineSnapshot) -> None:
         t = time.monotonic()
         elapsed = max(t - self._last_time, 1e-9)
-        if self._active(now):
-            d = now.minus(self._last)
-            s = self.engine.scheduler
-            hit_rate = d.prefix_hits / d.prefix_queries if d.prefix_queries else 0.0
+        if _counts(now) != _counts(self._last) or now.running or now.waiting:
+            d = dict(zip(_COUNTERS, (a - b for a, b in zip(_counts(now), _counts(self._last)))))
+            hit_rate = d["prefix_hits"] / d["prefix_queries"] if d["prefix_queries"] else 0.0
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                d.prompt_tokens / elapsed, d.generation_tokens / elapsed, len(s.running), len(s.waiting),
-                100.0 * kv_cache_usage(self.engine), 100.0 * hit_rate,
+                d["prompt_tokens"] / elapsed, d["generation_tokens"] / elapsed, now.running, now.waiting,
+                100.0 * now.kv_cache_usage, 100.0 * hit_rate,
             )
         self._last_time, self._last = t, now
-
-    def emit_if_due(self) -> None:
-        """From an idle stepping thread whose sleep ran out."""
-        now = _EngineCounts.of(self.engine)
-        if time.monotonic() - self._last_time >= self.interval:
-            self._emit(now)

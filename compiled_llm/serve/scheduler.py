@@ -7,6 +7,13 @@ budget is left (chunked prefill). When the blocks run out, the most recently arr
 sequence is preempted by recompute: its blocks are freed and it goes back to the front of the
 queue, to re-prefill its prompt and the tokens it had generated (prefix caching often makes that
 cheap).
+
+One exception to "decodes first": with a prefill CUDA graph available
+(``solo_prefill_max_tokens``), a trickle of new prompts (at most that many tokens waiting in all)
+runs one prompt per step on its own, ahead of the decodes. A prompt mixed into the decode batch
+would make that step eager, whose host cost alone is many times a graph step's; alone, the
+prompt replays a prefill graph and the decodes their decode graph, so the new request's first
+token comes sooner and the running ones lose less time.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    # largest prompt that runs alone, ahead of the decodes, when few tokens wait (module
+    # docstring); 0: never (no prefill graphs)
+    solo_prefill_max_tokens: int = 0
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:
@@ -117,6 +127,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(released_seq_ids=self._released)
         self._released = []
+        if self._admit_solo(batch):
+            return batch
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
 
@@ -178,18 +190,46 @@ class Scheduler:
             if not self.bm.allocate_slots(seq, n, hits):
                 break
             del self.waiting[i]
-            if source is None:
-                self.bm.record_lookup(seq.num_tokens, cached)
+            self._start(batch, seq, n, cached, shared=source is not None)
             extra_rows += n - 1 if seq.wants_prompt_logprobs else 0
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.perf_counter()
-                seq.metrics.num_cached_tokens = cached
-            seq.num_computed_tokens = cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._add(batch, seq, n)
             budget -= n
         return batch
+
+    def _start(self, batch: ScheduledBatch, seq: Sequence, n: int, cached: int, shared: bool) -> None:
+        """A waiting seq, its slots allocated, runs from this step with its first n tokens."""
+        if not shared:
+            self.bm.record_lookup(seq.num_tokens, cached)
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.perf_counter()
+            seq.metrics.num_cached_tokens = cached
+        seq.num_computed_tokens = cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._add(batch, seq, n)
+
+    def _admit_solo(self, batch: ScheduledBatch) -> bool:
+        """Admit the first waiting prompt as the step's only work, when the module docstring's
+        exception applies: decodes are running (else it runs alone anyway), no prompt chunk is
+        in progress, at most ``solo_prefill_max_tokens`` prompt tokens wait in all, and the
+        prompt fits one step."""
+        limit = self.config.solo_prefill_max_tokens
+        if not limit or not self.waiting or not self.running:
+            return False
+        if any(s.num_tokens - s.num_computed_tokens > 1 for s in self.running):
+            return False
+        if sum(s.num_tokens for s in self.waiting) > limit or len(self.running) >= self.config.max_num_seqs:
+            return False
+        seq = self.waiting[0]
+        if seq.share_prompt_of is not None or seq.wants_prompt_logprobs:
+            return False
+        hits = self._computed_blocks(seq, None)
+        cached = len(hits) * self.bm.block_size
+        n = seq.num_tokens - cached
+        if n > self.config.max_num_batched_tokens or not self.bm.allocate_slots(seq, n, hits):
+            return False
+        self.waiting.popleft()
+        self._start(batch, seq, n, cached, shared=False)
+        return True
 
     def _computed_blocks(self, seq: Sequence, source: Sequence | None) -> list[int]:
         """Blocks whose KV ``seq`` can take instead of computing: the full prompt blocks of the

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP server: ``build_app`` makes the FastAPI app over one engine,
-``serve`` runs it under uvicorn until SIGTERM (drain, then exit) or Ctrl-C.
+"""The OpenAI-compatible HTTP server: ``build_app`` makes the FastAPI app over one engine core (the
+engine's own process, ``EngineCoreClient``), ``serve`` runs it under uvicorn until SIGTERM
+(drain, then exit) or Ctrl-C.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these need
 the API key when one is set, as in vLLM), ``GET /health``, ``GET /metrics`` (Prometheus text),
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import signal
@@ -26,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from compiled_llm.errors import CompiledLLMError, EngineError
 from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
-from compiled_llm.serve.llm_engine import LLMEngine
+from compiled_llm.serve.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import CONTENT_TYPE, ServerMetrics
 from compiled_llm.serve.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -89,15 +91,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
 
 
-def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), model_name: str | None = None) -> FastAPI:
-    """The app serving ``engine``; its lifespan starts and stops the stepping thread. Clients
-    name the model ``config.served_model_name``, else ``model_name``, else the engine's name."""
-    name = config.served_model_name or model_name or engine.model.name
-    metrics = ServerMetrics(engine, name, config.log_stats_interval)
-    async_engine = AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests,
+def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), model_name: str | None = None) -> FastAPI:
+    """The app serving ``core``'s engine; its lifespan starts reading the core and stops it.
+    Clients name the model ``config.served_model_name``, else ``model_name``, else the engine's
+    name."""
+    info = core.info
+    name = config.served_model_name or model_name or info.name
+    metrics = ServerMetrics(name, core.start_snapshot, config.log_stats_interval)
+    async_engine = AsyncEngine(core, max_waiting_requests=config.max_waiting_requests,
                                max_waiting_prompt_tokens=config.max_waiting_prompt_tokens,
                                request_timeout=config.request_timeout, metrics=metrics)
-    state = ServerState(engine, async_engine, metrics, config, name, int(time.time()))
+    state = ServerState(core, async_engine, metrics, config, name, int(time.time()))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -123,8 +127,8 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), model_na
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, created=state.created, root=str(engine.model.name),
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, created=state.created, root=info.name,
+                                         max_model_len=info.max_model_len)])
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -156,15 +160,15 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), model_na
         if body.messages is not None:
             ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
         else:
-            _, ids = engine.prompt_token_ids(body.prompt)
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+            _, ids = core.validator.prompt_token_ids(body.prompt)
+        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         state.check_model(body.model)
-        if engine.tokenizer is None:
+        if core.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer", "BadRequestError")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=core.tokenizer.decode(body.tokens))
 
     return app
 
@@ -172,11 +176,11 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(), model_na
 # ---- running it ---------------------------------------------------------------------------------
 
 
-def serve(engine: LLMEngine, config: ServerConfig, model_name: str | None = None) -> int:
+def serve(core: EngineCoreClient, config: ServerConfig, model_name: str | None = None) -> int:
     """Serve until SIGTERM (refuse new requests with 503, let running ones finish for up to
-    ``config.shutdown_timeout`` seconds, abort the rest, return 0) or Ctrl-C (abort all, and
-    uvicorn re-raises the interrupt)."""
-    app = build_app(engine, config, model_name)
+    ``config.shutdown_timeout`` seconds, abort the rest, stop the engine core, return 0) or
+    Ctrl-C (abort all, and uvicorn re-raises the interrupt)."""
+    app = build_app(core, config, model_name)
     # after the drain, connections get a few seconds to send their last bytes
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                access_log=config.access_log, lifespan="on", timeout_graceful_shutdown=5)
@@ -203,6 +207,10 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None):
         await super().startup(sockets)
         if self.started:
+            # everything made so far lives as long as the server: keep it out of the collector's
+            # full passes, which would otherwise pause every stream for milliseconds at a time
+            gc.collect()
+            gc.freeze()
             _log_ready(self, self.state)
 
     def handle_exit(self, sig, frame):

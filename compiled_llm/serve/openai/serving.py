@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from compiled_llm.errors import CompiledLLMError, InvalidRequestError
 from compiled_llm.serve.async_engine import AsyncEngine, RequestGroup, ServiceUnavailableError
-from compiled_llm.serve.llm_engine import LLMEngine
+from compiled_llm.serve.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import ServerMetrics
 from compiled_llm.serve.outputs import Logprob, PositionLogprobs, RequestOutput
 from compiled_llm.serve.sampling import SamplingParams
@@ -35,7 +35,7 @@ class ApiError(Exception):
 
 @dataclasses.dataclass
 class ServerState:
-    engine: LLMEngine
+    core: EngineCoreClient
     async_engine: AsyncEngine
     metrics: ServerMetrics
     config: ServerConfig
@@ -44,7 +44,11 @@ class ServerState:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.core.tokenizer
+
+    @property
+    def validator(self):
+        return self.core.validator
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -74,7 +78,7 @@ def sampling_params(state: ServerState, req, *, max_tokens: int | None, prompt_l
     context left after the prompt."""
     if req.logit_bias:
         raise InvalidRequestError("logit_bias is not supported")
-    defaults = getattr(state.engine.model, "generation_defaults", None) or {}
+    defaults = state.core.info.generation_defaults
     given = req.model_fields_set
 
     def pick(name: str, fallback):
@@ -82,7 +86,7 @@ def sampling_params(state: ServerState, req, *, max_tokens: int | None, prompt_l
         return value if value is not None else defaults.get(name, fallback)
 
     if max_tokens is None:
-        left = max(state.engine.max_model_len - prompt_len, 1)
+        left = max(state.core.info.max_model_len - prompt_len, 1)
         max_tokens = min(defaults.get("max_tokens", fallback_max_tokens or left), left)
     return SamplingParams(
         max_tokens=max_tokens,

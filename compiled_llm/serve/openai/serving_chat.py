@@ -57,7 +57,7 @@ def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
     params = sampling_params(state, req, max_tokens=max_tokens, prompt_len=len(ids), fallback_max_tokens=None,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              prompt_logprobs=req.prompt_logprobs)
-    return state.engine.validate({"prompt_token_ids": ids}, params)
+    return state.validator.validate({"prompt_token_ids": ids}, params)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, http: Request, arrival: float):

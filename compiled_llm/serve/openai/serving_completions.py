@@ -41,11 +41,11 @@ def _validated(state: ServerState, req: CompletionRequest) -> list[tuple]:
         prompt_logprobs = req.logprobs  # echoed prompt tokens carry logprobs too
     requests = []
     for prompt in completion_prompts(req.prompt):
-        text, ids = state.engine.prompt_token_ids(prompt)
+        text, ids = state.validator.prompt_token_ids(prompt)
         params = sampling_params(state, req, max_tokens=req.max_tokens, prompt_len=len(ids),
                                  fallback_max_tokens=DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
                                  prompt_logprobs=prompt_logprobs)
-        requests.append(state.engine.validate({"prompt_token_ids": ids, "prompt": text}, params))
+        requests.append(state.validator.validate({"prompt_token_ids": ids, "prompt": text}, params))
     return requests
 
 

@@ -1,0 +1,198 @@
+"""The front end's handle on its engine core: the process (or, in tests, the thread) that runs
+the engine, the channel to it, and what it reported when it loaded.
+
+``start_process(load)`` spawns the engine process, which calls ``load()`` (a picklable function
+that returns an ``LLMEngine``: the model loads, or builds, there and nowhere else) and returns
+once the engine is ready, with its ``EngineInfo`` and tokenizer, or raises with the reason it
+could not load. ``in_thread(engine)`` runs an engine already loaded in this process, through the
+same messages.
+
+On the event loop, ``start(on_message)`` reads the engine's messages as they arrive (the
+channel's file descriptor is watched by the loop: no thread, nothing to wake) and hands each to
+``on_message``; ``send`` never blocks (what the pipe cannot take yet goes when it can). If the
+engine process dies, ``on_message`` gets ``("lost", reason)``. ``close`` tells it to stop and
+waits for it; a process that does not stop is killed, so none outlives the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import select
+import threading
+import time
+from typing import Callable
+
+from compiled_llm.errors import CompiledLLMError, EngineError
+from compiled_llm.serve.engine_core import EngineCore, run_engine_process
+from compiled_llm.serve.engine_messages import EngineInfo, EngineSnapshot
+from compiled_llm.serve.llm_engine import LLMEngine
+from compiled_llm.serve.message_channel import MessageChannel
+from compiled_llm.serve.request_validator import RequestValidator
+
+logger = logging.getLogger("compiled_llm.serve.engine_core_client")
+
+
+class EngineCoreClient:
+    def __init__(self, channel: MessageChannel, info: EngineInfo, tokenizer, snapshot: EngineSnapshot, *,
+                 process: multiprocessing.process.BaseProcess | None = None, thread: threading.Thread | None = None):
+        self.channel = channel
+        self.info = info
+        self.tokenizer = tokenizer
+        self.start_snapshot = snapshot  # the engine's counters when it became ready
+        self.validator = RequestValidator(
+            tokenizer=tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            block_size=info.block_size, num_blocks=info.num_blocks, max_num_seqs=info.max_num_seqs,
+        )
+        self._process = process
+        self._thread = thread
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._on_message: Callable[[tuple], None] | None = None
+        self._writing = False  # the loop watches the channel for room to write
+        self._lost = False
+
+    # ---- starting ------------------------------------------------------------------------------
+
+    @classmethod
+    def start_process(cls, load: Callable[[], LLMEngine]) -> "EngineCoreClient":
+        """Spawn the engine process and wait until it has loaded ``load()``; CompiledLLMError
+        with its reason if it could not."""
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        commands_r, commands_w = ctx.Pipe(duplex=False)
+        outputs_r, outputs_w = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_engine_process_main, args=(load, commands_r, outputs_w),
+                              name="compiled_llm-engine", daemon=True)
+        process.start()
+        commands_r.close()  # the child's ends: closed here, so either side sees the other go
+        outputs_w.close()
+        channel = MessageChannel(_take_fd(outputs_r), _take_fd(commands_w))
+        try:
+            message = _wait_for_first_message(channel, process)
+        except BaseException:
+            _stop_process(process, channel)
+            raise
+        if message[0] == "failed":
+            _stop_process(process, channel)
+            raise CompiledLLMError(f"the engine could not start: {message[1]}")
+        _, info, tokenizer, snapshot = message
+        return cls(channel, info, tokenizer, snapshot, process=process)
+
+    @classmethod
+    def in_thread(cls, engine: LLMEngine) -> "EngineCoreClient":
+        """An engine core over ``engine``, to run in a thread of this process once ``start``
+        is called."""
+        commands_r, commands_w = os.pipe()
+        outputs_r, outputs_w = os.pipe()
+        core = EngineCore(engine, MessageChannel(commands_r, outputs_w))
+
+        def run() -> None:
+            try:
+                core.run()
+            finally:
+                core.channel.close()  # the front end sees the end of its pipe
+
+        thread = threading.Thread(target=run, name="compiled_llm-engine", daemon=True)
+        return cls(MessageChannel(outputs_r, commands_w), EngineInfo.of(engine), engine.tokenizer,
+                   EngineSnapshot.of(engine), thread=thread)
+
+    @property
+    def alive(self) -> bool:
+        if self._process is not None:
+            return self._process.is_alive()
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the event loop ------------------------------------------------------------------------
+
+    def start(self, on_message: Callable[[tuple], None]) -> None:
+        """Hand every message from the engine to ``on_message``, from the running event loop."""
+        self._aio = asyncio.get_running_loop()
+        self._on_message = on_message
+        if self._thread is not None and not self._thread.is_alive():
+            self._thread.start()
+        self._aio.add_reader(self.channel.read_fd, self._readable)
+        self._watch_writes()
+
+    def send(self, message: tuple) -> None:
+        if self.channel.closed:
+            return  # the engine has gone; its callers hear of it through "lost"
+        self.channel.send(message)
+        self._watch_writes()
+
+    def _watch_writes(self) -> None:
+        if self.channel.pending and not self._writing and self._aio is not None:
+            self._writing = True
+            self._aio.add_writer(self.channel.write_fd, self._writable)
+
+    def _writable(self) -> None:
+        if self.channel.flush():
+            self._writing = False
+            self._aio.remove_writer(self.channel.write_fd)
+
+    def _readable(self) -> None:
+        for message in self.channel.receive():
+            self._on_message(message)
+        if self.channel.closed and not self._lost:
+            self._lost = True
+            self._aio.remove_reader(self.channel.read_fd)
+            self._on_message(("lost", self._exit_reason()))
+
+    def _exit_reason(self) -> str:
+        if self._process is None:
+            return "the engine thread stopped"
+        self._process.join(1.0)
+        return f"the engine process exited (exit code {self._process.exitcode})"
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Tell the engine to stop, and wait up to ``timeout`` seconds for it (then kill it)."""
+        if self._aio is not None and not self._lost:
+            self._aio.remove_reader(self.channel.read_fd)
+            self._lost = True
+        if self._writing:
+            self._aio.remove_writer(self.channel.write_fd)
+            self._writing = False
+        self.send(("shutdown",))
+        deadline = time.monotonic() + timeout
+        while not self.channel.flush() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._process is not None:
+            await asyncio.to_thread(self._process.join, max(deadline - time.monotonic(), 0.1))
+            _stop_process(self._process, None)
+        elif self._thread is not None and self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, max(deadline - time.monotonic(), 0.1))
+        self.channel.close()
+
+
+def _take_fd(connection) -> int:
+    """The connection's pipe end as a file descriptor of our own (the connection is closed)."""
+    fd = os.dup(connection.fileno())
+    connection.close()
+    return fd
+
+
+def _engine_process_main(load, commands, outputs) -> None:
+    run_engine_process(load, _take_fd(commands), _take_fd(outputs))
+
+
+def _wait_for_first_message(channel: MessageChannel, process) -> tuple:
+    """Block until the engine process says ready or failed (loading may build the engine:
+    minutes), or dies."""
+    while True:
+        messages = channel.receive()
+        if messages:
+            return messages[0]
+        if channel.closed or not process.is_alive():
+            process.join(5.0)
+            raise EngineError(f"the engine process exited while loading (exit code {process.exitcode})")
+        select.select([channel.read_fd], [], [], 1.0)
+
+
+def _stop_process(process, channel: MessageChannel | None) -> None:
+    if channel is not None:
+        channel.close()  # a live process sees its pipe close and ends
+        process.join(10.0)
+    if process.is_alive():
+        logger.warning("the engine process did not stop; killing it")
+        process.kill()
+        process.join(5.0)

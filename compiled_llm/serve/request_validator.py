@@ -1,0 +1,102 @@
+"""Everything that can be wrong with a request, checked before it is queued: the prompt's form
+and tokens, its length against the model and the KV cache, and its sampling parameters.
+
+The engine checks with one of these (``LLMEngine.validate``), and so does the server's front end,
+in its own process, from the limits the engine reported (``EngineInfo``): a bad request is
+refused with its one-line reason before it reaches the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, Mapping
+
+from compiled_llm.errors import InvalidRequestError
+from compiled_llm.serve.block_manager import cdiv
+from compiled_llm.serve.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestValidator:
+    tokenizer: Any  # compiled_llm.model.tokenizer.Tokenizer, or None
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+
+    def prompt_token_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text, {"prompt_token_ids": [...]} or a list
+        of ids. A text too long to fit the model in any tokenization is refused untokenized."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "text prompt given but the model has no tokenizer; pass {'prompt_token_ids': [...]}"
+                )
+            self._check_text(prompt)
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" not in prompt:
+                raise InvalidRequestError("a dict prompt needs a 'prompt_token_ids' list")
+            ids = prompt["prompt_token_ids"]
+            text = prompt.get("prompt")
+        elif isinstance(prompt, (list, tuple)):
+            ids, text = prompt, None
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise InvalidRequestError("prompt is bytes; decode it to a str first")
+        else:
+            raise InvalidRequestError(
+                f"a prompt is a string, a list of token ids or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+            )
+        if not isinstance(ids, (list, tuple)):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers")
+        if all(type(t) is int for t in ids):  # the common case, checked without the ABC machinery
+            return text, list(ids)
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers")
+        return text, [int(t) for t in ids]
+
+    def _check_text(self, text: str) -> None:
+        if len(text) > self.max_model_len:  # shorter texts are cheap to tokenize and count
+            limit = self.max_model_len * self.tokenizer.max_text_bytes_per_token
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > limit:
+                raise InvalidRequestError(
+                    f"prompt of {size} bytes cannot fit the model's max length of {self.max_model_len} tokens"
+                )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"prompt is not valid UTF-8 text: {text[e.start]!r} at position {e.start} (a lone surrogate)"
+            ) from None
+
+    def validate(self, prompt: Any, params: SamplingParams | None) -> tuple[str | None, list[int], SamplingParams]:
+        """(text, prompt ids, params) of a request that can be served, or InvalidRequestError."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)  # re-runs its validation
+        text, ids = self.prompt_token_ids(prompt)
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty; give at least one token")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise InvalidRequestError(f"prompt token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {n} tokens + max_tokens {params.max_tokens} exceeds the model's max length of {self.max_model_len} tokens"
+            )
+        need = cdiv(n + params.max_tokens, self.block_size)
+        if need > self.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {need} KV-cache blocks ({n} + {params.max_tokens} tokens) but the cache has only {self.num_blocks}"
+            )
+        if params.n > self.max_num_seqs:
+            raise InvalidRequestError(f"n = {params.n} exceeds max_num_seqs ({self.max_num_seqs})")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
+        return text, ids, params

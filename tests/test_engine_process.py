@@ -1,0 +1,160 @@
+"""The server's engine process: the message channel between it and the front end, its start (and
+refusal to start), its death under running requests, and the front end's detokenization of the
+streams the engine no longer detokenizes."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import time
+
+import pytest
+
+from compiled_llm.errors import CompiledLLMError, EngineError
+
+
+def serve_args(source, *flags):
+    from compiled_llm.cli.main import make_parser
+
+    return make_parser().parse_args(["serve", str(source), "--device", "cpu", *flags])
+
+
+def load_served_engine(source, *flags):
+    from compiled_llm.cli.serve import load_engine
+
+    return functools.partial(load_engine, serve_args(source, *flags))
+
+
+# ---- the channel ---------------------------------------------------------------------------------------
+
+
+def test_a_message_larger_than_the_pipe_goes_through_without_blocking_the_sender():
+    from compiled_llm.serve.message_channel import MessageChannel
+
+    a_to_b, b_to_a = os.pipe(), os.pipe()
+    a = MessageChannel(b_to_a[0], a_to_b[1])
+    b = MessageChannel(a_to_b[0], b_to_a[1])
+    big = ("step", list(range(1_000_000)), "é" * 1000)
+    t0 = time.perf_counter()
+    a.send(big)
+    a.send(("small", 1))
+    assert time.perf_counter() - t0 < 2.0 and a.pending  # queued, not blocked on the reader
+    received = []
+    while len(received) < 2:
+        received += b.receive()
+        a.flush()
+    assert received == [big, ("small", 1)] and not a.pending
+    a.close()
+    assert b.receive() == [] and b.closed
+
+
+# ---- the process ---------------------------------------------------------------------------------------
+
+
+def test_an_engine_that_cannot_load_is_refused_with_its_reason(tmp_path):
+    from compiled_llm.serve.engine_core_client import EngineCoreClient
+
+    missing = tmp_path / "not-an-engine"
+    missing.mkdir()
+    with pytest.raises(CompiledLLMError, match="the engine could not start: .*not-an-engine"):
+        EngineCoreClient.start_process(load_served_engine(missing, "--enforce-eager"))
+
+
+def test_a_dead_engine_process_fails_its_requests_with_one_clear_error(lively_bpe_engine):
+    from compiled_llm.serve.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_core_client import EngineCoreClient
+    from compiled_llm.serve.sampling import SamplingParams
+
+    core = EngineCoreClient.start_process(load_served_engine(lively_bpe_engine))
+    assert core.info.max_model_len > 0 and core.tokenizer is not None
+    pid = core._process.pid
+
+    async def main():
+        front = AsyncEngine(core)
+        front.start()
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        group = front.submit([core.validator.validate("A compiler lowers", params)], stream=True)
+        first = await group.next_outputs()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match="engine process exited"):
+            while await group.next_outputs():
+                pass
+        group.release()
+        with pytest.raises(EngineError, match="the engine stopped"):
+            front.submit([core.validator.validate("hello", params)])
+        await front.stop()
+        return first, front.failure
+
+    first, failure = asyncio.run(main())
+    assert first[0][1].outputs[0].delta_token_ids
+    assert f"exit code {-signal.SIGKILL}" in failure
+    assert not core.alive
+
+
+# ---- detokenization on the front end's side ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(lively_bpe_engine):
+    from compiled_llm.serve.llm import LLM
+
+    return LLM(str(lively_bpe_engine), device="cpu")
+
+
+def run_front(engine, requests, stream: bool):
+    from compiled_llm.serve.async_engine import AsyncEngine
+
+    async def main():
+        front = AsyncEngine.in_thread(engine)
+        front.start()
+        try:
+            group = front.submit(requests, stream=stream)
+            pieces = [[] for _ in requests]
+            finals = [None] * len(requests)
+            async for ready in group:
+                for i, out in ready:
+                    pieces[i].append(out.outputs[0].delta_text)
+                    if out.finished:
+                        finals[i] = out.outputs[0]
+            group.release()
+            return pieces, finals
+        finally:
+            await front.stop()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_front_end_text_equals_the_engines_own(llm, stream):
+    from compiled_llm.serve.sampling import SamplingParams
+
+    prompts = ["Once upon a time", "hello world", "tokens per second"]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = llm.generate(prompts, params, use_tqdm=False)  # detokenized in the engine
+    pieces, finals = run_front(llm.engine, [llm.engine.validate(p, params) for p in prompts], stream)
+    for want, got, parts in zip(expected, finals, pieces):
+        assert got.text == want.text and got.token_ids == want.token_ids
+        assert "".join(parts) == want.text
+        if stream:
+            assert len(parts) > 1
+
+
+def test_stop_strings_are_still_found_by_the_engine(llm):
+    from compiled_llm.serve.sampling import SamplingParams
+
+    base = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    (full,) = llm.generate(["Once upon a time"], base, use_tqdm=False)
+    full = full.text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), "the lively model's text should have a middle"
+    (want,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                          stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)
+    request = llm.engine.validate("Once upon a time", SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True))
+    pieces, (got,) = run_front(llm.engine, [request], stream=True)
+    assert got.finish_reason == "stop" and got.stop_reason == stop
+    assert got.text == want.text and got.text.endswith(stop) and "".join(pieces[0]) == want.text
+    assert got.token_ids == want.token_ids
