@@ -1,9 +1,12 @@
 """Block manager: reference counts, chained-hash prefix caching, LRU eviction of cached blocks."""
 
+import random
+from collections import deque
+
 import pytest
 
 from compiled_llm.serve.sampling import SamplingParams
-from compiled_llm.serve.block_manager import BlockManager
+from compiled_llm.serve.block_manager import BlockManager, FreeBlockQueue
 from compiled_llm.serve.sequence import Sequence
 
 BS = 4
@@ -51,9 +54,9 @@ def test_shared_prefix_reuses_full_blocks_and_counts_refs():
     hits = admit(bm, b)
     assert hits == a.block_table[:2]  # only full blocks are shared
     assert b.block_table[2] != a.block_table[2]
-    assert bm.blocks[hits[0]].ref_count == 2
+    assert bm.ref_counts[hits[0]] == 2
     bm.free_seq(a)
-    assert bm.blocks[hits[0]].ref_count == 1
+    assert bm.ref_counts[hits[0]] == 1
     bm.check_invariants()
 
 
@@ -152,3 +155,46 @@ def test_prefix_caching_off_never_hits():
     admit(bm, make_seq(range(12)))
     assert bm.get_computed_blocks(make_seq(range(12))) == []
     assert bm.cached == {}
+
+
+def test_free_block_queue_keeps_order_through_every_operation():
+    """The linked-list free queue behaves as a deque that can also drop any member."""
+    queue, model = FreeBlockQueue(50), deque(range(50))
+    rng = random.Random(0)
+    for _ in range(2000):
+        op = rng.choice(["popleft", "append", "appendleft", "remove"])
+        outside = sorted(set(range(50)) - set(model))
+        if op == "popleft" and model:
+            assert queue.popleft() == model.popleft()
+        elif op in ("append", "appendleft") and outside:
+            b = rng.choice(outside)
+            getattr(queue, op)(b)
+            getattr(model, op)(b)
+        elif op == "remove" and model:
+            b = rng.choice(list(model))
+            queue.remove(b)
+            model.remove(b)
+        assert list(queue) == list(model)
+        assert len(queue) == len(model)
+        assert all((b in queue) == (b in model) for b in range(50))
+    while model:
+        assert queue.popleft() == model.popleft()
+    with pytest.raises(IndexError):
+        queue.popleft()
+
+
+def test_cycling_through_every_block_leaves_no_objects_for_the_garbage_collector():
+    """A GPU's cache has hundreds of thousands of blocks: their state must not become objects
+    the collector's full passes walk (each such pass stalls serving)."""
+    import gc
+
+    bm = BlockManager(num_blocks=20_000, block_size=BS)
+    gc.collect()
+    before = len(gc.get_objects())
+    for start in range(0, 20_000 * BS, 64 * BS):
+        seq = make_seq(range(start, start + 64 * BS), arrival=start)
+        admit(bm, seq)
+        bm.free_seq(seq)
+    gc.collect()
+    assert len(bm.cached) > 10_000  # the blocks did get registered and kept
+    assert len(gc.get_objects()) - before < 1_000

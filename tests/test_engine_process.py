@@ -158,3 +158,80 @@ def test_stop_strings_are_still_found_by_the_engine(llm):
     assert got.finish_reason == "stop" and got.stop_reason == stop
     assert got.text == want.text and got.text.endswith(stop) and "".join(pieces[0]) == want.text
     assert got.token_ids == want.token_ids
+
+
+# ---- the front end's pacing --------------------------------------------------------------------------
+
+
+class _StubCore:
+    """An engine core the test feeds by hand: what AsyncEngine reads of one."""
+
+    tokenizer = None
+
+    def __init__(self):
+        self.sent, self.on_message = [], None
+
+    def start(self, on_message):
+        self.on_message = on_message
+
+    def send(self, message):
+        self.sent.append(message)
+
+    async def close(self):
+        pass
+
+
+def test_a_step_wakes_new_streams_at_once_and_running_ones_a_batch_per_turn():
+    """The event loop must not spend a whole turn on every running stream's next chunk: new
+    requests and first tokens wait behind at most WAKE_BATCH of them."""
+    from compiled_llm.serve import async_engine as ae
+    from compiled_llm.serve.sampling import SamplingParams
+
+    n = 3 * ae.WAKE_BATCH + 5
+
+    async def scenario():
+        core = _StubCore()
+        engine = ae.AsyncEngine(core)
+        engine.start()
+        groups = [engine.submit([(None, [1, 2, 3], SamplingParams(max_tokens=10, detokenize=False))], stream=True)
+                  for _ in range(n)]
+        ids = [g.request_ids[0] for g in groups]
+        got = {rid: [] for rid in ids}
+
+        async def consume(group):
+            try:
+                async for ready in group:
+                    for _, out in ready:
+                        got[group.request_ids[0]].extend(out.outputs[0].delta_token_ids)
+            finally:
+                group.release()
+
+        tasks = [asyncio.ensure_future(consume(g)) for g in groups]
+        await asyncio.sleep(0)  # every consumer waits for its first output
+
+        def step(token, finished=False):
+            core.on_message(("step", [(rid, finished, None, None, [(0, "", [token], "length" if finished else None,
+                                                                     None, None, None)]) for rid in ids],
+                             [], [], None))
+
+        step(7)  # first tokens: every stream at once
+        await asyncio.sleep(0)
+        assert all(got[rid] == [7] for rid in ids)
+
+        step(8)  # running streams: WAKE_BATCH per turn of the loop, in order
+        seen = [0]
+        for _ in range(6):
+            await asyncio.sleep(0)
+            served = [got[rid] == [7, 8] for rid in ids]
+            assert served == sorted(served, reverse=True)  # in order of arrival
+            seen.append(sum(served))
+        assert max(b - a for a, b in zip(seen, seen[1:])) == ae.WAKE_BATCH
+        assert seen[-1] == n
+
+        step(9)
+        step(10, finished=True)  # a stream that has fallen behind gets both tokens in one output
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert all(got[rid] == [7, 8, 9, 10] for rid in ids)
+        await engine.stop()
+
+    asyncio.run(scenario())

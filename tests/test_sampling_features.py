@@ -242,7 +242,7 @@ def test_n_completions_share_the_prompt_blocks(lively):
     for s in seqs[1:]:
         assert s.block_table[:4] == shared  # the prompt's full blocks, held by reference
         assert s.block_table[4] != seqs[0].block_table[4]  # the partial block is each one's own
-    assert [engine.block_manager.blocks[b].ref_count for b in shared] == [4] * 4
+    assert [engine.block_manager.ref_counts[b] for b in shared] == [4] * 4
     used = engine.num_blocks - engine.block_manager.num_free_blocks
     assert used < 4 * len(seqs[0].block_table)
     while engine.has_unfinished_requests():

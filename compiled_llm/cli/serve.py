@@ -3,6 +3,11 @@
 The model loads as in ``run`` (a SOURCE is built into the engine cache on first use), in the
 engine process the server starts (``serve.engine_core``); the server options are
 ``ServerConfig``'s fields and the engine options ``EngineConfig``'s, both as flags.
+
+Unlike ``run``, which captures each CUDA graph when its bucket first runs (so that nothing stands
+before the first token), the server captures all of them before it says ready, as vLLM's does: a
+capture in the middle of serving stalls every running stream and the requests that arrive
+meanwhile, and a server's start-up is paid once.
 """
 
 from __future__ import annotations
@@ -10,10 +15,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 
 from compiled_llm.cli.engine_args import add_dataclass_arguments, add_engine_arguments, dataclass_options
 from compiled_llm.cli.run import DEVICES, DTYPES
 from compiled_llm.serve.server_config import API_KEY_VAR, ServerConfig
+
+logger = logging.getLogger("compiled_llm.serve")
 
 
 def add_parser(subparsers):
@@ -53,7 +61,11 @@ def load_engine(args):
     from compiled_llm.cli.run import build_llm
 
     configure_logging()
-    return build_llm(args).engine
+    engine = build_llm(args).engine
+    t0 = time.perf_counter()
+    if engine.capture_cuda_graphs():
+        logger.info("captured %d CUDA graphs in %.1f s", engine.stats.graphs_captured, time.perf_counter() - t0)
+    return engine
 
 
 def run(args) -> int:

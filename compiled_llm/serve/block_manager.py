@@ -6,11 +6,17 @@ ids), so a later request whose prompt starts with the same tokens reuses them in
 recomputing. Blocks nobody holds sit in a free queue in LRU order: an allocation takes the
 least recently freed block, dropping its cache entry (eviction). Blocks that carry no cached
 prefix are queued first, so cached ones survive as long as possible.
+
+A block's state lives in flat containers (a reference-count list, the free queue's links, dicts
+for the cached ones), not in an object per block, and nothing ever rehashes all blocks: a GPU's
+KV cache has hundreds of thousands of them. As many objects would cost seconds to make at load,
+or, made on first use, would pile up in the garbage collector's oldest generation, whose every
+pass stalls the serving loop for tens of ms; an OrderedDict free queue of that size rehashes
+now and then, a stall as long.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from compiled_llm.serve.sequence import Sequence
@@ -20,22 +26,55 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: int | None = None  # set once the block is full and registered in the prefix cache
-    parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None  # kept to rule out hash collisions
+class FreeBlockQueue:
+    """Free block ids, least recently freed first: a doubly linked list over two int lists
+    (vLLM's free block queue), so taking the head, queueing at either end and taking a block out
+    of the middle (a cached block reused) are O(1), with no container ever resized."""
 
+    def __init__(self, num_blocks: int):
+        n = self._end = num_blocks  # index n: the sentinel, before the head and after the tail
+        self._next = list(range(1, n + 1)) + [0]
+        self._prev = [n] + list(range(n - 1)) + [n - 1]
+        self._len = n
 
-class _Blocks(dict):
-    """Block objects by id, each made on first use: a GPU's KV cache has hundreds of thousands
-    of blocks, and making them all up front cost more than a second of every load."""
+    def __len__(self) -> int:
+        return self._len
 
-    def __missing__(self, block_id: int) -> Block:
-        block = self[block_id] = Block(block_id)
-        return block
+    def __contains__(self, block_id: int) -> bool:
+        return self._prev[block_id] >= 0
+
+    def __iter__(self):
+        b = self._next[self._end]
+        while b != self._end:
+            yield b
+            b = self._next[b]
+
+    def popleft(self) -> int:
+        if not self._len:
+            raise IndexError("no free block")
+        b = self._next[self._end]
+        self.remove(b)
+        return b
+
+    def remove(self, block_id: int) -> None:
+        nxt, prv = self._next, self._prev
+        after, before = nxt[block_id], prv[block_id]
+        nxt[before], prv[after] = after, before
+        nxt[block_id] = prv[block_id] = -1
+        self._len -= 1
+
+    def append(self, block_id: int) -> None:
+        """Queue at the tail: reused last."""
+        self._insert(block_id, self._prev[self._end], self._end)
+
+    def appendleft(self, block_id: int) -> None:
+        """Queue at the head: reused first."""
+        self._insert(block_id, self._end, self._next[self._end])
+
+    def _insert(self, block_id: int, before: int, after: int) -> None:
+        nxt, prv = self._next, self._prev
+        nxt[before], prv[block_id], nxt[block_id], prv[after] = block_id, before, after, block_id
+        self._len += 1
 
 
 @dataclass
@@ -55,9 +94,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = _Blocks()
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, Block] = {}  # chained hash -> block
+        self.ref_counts = [0] * num_blocks  # sequences holding each block
+        self.free = FreeBlockQueue(num_blocks)
+        # the prefix cache: chained hash -> (block id, parent block's hash, the block's token ids,
+        # kept to rule out hash collisions); and block id -> its hash, for registered blocks
+        self.cached: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}
+        self.block_hash: dict[int, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -79,14 +121,10 @@ class BlockManager:
         parent = None
         for i in range((seq.num_tokens - 1) // bs):
             h = seq.block_hash(i, bs)
-            block = self.cached.get(h)
-            if (
-                block is None
-                or block.parent_hash != parent
-                or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            ):
+            entry = self.cached.get(h)
+            if entry is None or entry[1] != parent or entry[2] != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
-            hits.append(block.block_id)
+            hits.append(entry[0])
             parent = h
         return hits
 
@@ -101,16 +139,15 @@ class BlockManager:
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(seq.num_committed_blocks, full):
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is not None:
+            b = seq.block_table[i]
+            if b in self.block_hash:
                 continue  # reused from the cache
             h = seq.block_hash(i, bs)
             if h in self.cached:
                 continue  # another sequence computed the same prefix at the same time
-            block.hash = h
-            block.parent_hash = seq.block_hashes[i - 1] if i else None
-            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            self.cached[h] = block
+            parent = seq.block_hashes[i - 1] if i else None
+            self.cached[h] = (b, parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            self.block_hash[b] = h
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
 
     # ---- allocation ---------------------------------------------------------------------------
@@ -119,7 +156,7 @@ class BlockManager:
         total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks)
         # reusing a cached block nobody holds takes it off the free queue too
-        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
         return max(need, 0) + revived <= len(self.free)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
@@ -129,10 +166,9 @@ class BlockManager:
         if not self.can_allocate(seq, num_new_tokens, computed_blocks):
             return False
         for b in computed_blocks:
-            block = self.blocks[b]
-            if block.ref_count == 0:
-                del self.free[b]
-            block.ref_count += 1
+            if self.ref_counts[b] == 0:
+                self.free.remove(b)
+            self.ref_counts[b] += 1
         seq.block_table.extend(computed_blocks)
         seq.num_committed_blocks = len(seq.block_table) if computed_blocks else seq.num_committed_blocks
         total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -141,33 +177,34 @@ class BlockManager:
         return True
 
     def _take_free_block(self) -> int:
-        b, _ = self.free.popitem(last=False)
-        block = self.blocks[b]
-        if block.hash is not None:  # evict: this block's prefix is no longer cached
-            if self.cached.get(block.hash) is block:
-                del self.cached[block.hash]
-            block.hash = block.parent_hash = block.token_ids = None
-        block.ref_count = 1
+        b = self.free.popleft()
+        h = self.block_hash.pop(b, None)
+        if h is not None:  # evict: this block's prefix is no longer cached
+            del self.cached[h]
+        self.ref_counts[b] = 1
         return b
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop seq's hold on its blocks. Tail blocks are queued before head blocks, so the
         shared prefixes (heads) are evicted last."""
+        refs = self.ref_counts
         for b in reversed(seq.block_table):
-            block = self.blocks[b]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {b} freed twice"
-            if block.ref_count == 0:
-                self.free[b] = None
-                if block.hash is None:
-                    self.free.move_to_end(b, last=False)  # holds nothing reusable: reuse first
+            refs[b] -= 1
+            assert refs[b] >= 0, f"block {b} freed twice"
+            if refs[b] == 0:
+                if b in self.block_hash:
+                    self.free.append(b)
+                else:
+                    self.free.appendleft(b)  # holds nothing reusable: reuse first
         seq.block_table = []
         seq.num_committed_blocks = 0
 
     def check_invariants(self) -> None:
         """Consistency of counts, free queue and cache (used by tests)."""
-        for block in map(self.blocks.__getitem__, range(self.num_blocks)):
-            assert block.ref_count >= 0
-            assert (block.ref_count == 0) == (block.block_id in self.free), block
-        for h, block in self.cached.items():
-            assert block.hash == h
+        for b, refs in enumerate(self.ref_counts):
+            assert refs >= 0
+            assert (refs == 0) == (b in self.free), (b, refs)
+        assert len(list(self.free)) == len(self.free)
+        assert len(self.block_hash) == len(self.cached)
+        for h, (b, _, _) in self.cached.items():
+            assert self.block_hash[b] == h

@@ -153,6 +153,10 @@ def run_engine_process(load: Callable[[], LLMEngine], read_fd: int, write_fd: in
     channel.send(("ready", EngineInfo.of(engine), engine.tokenizer, EngineSnapshot.of(engine)))
     # What loading made lives as long as the process: the collector need not scan it again
     # (a full collection over the model's objects is a pause of many milliseconds mid-step).
+    # The first call of a custom op imports torch._dynamo, hundreds of modules: imported now,
+    # they are frozen with the rest instead of weighing on every full collection while serving.
+    import torch._dynamo  # noqa: F401
+
     gc.collect()
     gc.freeze()
     EngineCore(engine, channel).run()

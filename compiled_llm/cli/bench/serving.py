@@ -343,12 +343,27 @@ def run_load(load: ClientLoad, start_time: float) -> ClientReport:
     return asyncio.run(_run_load(load, start_time))
 
 
-def _client_process(conn) -> None:
-    """A spawned client process: receives its load, says it is ready, waits for the start time,
-    sends the load and returns its report through the pipe."""
-    _http_module()  # imported before "ready": the start must not wait for imports
+def warm_up_client(base_url: str) -> None:
+    """One request (GET /health) through the HTTP client in this process. A process's first
+    request pays for the client library's lazy set-up (tens of ms), which must not land in the
+    first timed request's TTFT."""
+    http = _http_module()
 
+    async def get():
+        async with http.AsyncClient(trust_env=False) as client:
+            await client.get(base_url + "/health")
+
+    try:
+        asyncio.run(get())
+    except http.HTTPError:
+        pass  # a server that does not answer fails the run itself, with its own message
+
+
+def _client_process(conn) -> None:
+    """A spawned client process: receives its load, warms up its HTTP client, says it is ready,
+    waits for the start time, sends the load and returns its report through the pipe."""
     load = conn.recv()
+    warm_up_client(load.base_url)  # before "ready": the start must not wait for it
     conn.send("ready")
     start_time = conn.recv()
     try:
@@ -361,6 +376,7 @@ def _client_process(conn) -> None:
 def run_clients(loads: Sequence[ClientLoad]) -> list[ClientReport]:
     """Each load from its own process (this one for a single load), all starting together."""
     if len(loads) == 1:
+        warm_up_client(loads[0].base_url)
         return [run_load(loads[0], time.time())]
     import multiprocessing
 
