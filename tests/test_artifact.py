@@ -146,3 +146,14 @@ def test_cuda_build_ships_its_kernels_and_a_load_compiles_none(tmp_path, monkeyp
     batch = pack_batch([ScheduledSeq([5, 6, 7], 0, [1])], 16, "cuda")
     kv = torch.zeros(kv_cache_shape(e.config, 3, 16), dtype=torch.bfloat16, device="cuda")
     assert torch.isfinite(e.program(e.params, batch, kv).float()).all()
+
+
+def test_kernel_warm_up_starts_no_more_processes_than_fit_on_the_gpu(monkeypatch):
+    """Each warm-up process holds the weights: on a 16-core host with 130 GB free, a 1 GB engine
+    gets 8 processes, an 8B one (16 GB) 6, and a model that barely fits still gets one."""
+    monkeypatch.setattr(kernel_cache.os, "cpu_count", lambda: 16)
+    gib = 1 << 30
+    assert kernel_cache.warm_workers() == 8
+    assert kernel_cache.warm_workers(1 * gib, 130 * gib) == 8
+    assert kernel_cache.warm_workers(16 * gib, 130 * gib) == 6
+    assert kernel_cache.warm_workers(100 * gib, 90 * gib) == 1

@@ -31,6 +31,8 @@ PUBLISHED_PARAMS = {
     "qwen3-0.6b": 596_049_920,
     "llama-3.2-1b": 1_235_814_400,
     "gpt2": 124_439_808,
+    "llama-3.1-8b": 8_030_261_248,
+    "qwen2.5-7b": 7_615_616_512,
 }
 
 
@@ -52,6 +54,12 @@ def test_real_shaped_preset_numbers():
     ll = preset_config("llama-3.2-1b")
     assert ll.rope_scaling.factor == 32 and ll.rope_scaling.original_max_position_embeddings == 8192
     assert (ll.rope_theta, ll.vocab_size, ll.max_position_embeddings) == (500000.0, 128256, 131072)
+    l8 = preset_config("llama-3.1-8b")
+    assert (l8.head_dim, l8.num_heads // l8.num_kv_heads, l8.intermediate_size, l8.tie_word_embeddings) == (128, 4, 14336, False)
+    assert l8.rope_scaling.factor == 8 and l8.rope_scaling.original_max_position_embeddings == 8192
+    q7 = preset_config("qwen2.5-7b")
+    assert (q7.head_dim, q7.num_heads // q7.num_kv_heads, q7.intermediate_size, q7.qkv_bias) == (128, 7, 18944, True)
+    assert not q7.tie_word_embeddings and q7.vocab_size == 152064
     g = preset_config("gpt2")
     assert (g.norm_type, g.position_type, g.vocab_size, g.max_position_embeddings) == ("layer", "learned", 50257, 1024)
 

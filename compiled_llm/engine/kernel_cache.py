@@ -81,7 +81,9 @@ def warm_kernels(engine_dir: Path, device: torch.device, workers: int | None = N
     cache.mkdir(parents=True, exist_ok=True)
     gc.collect()
     torch.cuda.empty_cache()  # the build's own copies of the weights must not shrink the KV cache
-    workers = warm_workers() if workers is None else workers
+    if workers is None:
+        weight_bytes = sum(f.stat().st_size for f in Path(engine_dir).glob("*.safetensors"))
+        workers = warm_workers(weight_bytes, torch.cuda.mem_get_info(device)[0])
     if not _warm_in_children(Path(engine_dir), device, workers) and workers > 1:
         # a share failed (say, several processes did not fit on the GPU at once): one process
         # does all of it, compiling only what is still missing
@@ -94,10 +96,19 @@ def warm_kernels(engine_dir: Path, device: torch.device, workers: int | None = N
     return sum(1 for p in cache.rglob("*") if p.is_file())
 
 
-def warm_workers() -> int:
-    """Processes a build compiles its kernels in: half the cores (compiling is CPU-bound, and
-    every process also holds the weights and a CUDA context), at most 8."""
-    return max(1, min(8, (os.cpu_count() or 1) // 2))
+# what a warm-up process holds besides the weights: CUDA context, a small KV cache, the largest
+# step's activations and sampling rows, the graph pool
+_WARM_PROCESS_OVERHEAD = 3 << 30
+
+
+def warm_workers(weight_bytes: int = 0, free_gpu_bytes: int | None = None) -> int:
+    """Processes a build compiles its kernels in: half the cores (compiling is CPU-bound), at
+    most 8, and no more than fit on the GPU at once, each holding the weights (an 8B model's 16
+    GB eight times over does not fit even an H200)."""
+    by_cpu = max(1, min(8, (os.cpu_count() or 1) // 2))
+    if free_gpu_bytes is None:
+        return by_cpu
+    return max(1, min(by_cpu, free_gpu_bytes // (weight_bytes + _WARM_PROCESS_OVERHEAD)))
 
 
 def _warm_in_children(engine_dir: Path, device: torch.device, parts: int) -> bool:

@@ -94,6 +94,17 @@ _PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
     ),
     "gpt2": _gpt2(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+    # The 7-8B size most people serve: head_dim 128, GQA groups of 4 and 7, K up to 18,944
+    "llama-3.1-8b": _llama(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        tie_word_embeddings=False, rope_scaling=dict(_LLAMA3_SCALING, factor=8.0),
+    ),
+    "qwen2.5-7b": _qwen2(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
     # Tiny: same families, quick on a CPU
     "tiny-qwen2": _qwen2(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
