@@ -25,6 +25,9 @@ def add_parser(subparsers):
                    help="skip a pass (repeatable); see `compiled-llm inspect` for the pass names")
     p.add_argument("--kernel", action="append", default=[], metavar="OP=PROVIDER",
                    help="force a kernel provider for a cllm op, e.g. paged_attention=triton (repeatable)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the linear layers and the lm_head: int8 (per output "
+                        "channel) or int4 (groups of 128 along K); default: none")
     p.add_argument("--dump-ir", action="store_true",
                    help="keep the graph code after every pass in ENGINE_DIR/ir (default: captured and final only)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -63,8 +66,10 @@ def run(args) -> int:
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         disabled_passes=args.disable_pass, dump_ir=args.dump_ir,
         kernel_prefs=parse_kernel_prefs(args.kernel), progress=not args.quiet and sys.stderr.isatty(),
+        quantization=args.quantization,
     )
     print(format_summary(manifest))
     opts = manifest["build_options"]
-    print(f"engine written to {args.output} ({opts['device']}, {opts['dtype']})")
+    quant = f", {opts['quantization']} weights" if opts.get("quantization") else ""
+    print(f"engine written to {args.output} ({opts['device']}, {opts['dtype']}{quant})")
     return 0

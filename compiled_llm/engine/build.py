@@ -26,6 +26,7 @@ from compiled_llm.engine import artifact, kernel_cache
 from compiled_llm.engine import output_dir as engine_output
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.export import capture, param_placeholder_names
+from compiled_llm.graph.quantized_ops import SCHEMES
 from compiled_llm.kernels import registry
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.placement import dtype_name, resolve_device, resolve_dtype
@@ -82,8 +83,10 @@ def lower(
     ir_dir: Path | None = None,
     dump_code: bool = True,
     progress: bool = False,
+    quantization: str | None = None,
 ) -> Lowered:
-    """Capture the spec and run the named passes (in order) on it."""
+    """Capture the spec and run the named passes (in order) on it; ``quantization`` is the
+    weight-only scheme quantize_weights applies (None: none)."""
 
     registry.load_providers()
     t0 = time.perf_counter()
@@ -91,7 +94,7 @@ def lower(
     t1 = time.perf_counter()
     passes = [get_pass(n) for n in pass_names]
     choice = registry.choose_providers(device_type, dtype, prefer=kernel_prefs)
-    ctx = PassContext(config, dict(params), device_type, dtype, choice)
+    ctx = PassContext(config, dict(params), device_type, dtype, choice, quantization)
     bar = _bar(len(passes), "passes", progress)
     manager = PassManager(passes, ir_dir, dump_code, on_pass=lambda r: (bar.set_postfix_str(r.name), bar.update()))
     try:
@@ -147,12 +150,16 @@ def build_engine(
     dump_ir: bool = False,
     kernel_prefs: dict[str, str] | None = None,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> dict:
     """Build ``source`` (checkpoint dir, preset or hub id) into an engine directory; returns the
     manifest. ``device`` "auto" is cuda when available, else cpu; ``dtype`` "auto" is
     ``auto_dtype`` (the checkpoint's float16/bfloat16 on a GPU, float32 on a CPU).
-    ``pass_names`` replaces the default pipeline (tests plant passes this way)."""
+    ``pass_names`` replaces the default pipeline (tests plant passes this way); ``quantization``
+    ("int8", "int4") makes the weights of the linear ops weight-only quantized."""
 
+    if quantization is not None and quantization not in SCHEMES:
+        raise CompiledLLMError(f"unknown quantization {quantization!r}; the choices are: {', '.join(SCHEMES)}")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, source)
     out_dir = engine_output.prepare_output_dir(out_dir)
@@ -178,7 +185,7 @@ def build_engine(
     try:
         lowered = lower(
             config, params, passes, dev.type, torch_dtype, kernel_prefs,
-            ir_dir=work / artifact.IR_DIR, dump_code=True, progress=progress,
+            ir_dir=work / artifact.IR_DIR, dump_code=True, progress=progress, quantization=quantization,
         )
         del params
         times["capture"] = lowered.capture_seconds
@@ -198,7 +205,7 @@ def build_engine(
                 build_options={
                     "dtype": dtype_name(torch_dtype), "device": dev.type, "max_model_len": max_len,
                     "disabled_passes": list(disabled_passes), "kernel_prefs": dict(kernel_prefs or {}),
-                    "dump_ir": dump_ir,
+                    "dump_ir": dump_ir, "quantization": quantization,
                 },
                 lowered=lowered,
                 stage_seconds=times,

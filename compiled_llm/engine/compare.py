@@ -10,6 +10,12 @@ Tolerance: float32 needs 100% greedy agreement and max|Δlogit| <= 1e-4 * max|re
 bf16/fp16 need >= 99% agreement, and at every flip each side's pick must be in the other's top 5.
 When the engine fails, ``bisect_passes`` rebuilds it in memory with growing prefixes of its pass
 list and names the first pass whose output fails the same check.
+
+A weight-only quantized engine (``build --quantization``) is checked against the spec on the
+dequantized weights, what its program must compute apart from float rounding; its distance from
+the unquantized model (the quantization error) is reported too, as a measure, not a failure.
+Bisection compares the prefixes up to ``quantize_weights`` with the unquantized spec and the
+later ones with the dequantized one.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from compiled_llm.engine.build import lower
 from compiled_llm.engine.program import PortableProgram
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
+from compiled_llm.graph.quantized_ops import dequantize, quantize
 from compiled_llm.graph.spec import forward, kv_cache_shape
 from compiled_llm.model.sources import load_source_params, resolve_source
 
@@ -180,23 +187,49 @@ def source_of(manifest: dict):
     raise CompiledLLMError("the engine's manifest names no source; compare needs the source checkpoint")
 
 
-def reference_logits(kind: str, engine, prompts, tokens: Tensor, max_tokens: int) -> Tensor:
+def quantization_of(manifest: dict) -> str | None:
+    return manifest["build_options"].get("quantization")
+
+
+def dequantized_model(config, params: dict[str, Tensor], scheme: str):
+    """(config, params) of the spec on the weights the quantized program reads: every linear
+    weight (the lm_head included) through quantize -> dequantize. A tied lm_head becomes an
+    untied one, since the embedding lookup still reads the original table."""
+    out = dict(params)
+    for name, w in params.items():
+        if w.dim() == 2 and (name.startswith("layers.") or name == "lm_head.weight"):
+            out[name] = dequantize(*quantize(w, scheme), w.dtype)
+    if config.tie_word_embeddings:
+        config = dataclasses.replace(config, tie_word_embeddings=False)
+        w = params["embed.weight"]
+        out["lm_head.weight"] = dequantize(*quantize(w, scheme), w.dtype)
+    return config, out
+
+
+def reference_logits(kind: str, engine, prompts, tokens: Tensor, max_tokens: int,
+                     quantization: str | None = None) -> Tensor:
+    """The reference's logits on ``tokens``; with ``quantization``, the spec on the weights
+    dequantized from that scheme (``kind`` must then be spec)."""
     if kind == "hf":
         if engine.source_dir is None:
             raise CompiledLLMError("--reference hf needs the source checkpoint directory, which this engine was not built from or which is gone")
         return hf_logits(engine.source_dir, prompts, tokens, engine.dtype, engine.device)
     if kind == "spec":
-        params = load_source_params(source_of(engine.manifest), engine.dtype, engine.device)
-        step = spec_step(engine.config, params)
+        config, params = engine.config, load_source_params(source_of(engine.manifest), engine.dtype, engine.device)
+        if quantization is not None:
+            config, params = dequantized_model(config, params, quantization)
+        step = spec_step(config, params)
     else:
         raise CompiledLLMError(f"unknown reference {kind!r}; choose spec or hf")
     logits, _ = run_steps(step, engine.config, prompts, max_tokens, engine.device, engine.dtype, forced=tokens)
     return logits
 
 
-def check_candidate(step: StepFn, ref_kind: str, engine, prompts, max_tokens: int) -> Verdict:
+def check_candidate(step: StepFn, ref_kind: str, engine, prompts, max_tokens: int,
+                    quantization: str | None = None) -> Verdict:
+    """The candidate against the reference (the dequantized spec when ``quantization``)."""
     logits, tokens = run_steps(step, engine.config, prompts, max_tokens, engine.device, engine.dtype)
-    ref = reference_logits(ref_kind, engine, prompts, tokens, max_tokens)
+    ref = reference_logits("spec" if quantization else ref_kind, engine, prompts, tokens, max_tokens, quantization)
     return judge(logits, tokens, ref, prompts, engine.dtype)
 
 
@@ -209,11 +242,13 @@ def bisect_passes(engine, ref_kind: str, prompts, max_tokens: int, on_step=None)
     names = [p["name"] for p in manifest["passes"]]
     src = source_of(manifest)
     prefs = manifest["build_options"].get("kernel_prefs") or {}
+    scheme = quantization_of(manifest)
     for k in range(len(names) + 1):
         params = load_source_params(src, engine.dtype, engine.device)
-        lowered = lower(engine.config, params, names[:k], engine.device.type, engine.dtype, prefs)
+        lowered = lower(engine.config, params, names[:k], engine.device.type, engine.dtype, prefs, quantization=scheme)
         program = PortableProgram(lowered.gm, lowered.param_names)
-        verdict = check_candidate(program_step(program, lowered.params), ref_kind, engine, prompts, max_tokens)
+        quantized = scheme if "quantize_weights" in names[:k] else None
+        verdict = check_candidate(program_step(program, lowered.params), ref_kind, engine, prompts, max_tokens, quantized)
         stage = names[k - 1] if k else "capture"
         if on_step is not None:
             on_step(stage, verdict)
@@ -237,10 +272,17 @@ def compare_engine(
         raise CompiledLLMError("--num-prompts and --max-tokens must be at least 1")
     engine = load_engine(engine_dir)
     prompts = random_prompts(engine.config.vocab_size, num_prompts, seed)
-    verdict = check_candidate(program_step(engine.program, engine.params), reference, engine, prompts, max_tokens)
-    out(f"engine {engine.engine_dir} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}) vs {reference}")
+    scheme = quantization_of(engine.manifest)
+    step = program_step(engine.program, engine.params)
+    verdict = check_candidate(step, reference, engine, prompts, max_tokens, scheme)
+    against = f"spec on its {scheme}-dequantized weights" if scheme else reference
+    out(f"engine {engine.engine_dir} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}) vs {against}")
     for i, s in enumerate(verdict.per_prompt):
         out(f"  prompt {i}: {s.prompt_len:3d} tokens  greedy agreement {s.agree}/{s.steps}  max|Δlogit| {s.max_abs_delta:.3e}")
+    if scheme:
+        q = check_candidate(step, reference, engine, prompts, max_tokens)
+        out(f"{scheme} quantization error vs the unquantized model ({reference}), a measure, not a failure: greedy "
+            f"agreement {q.agreement:.2%} ({q.agree}/{q.steps}), max|Δlogit| {q.max_abs_delta:.3e} (relative {q.rel_delta:.2e})")
     culprit = None
     if not verdict.ok and bisect:
         out("out of tolerance; rebuilding with growing prefixes of the pass list:")
@@ -248,7 +290,7 @@ def compare_engine(
             engine, reference, prompts, max_tokens,
             on_step=lambda stage, v: out(f"  after {stage:<18} agreement {v.agreement:7.2%}  max|Δlogit| {v.max_abs_delta:.3e}  {'ok' if v.ok else 'FAIL'}"),
         )
-    out(summary_line(verdict, reference, culprit))
+    out(summary_line(verdict, against, culprit))
     return verdict, culprit
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.passes import (
-    cleanup, cleanup_noop, fuse_add_norm, fuse_norm_mlp, fuse_qkv_rope, fuse_residual, select_kernels,
+    cleanup, cleanup_noop, fuse_add_norm, fuse_norm_mlp, fuse_qkv_rope, fuse_residual, quantize_weights, select_kernels,
 )
 from compiled_llm.passes.base import Pass, PassContext
 
@@ -19,6 +19,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     fuse_residual.PASS,
     fuse_add_norm.PASS,
     fuse_qkv_rope.PASS,
+    quantize_weights.PASS,
     select_kernels.PASS,
     cleanup.PASS,
 )

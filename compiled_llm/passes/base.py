@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 from compiled_llm.model.config import ModelConfig
-from compiled_llm.graph import fused_ops as _fused_ops, ops as _ops  # noqa: F401  (registers cllm:: ops)
+from compiled_llm.graph import fused_ops as _fused_ops, ops as _ops, quantized_ops as _quantized_ops  # noqa: F401  (registers cllm:: ops)
 from compiled_llm.graph.export import INPUT_NAMES, PARAM_META
 
 aten = torch.ops.aten
@@ -30,6 +30,7 @@ class PassContext:
     device_type: str = "cpu"
     dtype: torch.dtype = torch.float32
     kernel_choice: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> provider
+    quantization: str | None = None  # weight-only scheme (quantize_weights), None: keep the dtype
 
 
 @dataclasses.dataclass(frozen=True)
