@@ -82,6 +82,22 @@ def test_gemv_with_tiny_blocks_covers_partial_tiles(T, bias):
     assert rel_err(triton_gemv.gemv(x, w, b), F.linear(x, w, b)) <= TOL
 
 
+@pytest.mark.parametrize("tiny", [False, True])
+@pytest.mark.parametrize("T", [1, 3])
+def test_int8_gemv_equals_the_linear_of_the_dequantized_weight(T, tiny):
+    """Weight-only int8: the weights stream as int8, the output channel's scale applies once
+    after the K loop; the result is the linear of the dequantized weight."""
+    from compiled_llm.graph.quantized_ops import dequantize, quantize
+
+    if tiny:
+        launch_configs.use_configs({"gemv": {"inf": TINY_GEMV}})
+    x, w, b, r = _linear_case(T, 37, 50, True, seed=20 + T)
+    q, scale, _ = quantize(w, "int8")
+    deq = dequantize(q, scale, None, F32)
+    assert rel_err(triton_gemv.gemv(x, q, b, r, scale=scale), r + F.linear(x, deq, b)) <= TOL
+    assert rel_err(triton_gemv.gemv(x, q, scale=scale), F.linear(x, deq)) <= TOL
+
+
 def test_gemv_takes_leading_dims_and_strided_rows():
     gen = torch.Generator().manual_seed(3)
     wide = _rand(gen, 2, 3, 80)
@@ -272,3 +288,43 @@ def test_qkv_form_follows_launch_config():
     assert not triton_qkv_rope.use_decode_form(2)
     assert triton_qkv_rope.supports_shape(64, True, True) and not triton_qkv_rope.supports_shape(64, True, False)
     assert not triton_qkv_rope.supports_shape(63, False, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# weight-only int8: the decode kernels with int8 weights equal the ops' dequantizing references
+# ---------------------------------------------------------------------------------------------
+
+
+def _int8(w):
+    from compiled_llm.graph.quantized_ops import quantize
+
+    return quantize(w, "int8")
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+@pytest.mark.parametrize("T", [1, 3])
+def test_int8_norm_mlps_equal_their_dequantizing_references(T, tiny):
+    from compiled_llm.graph import quantized_ops
+
+    if tiny:
+        launch_configs.use_configs({"norm_mlp_decode": {"inf": TINY_MLP}, "norm_mlp_down": {"inf": TINY_GEMV}})
+    x, nw, eps, gate_up, down = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=70 + T)
+    r = torch.randn(T, 40, generator=torch.Generator().manual_seed(T))
+    args = (x, nw, eps, *_int8(gate_up), *_int8(down), r)
+    ref = quantized_ops.fused_rms_norm_glu_mlp_wq_ref(*args)
+    assert rel_err(triton_norm_mlp.fused_rms_norm_glu_mlp_wq(*args), ref) <= TOL
+    x, nw, nb, eps, fc, fb, proj, pb = mlp_gelu_inputs(T, 40, 56, F32, "cpu", seed=80 + T)
+    args = (x, nw, nb, eps, *_int8(fc), fb, *_int8(proj), pb, r)
+    ref = quantized_ops.fused_layer_norm_gelu_mlp_wq_ref(*args)
+    assert rel_err(triton_norm_mlp.fused_layer_norm_gelu_mlp_wq(*args), ref) <= TOL
+
+
+@pytest.mark.parametrize("bias,qk_norm,rope,head_dim", QKV_KINDS[:3])
+@pytest.mark.parametrize("T", [1, 3])
+def test_int8_qkv_rope_equals_its_dequantizing_reference(T, bias, qk_norm, rope, head_dim):
+    from compiled_llm.graph import quantized_ops
+
+    args, nw = _qkv_args(T, bias, qk_norm, rope, head_dim, seed=90 + T)
+    qargs = [args[0], *_int8(args[1]), *args[2:]]
+    ref = quantized_ops.fused_qkv_rope_wq_ref(*qargs, norm_weight=nw, norm_eps=1e-6)
+    _check_qkv(triton_qkv_rope.fused_qkv_rope_wq(*qargs, norm_weight=nw, norm_eps=1e-6), ref)

@@ -247,6 +247,7 @@ def test_help_commands_exit_cleanly():
         assert r.returncode == 0, r.stderr
         assert "run" in r.stdout
     r = subprocess.run([sys.executable, "-m", "compiled_llm.cli.main", "run", "--help"], capture_output=True, text=True)
+    r.stdout = re.sub(r"-\n\s+", "-", r.stdout)  # argparse may wrap "tiny-qwen2" after its hyphen
     for opt in ("--prompt-ids", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--ignore-eos",
                 "--dtype", "--device", "--chat", "--json", "tiny-qwen2", "--eager", "--enforce-eager"):
         assert opt in r.stdout, opt

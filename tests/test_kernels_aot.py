@@ -65,10 +65,15 @@ def _cases(dt):
             **ptr("x_ptr", "res_ptr", "w_ptr", "b_ptr", "out_ptr", "sum_ptr"),
             **_stride_args("stride_x", "stride_r", "stride_o", "stride_s", "N"), "eps": 1.0,
         }, dict(IS_RMS=rms, HAS_RESIDUAL=rms, BLOCK_N=2048, STORE_INPUT=not rms)
-        yield f"norm_mlp_decode rms={rms}", tm._norm_mlp_decode_kernel, 4, {
-            **ptr("x_ptr", "nw_ptr", "nb_ptr", "w1_ptr", "b1_ptr", "act_ptr"), "eps": 1.0,
+        mlp_args = {
+            **ptr("x_ptr", "nw_ptr", "nb_ptr", "w1_ptr", "b1_ptr", "act_ptr"), "s1_ptr": "*fp32", "eps": 1.0,
             **_stride_args("T", "H", "I", "stride_x", "stride_w1", "stride_a"),
-        }, dict(IS_RMS=rms, IS_GLU=rms, BLOCK_T=4, BLOCK_I=2, BLOCK_H=1024, PDL=rms)
+        }
+        yield f"norm_mlp_decode rms={rms}", tm._norm_mlp_decode_kernel, 4, mlp_args, dict(
+            IS_RMS=rms, IS_GLU=rms, BLOCK_T=4, BLOCK_I=2, BLOCK_H=1024, PDL=rms, SCALED=False)
+        # weight-only int8: int8 weight rows, a scale per row
+        yield f"norm_mlp_decode int8 rms={rms}", tm._norm_mlp_decode_kernel, 4, {**mlp_args, "w1_ptr": "*i8"}, dict(
+            IS_RMS=rms, IS_GLU=rms, BLOCK_T=4, BLOCK_I=2, BLOCK_H=2048, PDL=rms, SCALED=True)
         yield f"act glu={rms}", tm._act_kernel, 4, {
             **ptr("in_ptr", "out_ptr"), **_stride_args("I", "stride_in", "stride_out"),
         }, dict(IS_GLU=rms, BLOCK=1024)

@@ -204,6 +204,27 @@ def _reference_cases():
         "greedy_sample": (torch.randn(3, 50, generator=g),),
         # temperature 0 everywhere: the draw is the argmax, so the output is deterministic
         "temperature_sample": (torch.randn(3, 50, generator=g), torch.zeros(3)),
+        **_quantized_cases(),
+    }
+
+
+def _quantized_cases():
+    """The weight-only quantized ops: int8 weights for some, int4 for others (both encodings
+    must pass through the schema and the fake)."""
+    from compiled_llm.graph.quantized_ops import quantize
+
+    f32 = torch.float32
+    x, w, b, r = _linear_residual_inputs(3, 32, 24, bias=True, seed=13)
+    qkv = qkv_inputs(3, 32, 4, 2, 16, f32, "cpu", 14, bias=True, qk_norm=True, rope=True, max_pos=8)
+    glu = mlp_glu_inputs(3, 32, 24, f32, "cpu", 15)
+    gelu = mlp_gelu_inputs(3, 32, 24, f32, "cpu", 16)
+    return {
+        "linear_wq": (x, *quantize(w, "int8"), b),
+        "fused_linear_residual_wq": (x, *quantize(w, "int4"), b, r),
+        "fused_qkv_rope_wq": (qkv[0], *quantize(qkv[1], "int8"), *qkv[2:]),
+        "fused_rms_norm_glu_mlp_wq": (*glu[:3], *quantize(glu[3], "int4"), *quantize(glu[4], "int8")),
+        "fused_layer_norm_gelu_mlp_wq": (*gelu[:4], *quantize(gelu[4], "int8"), gelu[5], *quantize(gelu[6], "int4"),
+                                         gelu[7]),
     }
 
 

@@ -149,11 +149,12 @@ def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr,
+    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, s_ptr,
     T, N, K,
     stride_x, stride_w, stride_r, stride_o,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    SCALED: tl.constexpr = False,
 ):
     pdl_open(PDL)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -177,6 +178,8 @@ def _gemv_kernel(
         xk = tl.load(x_rows + offs_k, mask=mask_t[:, None, None] & mask_k, other=0.0).to(tl.float32)
         acc += xk * weight_tile(w_rows, offs_k, mask_n[None, :, None] & mask_k)
     y = tl.sum(acc, 2)  # [BLOCK_T, BLOCK_N]
+    if SCALED:  # int8 weights: the output channel's scale, once, after the K loop
+        y *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
 
     dtype = out_ptr.dtype.element_ty
     mask = mask_t[:, None] & mask_n[None, :]
@@ -191,9 +194,10 @@ def _gemv_kernel(
 
 @triton.jit
 def _gemv_one_row_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, N, K, stride_w,
+    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, s_ptr, N, K, stride_w,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr = False,
+    SCALED: tl.constexpr = False,
 ):
     """The one-row form (batch-1 decode): the weight tile is loaded as [BLOCK_N, BLOCK_K / VEC, VEC]
     with a thread's 16-byte vector on the last axis, and each step sums its product with x over
@@ -223,7 +227,10 @@ def _gemv_one_row_kernel(
         w = tl.load(w_rows + offs_k, mask=mask_w & mask_k, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x, 2)
-    y = tl.sum(acc, 1) + bias
+    y = tl.sum(acc, 1)
+    if SCALED:  # int8 weights: the output channel's scale, once, after the K loop
+        y *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+    y += bias
 
     dtype = out_ptr.dtype.element_ty
     if HAS_RESIDUAL:
@@ -234,10 +241,13 @@ def _gemv_one_row_kernel(
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         residual: Optional[torch.Tensor] = None, config: str = "gemv") -> torch.Tensor:
+         residual: Optional[torch.Tensor] = None, config: str = "gemv",
+         scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T (+ bias) (+ residual)`` by the weight-streaming kernel, for any number of
     rows (meant for few: each BLOCK_T rows stream W again). x [..., K], weight [N, K], residual
-    [..., N]; ``config`` names the launch-config table (one per call site: shapes differ)."""
+    [..., N]; ``config`` names the launch-config table (one per call site: shapes differ). With
+    ``scale`` [N] (fp32), ``weight`` is int8 and row n of W is ``weight[n] * scale[n]``
+    (graph/quantized_ops.py): a thread's 16-byte vector then holds 16 weights."""
     K, N = x.shape[-1], weight.shape[0]
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     x2 = unit_stride_rows(x)
@@ -247,23 +257,30 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     r2 = unit_stride_rows(residual) if residual is not None else x2
     o2 = out.view(T, N)
-    tile = tile_config(launch_configs.get(config, T), T, N, K, x.element_size())
+    itemsize = w.element_size()
+    cfg = launch_configs.get(config, T)
+    if scale is not None:  # as many bytes per step as the bf16 config streams
+        cfg = {**cfg, "BLOCK_K": cfg["BLOCK_K"] * x.element_size() // itemsize}
+    tile = tile_config(cfg, T, N, K, itemsize)
     pdl = use_pdl(x)
+    s = scale if scale is not None else w
     if T == 1:
         _gemv_one_row_kernel[(triton.cdiv(N, tile["BLOCK_ROWS"]),)](
-            x2, w, bias if bias is not None else w, r2, o2, N, K, w.stride(0),
+            x2, w, bias if bias is not None else w, r2, o2, s, N, K, w.stride(0),
             HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-            BLOCK_N=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"], VEC=VECTOR_BYTES // x.element_size(), PDL=pdl,
+            BLOCK_N=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"], VEC=VECTOR_BYTES // itemsize, PDL=pdl,
+            SCALED=scale is not None,
             num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
         )
         return out
     grid = (triton.cdiv(N, tile["BLOCK_ROWS"]), triton.cdiv(T, tile["BLOCK_T"]))
     _gemv_kernel[grid](
-        x2, w, bias if bias is not None else w, r2, o2,
+        x2, w, bias if bias is not None else w, r2, o2, s,
         T, N, K,
         x2.stride(0), w.stride(0), r2.stride(0), o2.stride(0),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_T=tile["BLOCK_T"], BLOCK_N=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"], PDL=pdl,
+        SCALED=scale is not None,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
     )
     return out
@@ -295,3 +312,21 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     N = weight.shape[0]
     out = dense_linear(x.reshape(-1, x.shape[-1]), weight, bias, residual.reshape(-1, N))
     return out.view(*x.shape[:-1], N)
+
+
+# ---------------------------------------------------------------------------------------------
+# weight-only int8 (graph/quantized_ops.py): int8 weights streamed, the scale applied per output
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_wq(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``linear_wq`` (the lm_head) with an int8 weight, decode-sized x (the provider sends
+    other calls to the op's reference)."""
+    return gemv(x, qweight, bias, scale=scale)
+
+
+def linear_residual_wq(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
+                       bias: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
+    """``fused_linear_residual_wq`` with an int8 weight, decode-sized x."""
+    return gemv(x, qweight, bias, residual, scale=scale)

@@ -71,11 +71,12 @@ def _activation(y1, y3, b1, act_ptr, IS_GLU: tl.constexpr):
 
 @triton.jit
 def _norm_mlp_decode_kernel(
-    x_ptr, nw_ptr, nb_ptr, w1_ptr, b1_ptr, act_ptr,
+    x_ptr, nw_ptr, nb_ptr, w1_ptr, b1_ptr, act_ptr, s1_ptr,
     T, H, I, eps,
     stride_x, stride_w1, stride_a,
     IS_RMS: tl.constexpr, IS_GLU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+    SCALED: tl.constexpr = False,
 ):
     """act[t, i] for BLOCK_T rows t and BLOCK_I intermediate rows i: norm(x) against gate row i
     and up row i + I of w1 = [gate; up] (GLU), or against fc row i (GELU), streamed along H."""
@@ -118,10 +119,14 @@ def _norm_mlp_decode_kernel(
 
     dtype = act_ptr.dtype.element_ty
     y1 = tl.sum(acc1, 2)
+    if SCALED:  # int8 weights: each output row's scale, once, after the H loop
+        y1 *= tl.load(s1_ptr + offs_i, mask=mask_i, other=0.0)[None, :]
     y3 = y1
     b1 = tl.zeros([1, BLOCK_I], tl.float32)
     if IS_GLU:
         y3 = tl.sum(acc3, 2)
+        if SCALED:
+            y3 *= tl.load(s1_ptr + offs_i + I, mask=mask_i, other=0.0)[None, :]
     else:
         b1 = tl.load(b1_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)[None, :]
     act = _activation(y1, y3, b1, act_ptr, IS_GLU)
@@ -134,10 +139,11 @@ def _norm_mlp_decode_kernel(
 
 @triton.jit
 def _norm_mlp_one_row_kernel(
-    x_ptr, nw_ptr, nb_ptr, w1_ptr, b1_ptr, act_ptr,
+    x_ptr, nw_ptr, nb_ptr, w1_ptr, b1_ptr, act_ptr, s1_ptr,
     H, I, eps, stride_w1,
     IS_RMS: tl.constexpr, IS_GLU: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr = False,
+    SCALED: tl.constexpr = False,
 ):
     """``_norm_mlp_decode_kernel`` for one row of x (batch-1 decode), with the one-row GEMV's
     layout (see triton_gemv._gemv_one_row_kernel): weight tiles [BLOCK_I, BLOCK_H / VEC, VEC],
@@ -182,9 +188,13 @@ def _norm_mlp_one_row_kernel(
             acc3 += tl.sum(n * weight_tile(w3_rows, offs_h, mask_i3 & mask_h), 2)
 
     y1 = tl.sum(acc1, 1)
+    if SCALED:  # int8 weights: each output row's scale, once, after the H loop
+        y1 *= tl.load(s1_ptr + offs_i, mask=mask_i, other=0.0)
     y3 = y1
     if IS_GLU:
         y3 = tl.sum(acc3, 1)
+        if SCALED:
+            y3 *= tl.load(s1_ptr + offs_i + I, mask=mask_i, other=0.0)
     act = _activation(y1, y3, b1, act_ptr, IS_GLU)
     tl.store(act_ptr + offs_i, act.to(act_ptr.dtype.element_ty), mask=mask_i)
 
@@ -233,9 +243,11 @@ def _act(inp: torch.Tensor, is_glu: bool) -> torch.Tensor:
     return out
 
 
-def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bool, is_glu: bool) -> torch.Tensor:
+def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bool, is_glu: bool,
+                      scale1=None) -> torch.Tensor:
     """The decode form's first kernel: act [T, I] = silu(gate(n)) * up(n) (GLU; w1 = [gate; up]
-    of [2I, H]) or gelu_tanh(fc(n) + b1) (w1 = fc [I, H]), n = norm(x2)."""
+    of [2I, H]) or gelu_tanh(fc(n) + b1) (w1 = fc [I, H]), n = norm(x2). With ``scale1`` (one
+    fp32 per row of w1), w1 is int8 (weight-only quantized, graph/quantized_ops.py)."""
     T, H = x2.shape
     inter = w1.shape[0] // 2 if is_glu else w1.shape[0]
     act = torch.empty((T, inter), dtype=x2.dtype, device=x2.device)
@@ -243,37 +255,44 @@ def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bo
         return act
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     w1 = w1 if w1.stride(-1) == 1 else w1.contiguous()
-    tile = tile_config(launch_configs.get("norm_mlp_decode", T), T, inter, H, x2.element_size(),
-                       rows_key="BLOCK_I", k_key="BLOCK_H")
+    itemsize = w1.element_size()
+    cfg = launch_configs.get("norm_mlp_decode", T)
+    if scale1 is not None:  # as many bytes per step as the bf16 config streams
+        cfg = {**cfg, "BLOCK_H": cfg["BLOCK_H"] * x2.element_size() // itemsize}
+    tile = tile_config(cfg, T, inter, H, itemsize, rows_key="BLOCK_I", k_key="BLOCK_H")
     pdl = use_pdl(x2)
+    s1 = scale1 if scale1 is not None else w1
     if T == 1:
         _norm_mlp_one_row_kernel[(triton.cdiv(inter, tile["BLOCK_ROWS"]),)](
             x2, norm_weight, norm_bias if norm_bias is not None else norm_weight,
-            w1, b1 if b1 is not None else norm_weight, act,
+            w1, b1 if b1 is not None else norm_weight, act, s1,
             H, inter, eps, w1.stride(0),
             IS_RMS=is_rms, IS_GLU=is_glu,
-            BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"], VEC=VECTOR_BYTES // x2.element_size(), PDL=pdl,
+            BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"], VEC=VECTOR_BYTES // itemsize, PDL=pdl,
+            SCALED=scale1 is not None,
             num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
         )
         return act
     grid = (triton.cdiv(inter, tile["BLOCK_ROWS"]), triton.cdiv(T, tile["BLOCK_T"]))
     _norm_mlp_decode_kernel[grid](
         x2, norm_weight, norm_bias if norm_bias is not None else norm_weight,
-        w1, b1 if b1 is not None else norm_weight, act,
+        w1, b1 if b1 is not None else norm_weight, act, s1,
         T, H, inter, eps,
         x2.stride(0), w1.stride(0), act.stride(0),
         IS_RMS=is_rms, IS_GLU=is_glu,
         BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"], PDL=pdl,
+        SCALED=scale1 is not None,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
     )
     return act
 
 
-def _decode(x2, norm_weight, norm_bias, eps, w1, b1, w2, b2, residual2, is_rms: bool, is_glu: bool):
+def _decode(x2, norm_weight, norm_bias, eps, w1, b1, w2, b2, residual2, is_rms: bool, is_glu: bool,
+            scale1=None, scale2=None):
     """Two launches: norm + first projection + activation, then the down/proj GEMV with the
-    bias and residual in its epilogue."""
-    act = decode_activation(x2, norm_weight, norm_bias, eps, w1, b1, is_rms, is_glu)
-    return gemv(act, w2, b2, residual2, config="norm_mlp_down")
+    bias and residual in its epilogue (int8 weights with their scales, when given)."""
+    act = decode_activation(x2, norm_weight, norm_bias, eps, w1, b1, is_rms, is_glu, scale1)
+    return gemv(act, w2, b2, residual2, config="norm_mlp_down", scale=scale2)
 
 
 def use_decode_form(num_tokens: int) -> bool:
@@ -335,3 +354,34 @@ def fused_layer_norm_gelu_mlp(x, norm_weight, norm_bias, eps: float, fc_weight, 
         # fc bias inside the cuBLAS epilogue: one rounding, as in the reference
         out = dense_linear(gelu_tanh(F.linear(n, fc_weight, fc_bias)), proj_weight, proj_bias, r2)
     return out.view(out_shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# weight-only int8 (graph/quantized_ops.py): the decode form with int8 weights and their scales
+# ---------------------------------------------------------------------------------------------
+
+
+def int8_decode(qweights: tuple, zeros: tuple, T: int) -> bool:
+    """Whether the int8 decode kernels take a quantized MLP call: int8 weights (no zero points)
+    and a decode-sized step; others run the op's reference (dequantize, then cuBLAS)."""
+    return all(q.dtype == torch.int8 for q in qweights) and all(z is None for z in zeros) and use_decode_form(T)
+
+
+def fused_rms_norm_glu_mlp_wq(x, norm_weight, eps: float, gate_up_qweight, gate_up_scale, gate_up_zero,
+                              down_qweight, down_scale, down_zero, residual=None):
+    """``fused_rms_norm_glu_mlp`` with int8 weights, decode form (``int8_decode`` says when)."""
+    x2 = _flat(x)
+    r2 = _flat(residual) if residual is not None else None
+    out = _decode(x2, norm_weight, None, eps, gate_up_qweight, None, down_qweight, None, r2, True, True,
+                  gate_up_scale, down_scale)
+    return out.view(*x.shape[:-1], down_qweight.shape[0])
+
+
+def fused_layer_norm_gelu_mlp_wq(x, norm_weight, norm_bias, eps: float, fc_qweight, fc_scale, fc_zero, fc_bias,
+                                 proj_qweight, proj_scale, proj_zero, proj_bias, residual=None):
+    """``fused_layer_norm_gelu_mlp`` with int8 weights, decode form (``int8_decode`` says when)."""
+    x2 = _flat(x)
+    r2 = _flat(residual) if residual is not None else None
+    out = _decode(x2, norm_weight, norm_bias, eps, fc_qweight, fc_bias, proj_qweight, proj_bias, r2, False, False,
+                  fc_scale, proj_scale)
+    return out.view(*x.shape[:-1], proj_qweight.shape[0])

@@ -129,7 +129,7 @@ def _pair_constants(b_ptr, cs_rows, rows1, offs_p, mask_p, HALF: tl.constexpr,
 
 @triton.jit
 def _qkv_decode_kernel(
-    x_ptr, w_ptr, b_ptr, nw_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, cs_ptr,
+    x_ptr, w_ptr, b_ptr, nw_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, cs_ptr, s_ptr,
     q_out, k_out, v_out,
     T, K, stride_x, stride_w, stride_cs, stride_qt, stride_kt, stride_vt,
     eps, norm_eps,
@@ -138,6 +138,7 @@ def _qkv_decode_kernel(
     BLOCK_HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INPUT_NORM: tl.constexpr, HAS_QK_NORM: tl.constexpr, HAS_ROPE: tl.constexpr,
     PDL: tl.constexpr = False, ONE_ROW: tl.constexpr = False, VEC: tl.constexpr = 8,
+    SCALED: tl.constexpr = False,
 ):
     # PDL: launched while the previous kernel runs. The weights, bias, positions and cos/sin
     # need nothing from it, so the first weight tiles and the rotation factors are loaded before
@@ -217,6 +218,9 @@ def _qkv_decode_kernel(
             HAS_BIAS, HAS_ROPE and not HAS_QK_NORM)
         y1 = _row_sums(acc1, ONE_ROW)
         y2 = _row_sums(acc2, ONE_ROW)
+        if SCALED:  # int8 weights: each output row's scale, once, after the K loop
+            y1 *= tl.load(s_ptr + rows1, mask=mask_p, other=0.0)[None, :]
+            y2 *= tl.load(s_ptr + rows1 + HALF, mask=mask_p, other=0.0)[None, :]
         if HAS_BIAS:
             y1 += b1[None, :]
             y2 += b2[None, :]
@@ -253,7 +257,9 @@ def _qkv_decode_kernel(
 
 
 def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
-            num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps):
+            num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps, scale=None):
+    """The one-launch decode form; with ``scale`` (one fp32 per row of the weight) the weight
+    is int8 (weight-only quantized, graph/quantized_ops.py)."""
     T, H = x.shape
     q = torch.empty((T, num_heads, head_dim), dtype=x.dtype, device=x.device)
     k = torch.empty((T, num_kv_heads, head_dim), dtype=x.dtype, device=x.device)
@@ -265,7 +271,11 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
     half = head_dim // 2
     has_qk_norm = q_norm_weight is not None
     has_rope = cos_sin is not None
-    tile = tile_config(launch_configs.get("qkv_decode", T), T, half, H, x.element_size(), rows_key="BLOCK_P")
+    itemsize = w.element_size()
+    cfg = launch_configs.get("qkv_decode", T)
+    if scale is not None:  # as many bytes per step as the bf16 config streams
+        cfg = {**cfg, "BLOCK_K": cfg["BLOCK_K"] * x.element_size() // itemsize}
+    tile = tile_config(cfg, T, half, H, itemsize, rows_key="BLOCK_P")
     splits = 1 if has_qk_norm else triton.cdiv(half, tile["BLOCK_ROWS"])
     heads = num_heads + 2 * num_kv_heads
     grid = (heads * splits, triton.cdiv(T, tile["BLOCK_T"]))
@@ -274,7 +284,7 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
         x, w, qkv_bias if qkv_bias is not None else w,
         norm_weight if norm_weight is not None else w,
         q_norm_weight if has_qk_norm else w, k_norm_weight if has_qk_norm else w,
-        positions, cos_sin if has_rope else w,
+        positions, cos_sin if has_rope else w, scale if scale is not None else w,
         q, k, v,
         T, H, x.stride(0), w.stride(0), cos_sin.stride(0) if has_rope else 0,
         q.stride(0), k.stride(0), v.stride(0),
@@ -284,7 +294,7 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
         BLOCK_HALF=next_pow2(half),
         HAS_BIAS=qkv_bias is not None, HAS_INPUT_NORM=norm_weight is not None,
         HAS_QK_NORM=has_qk_norm, HAS_ROPE=has_rope, PDL=use_pdl(x),
-        ONE_ROW=one_row, VEC=16 // x.element_size(),
+        ONE_ROW=one_row, VEC=16 // itemsize, SCALED=scale is not None,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(use_pdl(x)),
     )
     return q, k, v
@@ -436,3 +446,12 @@ def fused_qkv_rope(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positi
 def rotary_embedding(q, k, positions, cos_sin):
     q_out, k_out, _ = _epilogue(q, k, None, None, None, positions, cos_sin, 0.0)
     return q_out, k_out
+
+
+def fused_qkv_rope_wq(x, qkv_qweight, qkv_scale, qkv_zero, qkv_bias, q_norm_weight, k_norm_weight, positions,
+                      cos_sin, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                      norm_weight=None, norm_eps: float = 0.0):
+    """``fused_qkv_rope`` with an int8 weight (weight-only quantized), the one-launch decode form;
+    the provider sends other calls (int4, prefill sizes) to the op's reference."""
+    return _decode(x, qkv_qweight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
+                   num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps, qkv_scale)
