@@ -136,6 +136,14 @@ def tile_config(cfg: Mapping[str, int], T: int, rows: int, K: int, itemsize: int
     }
 
 
+def per_weight_bytes(cfg: Mapping[str, int], k_key: str, x: torch.Tensor, weight: torch.Tensor) -> Mapping[str, int]:
+    """A launch config tuned for weights of x's dtype, its K block widened so that narrower
+    (int8) weights stream as many bytes per step."""
+    if weight.element_size() == x.element_size():
+        return cfg
+    return {**cfg, k_key: cfg[k_key] * x.element_size() // weight.element_size()}
+
+
 def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
     """[..., K] as a [rows, K] matrix with unit stride along K (a view when possible)."""
     t2 = t.reshape(-1, t.shape[-1])
@@ -258,10 +266,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     r2 = unit_stride_rows(residual) if residual is not None else x2
     o2 = out.view(T, N)
     itemsize = w.element_size()
-    cfg = launch_configs.get(config, T)
-    if scale is not None:  # as many bytes per step as the bf16 config streams
-        cfg = {**cfg, "BLOCK_K": cfg["BLOCK_K"] * x.element_size() // itemsize}
-    tile = tile_config(cfg, T, N, K, itemsize)
+    tile = tile_config(per_weight_bytes(launch_configs.get(config, T), "BLOCK_K", x, w), T, N, K, itemsize)
     pdl = use_pdl(x)
     s = scale if scale is not None else w
     if T == 1:

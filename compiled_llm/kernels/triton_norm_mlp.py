@@ -36,7 +36,7 @@ from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import pdl_launch, pdl_open, pdl_wait, use_pdl
 from compiled_llm.kernels.triton_common import next_pow2
 from compiled_llm.kernels.triton_gemv import (
-    VECTOR_BYTES, dense_linear, gemv, input_chunk, norm_stats, tile_config, weight_tile,
+    VECTOR_BYTES, dense_linear, gemv, input_chunk, norm_stats, per_weight_bytes, tile_config, weight_tile,
 )
 from compiled_llm.kernels.triton_norm import layer_norm as tr_layer_norm
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
@@ -256,9 +256,7 @@ def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bo
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     w1 = w1 if w1.stride(-1) == 1 else w1.contiguous()
     itemsize = w1.element_size()
-    cfg = launch_configs.get("norm_mlp_decode", T)
-    if scale1 is not None:  # as many bytes per step as the bf16 config streams
-        cfg = {**cfg, "BLOCK_H": cfg["BLOCK_H"] * x2.element_size() // itemsize}
+    cfg = per_weight_bytes(launch_configs.get("norm_mlp_decode", T), "BLOCK_H", x2, w1)
     tile = tile_config(cfg, T, inter, H, itemsize, rows_key="BLOCK_I", k_key="BLOCK_H")
     pdl = use_pdl(x2)
     s1 = scale1 if scale1 is not None else w1

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import next_pow2, pdl_launch, pdl_open, pdl_wait, use_pdl
-from compiled_llm.kernels.triton_gemv import input_chunk, norm_stats, tile_config, weight_tile
+from compiled_llm.kernels.triton_gemv import input_chunk, norm_stats, per_weight_bytes, tile_config, weight_tile
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
 
 
@@ -272,9 +272,7 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
     has_qk_norm = q_norm_weight is not None
     has_rope = cos_sin is not None
     itemsize = w.element_size()
-    cfg = launch_configs.get("qkv_decode", T)
-    if scale is not None:  # as many bytes per step as the bf16 config streams
-        cfg = {**cfg, "BLOCK_K": cfg["BLOCK_K"] * x.element_size() // itemsize}
+    cfg = per_weight_bytes(launch_configs.get("qkv_decode", T), "BLOCK_K", x, w)
     tile = tile_config(cfg, T, half, H, itemsize, rows_key="BLOCK_P")
     splits = 1 if has_qk_norm else triton.cdiv(half, tile["BLOCK_ROWS"])
     heads = num_heads + 2 * num_kv_heads
