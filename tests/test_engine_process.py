@@ -235,3 +235,52 @@ def test_a_step_wakes_new_streams_at_once_and_running_ones_a_batch_per_turn():
         await engine.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_later_prompts_first_token_is_not_paced_behind_running_streams():
+    """In a streamed call with several prompts, each prompt's first output is woken at once,
+    not only the call's first."""
+    from compiled_llm.serve import async_engine as ae
+    from compiled_llm.serve.sampling import SamplingParams
+
+    def request():
+        return (None, [1, 2, 3], SamplingParams(max_tokens=10, detokenize=False))
+
+    async def scenario():
+        core = _StubCore()
+        engine = ae.AsyncEngine(core)
+        engine.start()
+        others = [engine.submit([request()], stream=True) for _ in range(2 * ae.WAKE_BATCH)]
+        pair = engine.submit([request(), request()], stream=True)
+        got = []
+
+        async def consume(group, sink):
+            try:
+                async for ready in group:
+                    sink.extend((i, out.outputs[0].delta_token_ids) for i, out in ready)
+            finally:
+                group.release()
+
+        tasks = [asyncio.ensure_future(consume(g, [])) for g in others]
+        tasks.append(asyncio.ensure_future(consume(pair, got)))
+        await asyncio.sleep(0)
+
+        def out(rid, token, finished=False):
+            return (rid, finished, None, None, [(0, "", [token], "length" if finished else None, None, None, None)])
+
+        a, b = pair.request_ids
+        running = [g.request_ids[0] for g in others]
+        core.on_message(("step", [out(rid, 7) for rid in running] + [out(a, 7)], [], [], None))
+        for _ in range(4):
+            await asyncio.sleep(0)
+        assert got == [(0, [7])]
+        # every stream has started; now the second prompt's first token comes behind them all
+        core.on_message(("step", [out(rid, 8) for rid in running] + [out(a, 8), out(b, 5)], [], [], None))
+        await asyncio.sleep(0)
+        assert (1, [5]) in got  # woken at once, while the running streams are paced
+        core.on_message(("step", [out(rid, 9, True) for rid in running] + [out(a, 9, True), out(b, 6, True)],
+                         [], [], None))
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        await engine.stop()
+
+    asyncio.run(scenario())

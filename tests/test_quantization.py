@@ -39,6 +39,21 @@ def test_dequantized_weight_is_within_half_a_step_of_the_original(scheme):
     assert (back - w).abs().max() < 0.02  # and the steps are small for weights of this size
 
 
+@pytest.mark.parametrize("kind", ["all positive", "all negative", "constant", "tiny groups"])
+def test_int4_keeps_the_range_of_groups_not_centred_on_zero(kind):
+    gen = torch.Generator().manual_seed(1)
+    w = {
+        "all positive": torch.randn(4, 256, generator=gen) * 0.1 + 1.0,
+        "all negative": torch.randn(4, 256, generator=gen) * 0.1 - 1.0,
+        "constant": torch.full((2, 128), 0.5),
+        "tiny groups": torch.randn(4, 6, generator=gen),  # K = 6: groups of 2, often of one sign
+    }[kind]
+    q, scale, zero = quantize(w, "int4")
+    back = dequantize(q, scale, zero, torch.float32)
+    step = scale.repeat_interleave(w.shape[1] // scale.shape[1], dim=1)
+    assert ((back - w).abs() <= step / 2 + 1e-6).all()
+
+
 def test_int4_packs_the_even_k_into_the_low_nibble():
     w = torch.tensor([[0.0, 1.5, 0.7, 0.3]])  # min 0, max 1.5: zero 0, scale 0.1, codes 0, 15, 7, 3
     q, scale, zero = quantize(w, "int4")
@@ -116,3 +131,10 @@ def test_compare_checks_a_quantized_engine_against_its_dequantized_weights(tmp_p
     assert lines[-1].startswith("PASS: vs spec on its int4-dequantized weights")
     error = next(line for line in lines if line.startswith("int4 quantization error vs the unquantized model"))
     assert "max|Δlogit| 0.000e+00" not in error  # the quantization did change the logits
+
+
+def test_quantization_without_its_pass_is_refused(tmp_path):
+    """Otherwise the manifest would name a scheme the weights do not have."""
+    with pytest.raises(CompiledLLMError, match="needs the quantize_weights pass, which is disabled"):
+        build_engine("tiny-llama", tmp_path / "e", device="cpu", progress=False, quantization="int8",
+                     disabled_passes=["quantize_weights"])

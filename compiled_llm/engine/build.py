@@ -164,6 +164,8 @@ def build_engine(
     torch_dtype = resolve_dtype(dtype, dev, source)
     out_dir = engine_output.prepare_output_dir(out_dir)
     passes = [p.name for p in pipeline(list(pass_names) if pass_names is not None else None, tuple(disabled_passes))]
+    if quantization is not None and "quantize_weights" not in passes:
+        raise CompiledLLMError(f"--quantization {quantization} needs the quantize_weights pass, which is disabled")
     times: dict[str, float] = {}
 
     with _Stage("load", times, progress):

@@ -9,9 +9,11 @@ Each weight ``W [N, K]`` of the unquantized op becomes three arguments: ``W_qwei
   accumulator once per output, after the K loop.
 - int4 (``qweight`` uint8 ``[N, K / 2]``, two values per byte, the even k in the low nibble):
   asymmetric, groups of ``G`` consecutive k (128, or the largest power of two dividing K if K
-  demands a smaller one), fp32 scale and zero point per (n, group): ``W = (q - zero) * scale``.
-  Asymmetric because random and trained weights alike are rarely centred on zero within a group
-  of 128; it costs one fp32 per group more than symmetric.
+  demands a smaller one), fp32 scale and zero point per (n, group): ``W = (q - zero) * scale``,
+  the 16 codes spanning exactly the group's [min, max]. The zero point is an fp32 offset in code
+  units, neither rounded nor clamped to a code, so a group all of one sign (or constant) keeps
+  its whole range. Asymmetric because random and trained weights alike are rarely centred on
+  zero within a group of 128; it costs one fp32 per group more than symmetric.
 
 Every op's reference dequantizes its weights to the activations' dtype and runs the unquantized
 op's reference, so a quantized engine computes exactly what the unquantized one would with the
@@ -63,8 +65,8 @@ def quantize(weight: Tensor, scheme: str) -> tuple[Tensor, Tensor, Optional[Tens
         groups = w.reshape(n, k // g, g)
         lo, hi = groups.amin(dim=2), groups.amax(dim=2)
         scale = ((hi - lo) / 15.0).clamp_min(1e-12)
-        zero = torch.round(-lo / scale).clamp(0, 15)
-        q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
+        zero = -lo / scale
+        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
         return q[:, 0::2] | (q[:, 1::2] << 4), scale, zero
     raise ValueError(f"unknown quantization scheme {scheme!r}; the schemes are: {', '.join(SCHEMES)}")
 

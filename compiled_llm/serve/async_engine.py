@@ -18,7 +18,7 @@ The hot path is cheap at hundreds of streams and a step every few milliseconds:
   ``WAKE_BATCH`` streams that have already started per turn of the loop, the others on the turns
   after (their deltas pile up meanwhile and go out together). Between turns the loop reads new
   requests and the engine's next outputs, so a request's arrival and its first token wait for a
-  short turn, not for a chunk to every running stream. A stream's first output, and calls that
+  short turn, not for a chunk to every running stream. A request's first output, and calls that
   are not streamed, are woken at once.
 
 Admission control counts the requests accepted but not yet scheduled (and their prompt tokens),
@@ -73,6 +73,7 @@ class _Request:
     first_token_time: float | None = None
     final: RequestOutput | None = None
     failed: bool = False
+    delivered: bool = False  # an output has been read: later ones may be paced (WAKE_BATCH)
 
 
 class RequestGroup:
@@ -92,7 +93,6 @@ class RequestGroup:
         self._waiter: asyncio.Future | None = None
         self.abort_reason: str | None = None  # "timeout", "disconnect", "shutdown", ... when aborted
         self.released = False
-        self.delivered = False  # an output has been read: later ones may be paced (WAKE_BATCH)
 
     @property
     def request_ids(self) -> list[str]:
@@ -172,8 +172,7 @@ class RequestGroup:
                 self._open -= 1
                 self._owner._finished(self, r, out)
             ready.append((i, out))
-        if ready:
-            self.delivered = True
+            r.delivered = True
         return ready
 
     def abort(self, reason: str) -> None:
@@ -361,7 +360,9 @@ class AsyncEngine:
         kind = message[0]
         if kind == "step":
             _, outputs, errors, scheduled, snapshot = message
-            woken: dict[str, None] = {}  # in output order
+            # request id -> whether its group may be paced (the request has delivered before),
+            # in output order
+            woken: dict[str, bool] = {}
             for encoded in outputs:
                 rid = encoded[0]
                 r = self._requests.get(rid)
@@ -372,23 +373,23 @@ class AsyncEngine:
                     r.closed = True
                     del self._requests[rid]
                     self._scheduled(rid)
-                woken[rid] = None
+                woken[rid] = r.delivered
             for rid, error_kind, text in errors:
                 r = self._requests.pop(rid, None)
                 if r is not None:
                     r.pending.append(request_error(error_kind, text))
                     r.closed = True
                     self._scheduled(rid)
-                    woken[rid] = None
+                    woken[rid] = False
             for rid in scheduled:
                 self._scheduled(rid)
             if self.metrics is not None:
                 self.metrics.on_snapshot(snapshot)
-            for rid in woken:
+            for rid, paced in woken.items():
                 group = self._groups.get(rid)
                 if group is None:
                     continue
-                if group.stream and group.delivered:
+                if group.stream and paced:
                     self._to_wake[group] = None
                 else:
                     group._wake()

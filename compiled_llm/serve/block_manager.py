@@ -57,6 +57,7 @@ class FreeBlockQueue:
         return b
 
     def remove(self, block_id: int) -> None:
+        assert self._prev[block_id] >= 0, f"block {block_id} is not in the free queue"
         nxt, prv = self._next, self._prev
         after, before = nxt[block_id], prv[block_id]
         nxt[before], prv[after] = after, before
@@ -72,6 +73,7 @@ class FreeBlockQueue:
         self._insert(block_id, self._end, self._next[self._end])
 
     def _insert(self, block_id: int, before: int, after: int) -> None:
+        assert self._prev[block_id] < 0, f"block {block_id} is already in the free queue"
         nxt, prv = self._next, self._prev
         nxt[before], prv[block_id], nxt[block_id], prv[after] = block_id, before, after, block_id
         self._len += 1
