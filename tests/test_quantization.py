@@ -138,3 +138,24 @@ def test_quantization_without_its_pass_is_refused(tmp_path):
     with pytest.raises(CompiledLLMError, match="needs the quantize_weights pass, which is disabled"):
         build_engine("tiny-llama", tmp_path / "e", device="cpu", progress=False, quantization="int8",
                      disabled_passes=["quantize_weights"])
+
+
+def test_llm_builds_a_source_quantized_into_a_cache_entry_of_its_own(tmp_path, monkeypatch):
+    from compiled_llm import LLM, SamplingParams
+    from compiled_llm.engine.artifact import read_manifest
+    from compiled_llm.engine.cache import engine_path
+
+    monkeypatch.setenv("COMPILED_LLM_CACHE_DIR", str(tmp_path / "cache"))
+    plain = engine_path("tiny-qwen2", device="cpu")
+    int8 = engine_path("tiny-qwen2", device="cpu", quantization="int8")
+    assert len({plain, int8, engine_path("tiny-qwen2", device="cpu", quantization="int4")}) == 3
+
+    llm = LLM("tiny-qwen2", device="cpu", quantization="int8")
+    assert read_manifest(int8)["build_options"]["quantization"] == "int8" and not plain.exists()
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    # the engine directory itself, asked for with another scheme, is refused in one line
+    with pytest.raises(CompiledLLMError, match="was built with quantization int8, not int4"):
+        LLM(str(int8), device="cpu", quantization="int4")
+    with pytest.raises(CompiledLLMError, match="needs the compiled path"):
+        LLM("tiny-qwen2", device="cpu", quantization="int8", enforce_eager=True)

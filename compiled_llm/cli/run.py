@@ -75,6 +75,7 @@ def add_parser(subparsers):
                         "(bfloat16 when it is float32 or says nothing), float32 on cpu")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where to run; auto = cuda when available, else cpu")
+    add_quantization_argument(p)
     p.add_argument("--chat", action="store_true",
                    help="wrap each text prompt in the tokenizer's chat template (a plain "
                         "'User:/Assistant:' transcript when it has none)")
@@ -117,6 +118,8 @@ def run(args) -> int:
             )
         return run_engine(args)
     if args.eager:
+        if args.quantization:
+            raise CompiledLLMError("--quantization needs the compiled path: --eager runs the original weights")
         return run_reference(args)
     return run_engine(args)
 
@@ -163,6 +166,12 @@ def run_reference(args) -> int:
     return 0
 
 
+def add_quantization_argument(p) -> None:
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="weight-only quantized linear layers (a SOURCE is built so, into an engine cache entry "
+                        "of its own; an engine directory must have been built so); default: none")
+
+
 def engine_of(args, device) -> str:
     """The engine directory to run: SOURCE itself, or its cached engine (built on first use)."""
     from compiled_llm.engine.cache import cached_engine
@@ -170,7 +179,7 @@ def engine_of(args, device) -> str:
 
     if is_engine_dir(args.source):
         return args.source
-    return str(cached_engine(args.source, dtype=args.dtype, device=device))
+    return str(cached_engine(args.source, dtype=args.dtype, device=device, quantization=args.quantization))
 
 
 def build_llm(args):
@@ -179,7 +188,8 @@ def build_llm(args):
 
     device = resolve_device(args.device)
     dtype = None if args.dtype == "auto" else args.dtype
-    return LLM(engine_of(args, device), dtype=dtype, device=device, **engine_options(args))
+    return LLM(engine_of(args, device), dtype=dtype, device=device, quantization=args.quantization,
+               **engine_options(args))
 
 
 def run_engine(args) -> int:

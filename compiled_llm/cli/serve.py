@@ -18,7 +18,7 @@ import os
 import time
 
 from compiled_llm.cli.engine_args import add_dataclass_arguments, add_engine_arguments, dataclass_options
-from compiled_llm.cli.run import DEVICES, DTYPES
+from compiled_llm.cli.run import DEVICES, DTYPES, add_quantization_argument
 from compiled_llm.serve.server_config import API_KEY_VAR, ServerConfig
 
 logger = logging.getLogger("compiled_llm.serve")
@@ -42,6 +42,7 @@ def add_parser(subparsers):
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weight and activation dtype; auto = the checkpoint's float16/bfloat16 on cuda, float32 on cpu")
     p.add_argument("--device", choices=DEVICES, default="auto", help="where to run; auto = cuda when available")
+    add_quantization_argument(p)
     add_dataclass_arguments(p.add_argument_group("server"), ServerConfig)
     add_engine_arguments(p.add_argument_group("engine"))
     p.set_defaults(handler=run)

@@ -18,7 +18,7 @@ The key (``engine_key``) is the sha256 of a canonical JSON (sorted keys, no spac
   every file's relative path with the sha256 of its content, or, for files over 64 MiB, their
   size, mtime_ns and the sha256 of their first and last MiB;
 - the build options, resolved (never "auto"): dtype, device type, max_model_len, disabled
-  passes, kernel preferences;
+  passes, kernel preferences, and the weight-only quantization when there is one;
 - the versions: compiled_llm (and a hash of its own source files, so an edited pass or kernel
   never serves an engine built by the old code), torch, triton when importable, and the GPU
   architecture on CUDA.
@@ -165,18 +165,22 @@ def key_payload(
     max_model_len: int,
     disabled_passes: Sequence[str] = (),
     kernel_prefs: dict[str, str] | None = None,
+    quantization: str | None = None,
 ) -> dict:
     """Everything the key hashes; every value already resolved (no "auto", no None length)."""
+    build = {
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type,
+        "max_model_len": int(max_model_len),
+        "disabled_passes": sorted(set(disabled_passes)),
+        "kernel_prefs": dict(sorted((kernel_prefs or {}).items())),
+    }
+    if quantization is not None:  # absent otherwise: unquantized engines keep their keys
+        build["quantization"] = quantization
     return {
         "key_version": KEY_VERSION,
         "source": source_fingerprint(src),
-        "build": {
-            "dtype": str(dtype).removeprefix("torch."),
-            "device": device.type,
-            "max_model_len": int(max_model_len),
-            "disabled_passes": sorted(set(disabled_passes)),
-            "kernel_prefs": dict(sorted((kernel_prefs or {}).items())),
-        },
+        "build": build,
         "versions": versions(device),
         "device": device.type,
     }
@@ -227,13 +231,13 @@ def _is_engine(path: Path) -> bool:
         return False
 
 
-def _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs):
+def _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs, quantization=None):
     src = resolve_source(str(source))
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, src)
     max_len = check_max_len(max_model_len, src.config)
     payload = key_payload(src, dtype=torch_dtype, device=dev, max_model_len=max_len,
-                          disabled_passes=disabled_passes, kernel_prefs=kernel_prefs)
+                          disabled_passes=disabled_passes, kernel_prefs=kernel_prefs, quantization=quantization)
     path = engines_dir() / f"{_entry_name(src)}-{engine_key(payload)[:KEY_CHARS]}"
     return src, dev, torch_dtype, max_len, path
 
@@ -246,10 +250,11 @@ def engine_path(
     max_model_len: int | None = None,
     disabled_passes: Sequence[str] = (),
     kernel_prefs: dict[str, str] | None = None,
+    quantization: str | None = None,
 ) -> Path:
     """Where ``cached_engine`` keeps (or would build) the engine of ``source`` with these
     options; builds nothing."""
-    return _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs)[-1]
+    return _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs, quantization)[-1]
 
 
 def cached_engine(
@@ -261,11 +266,13 @@ def cached_engine(
     disabled_passes: Sequence[str] = (),
     kernel_prefs: dict[str, str] | None = None,
     progress: bool | None = None,
+    quantization: str | None = None,
 ) -> Path:
     """The engine directory of ``source`` built with these options: the cached one, or built
     now (under the entry's lock) when there is none or it is not a valid engine.
     ``progress``: build progress bars; None (the default) shows them when stderr is a terminal."""
-    src, dev, torch_dtype, max_len, path = _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs)
+    src, dev, torch_dtype, max_len, path = _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs,
+                                                 quantization)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(path.parent / f"{path.name}.lock"):
         if _is_engine(path):
@@ -277,6 +284,6 @@ def cached_engine(
         build_engine(
             str(source), path, dtype=torch_dtype, device=dev, max_model_len=max_len,
             disabled_passes=list(disabled_passes), kernel_prefs=kernel_prefs,
-            progress=sys.stderr.isatty() if progress is None else progress,
+            progress=sys.stderr.isatty() if progress is None else progress, quantization=quantization,
         )
     return path

@@ -17,14 +17,16 @@ from __future__ import annotations
 import collections
 import numbers
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from tqdm.auto import tqdm
 
+from compiled_llm.engine.artifact import read_manifest
 from compiled_llm.engine.cache import cached_engine
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.engine.loader import is_engine_dir, load_model
-from compiled_llm.errors import CompiledLLMError, InvalidRequestError
+from compiled_llm.errors import CompiledLLMError, InvalidOptionError, InvalidRequestError
 from compiled_llm.model.tokenizer import plain_chat_prompt
 from compiled_llm.serve.engine_config import EngineConfig
 from compiled_llm.serve.engine_loop import EngineLoop, RequestQueue
@@ -87,6 +89,17 @@ def _plain_transcript(conversation: Sequence[Mapping], add_generation_prompt: bo
     )
 
 
+def check_quantization(engine_dir, quantization: str | None) -> None:
+    """An engine directory asked for with a quantization scheme must have been built with it."""
+    if quantization is None:
+        return
+    built = read_manifest(Path(engine_dir))["build_options"].get("quantization")
+    if built != quantization:
+        raise InvalidOptionError(
+            f"{engine_dir} was built with quantization {built or 'none'}, not {quantization}; build it with "
+            f"'compiled-llm build SOURCE --quantization {quantization}', or pass its source instead")
+
+
 class LLM:
     """Load a model and serve batches of requests with continuous batching.
 
@@ -99,6 +112,9 @@ class LLM:
       on first use and loaded from there afterwards, in this and any later process. ``dtype``
       and ``device`` ("auto" or None: cuda when available; the checkpoint's float16/bfloat16
       on a GPU, float32 on a CPU) are part of the cached engine's key;
+    - ``quantization`` ("int8", "int4"; vLLM's name) builds a SOURCE with weight-only quantized
+      linear layers (``compiled-llm build --quantization``), a cache entry of its own; an
+      engine directory must have been built with the scheme asked for;
     - ``enforce_eager=True`` decodes without CUDA graphs. For a SOURCE it also skips the
       build: the eager spec program runs in the runtime (the uncompiled model, for checking
       the runtime against the reference loop);
@@ -109,10 +125,14 @@ class LLM:
     defaults; an unknown name is refused.
     """
 
-    def __init__(self, model: str, dtype=None, device=None, **engine_options):
+    def __init__(self, model: str, dtype=None, device=None, quantization: str | None = None, **engine_options):
         config = EngineConfig.from_options(engine_options)
-        if not config.enforce_eager and not is_engine_dir(model):
-            model = cached_engine(str(model), dtype=dtype, device=device)
+        if is_engine_dir(model):
+            check_quantization(model, quantization)
+        elif quantization is not None and config.enforce_eager:
+            raise InvalidOptionError("quantization needs the compiled path: the eager model runs the original weights")
+        elif not config.enforce_eager:
+            model = cached_engine(str(model), dtype=dtype, device=device, quantization=quantization)
         self._init_engine(load_model(model, dtype=dtype, device=device), config)
 
     @classmethod
