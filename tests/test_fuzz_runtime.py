@@ -33,6 +33,7 @@ from lively import greedy_continuation
 from test_tokenizer import WORDS
 
 NUM_DRAWS = 1000
+NUM_SPECULATIVE_DRAWS = 150
 MAX_NEW_TOKENS = 24
 MAX_MODEL_LEN = 128
 MIN_MARGIN = 1e-3
@@ -209,14 +210,25 @@ DRIVERS = {"generate": by_generate, "two_threads": by_two_threads, "streams": by
            "engine_steps": by_engine_steps}
 
 
-def run_draw(seed: int, lively, block_sizes=(2, 4, 8, 16), **forced) -> tuple[int, list[str]]:
+def draw_speculative_config(rng: random.Random) -> dict:
+    hi = rng.randint(1, 3)
+    return {"method": "ngram", "num_speculative_tokens": rng.randint(1, 5), "prompt_lookup_max": hi,
+            "prompt_lookup_min": rng.randint(1, hi)}
+
+
+def run_draw(seed: int, lively, block_sizes=(2, 4, 8, 16), speculate: bool = False, stats: list | None = None,
+             **forced) -> tuple[int, list[str]]:
     """One random configuration and workload (``forced`` engine options override the drawn
-    ones): how many requests were compared, and the differences found."""
+    ones): how many requests were compared, and the differences found. ``speculate`` adds an
+    n-gram speculative config (drawn apart, so the other draws of a seed stay what they were);
+    ``stats`` collects the speculator's stats."""
     loaded, tok, pool = lively
     rng = random.Random(seed)
     eos_ids = set(loaded.eos_token_ids)
     requests = draw_requests(rng, pool, tok, eos_ids)
     options = dict(draw_engine_options(rng, requests, block_sizes), **forced)
+    if speculate:
+        options["speculative_config"] = draw_speculative_config(random.Random(f"speculative {seed}"))
     driver = rng.choice(sorted(DRIVERS))
     llm = LLM.from_loaded(loaded, **options)
     results = DRIVERS[driver](llm, requests, rng)
@@ -232,6 +244,8 @@ def run_draw(seed: int, lively, block_sizes=(2, 4, 8, 16), **forced) -> tuple[in
     if llm.engine.scheduler.has_unfinished() or bm.num_free_blocks != bm.num_blocks:
         problems.append(f"{where}: {bm.num_blocks - bm.num_free_blocks} blocks still held after the run")
     bm.check_invariants()
+    if stats is not None and llm.engine.speculator is not None:
+        stats.append(llm.engine.speculator.stats)
     return len(results), problems
 
 
@@ -262,3 +276,15 @@ def test_fuzz_against_transformers(lively, request):
     if deadline is not None:
         print(f"\n{seed} draws in {soak:.0f} s, {len(problems)} differences")
     assert not problems, f"{len(problems)} differences in {seed} draws:\n" + "\n".join(problems[:10])
+
+
+def test_fuzz_with_speculation_against_transformers(lively):
+    """The same draws with n-gram speculation on: outputs stay transformers' greedy ones (stop
+    strings cut inside a run of accepted drafts, EOS among them, max_tokens, aborts, preemption,
+    budgets of a few tokens), and drafts were both accepted and rejected along the way."""
+    problems, stats = [], []
+    for seed in range(NUM_SPECULATIVE_DRAWS):
+        problems += run_draw(seed, lively, speculate=True, stats=stats)[1]
+    assert not problems, f"{len(problems)} differences:\n" + "\n".join(problems[:10])
+    accepted, drafted = sum(s.accepted_tokens for s in stats), sum(s.draft_tokens for s in stats)
+    assert 0 < accepted < drafted

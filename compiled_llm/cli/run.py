@@ -120,6 +120,8 @@ def run(args) -> int:
     if args.eager:
         if args.quantization:
             raise CompiledLLMError("--quantization needs the compiled path: --eager runs the original weights")
+        if args.speculative_config:
+            raise CompiledLLMError("--speculative-config needs the compiled runtime: --eager runs the reference loop")
         return run_reference(args)
     return run_engine(args)
 
@@ -249,6 +251,11 @@ def perf_summary(llm, outputs, load_s: float, wall_s: float) -> str:
         ("total", f"{wall_s:.3f} s", f"{st.generated_tokens} tokens generated, {rate(st.generated_tokens, wall_s)}"),
         ("cache", "", f"prefix-cache hits {pc.hit_tokens} tokens, preemptions {llm.engine.scheduler.num_preemptions}"),
     ]
+    if llm.engine.speculator is not None:
+        sp = llm.engine.speculator.stats
+        rows.append(("spec", f"{sp.acceptance_rate:.1%}",
+                     f"of {sp.draft_tokens} draft tokens accepted, mean accepted length {sp.mean_accepted_length:.2f} "
+                     f"over {sp.verify_steps} verification steps"))
     return "perf:\n" + "\n".join(f"  {n:<8}{t:>10}   {d}".rstrip() for n, t, d in rows)
 
 

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from compiled_llm.errors import InvalidOptionError
+from compiled_llm.serve.spec_decode.config import SpeculativeConfig
 
 
 def _option(default, help: str):
@@ -39,11 +40,17 @@ class EngineConfig:
     async_scheduling: bool = _option(True, "queue the next decode step before this one's tokens are read")
     prefill_graph_max_tokens: int = _option(
         4096, "one-sequence prefills of up to this many tokens replay CUDA graphs (0: none)")
+    speculative_config: str | None = _option(
+        None, 'speculative decoding, as a JSON object (vLLM\'s): {"method": "ngram", "num_speculative_tokens": K, '
+              '"prompt_lookup_max": N[, "prompt_lookup_min": M][, "disable_by_batch_size": B]}; unset: off')
 
     def __post_init__(self):
+        # a JSON string (the flag) or a mapping (LLM's keyword), kept as given; ``speculative``
+        # is its parsed form, checked here like every other option
+        object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative_config))
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), type(f.default) if f.default is not None else None
-            if value is None and f.default is None:
+            if value is None and f.default is None or f.name == "speculative_config":
                 continue
             if kind is bool:
                 if not isinstance(value, bool):

@@ -31,6 +31,7 @@ from compiled_llm.serve.request_validator import RequestValidator
 from compiled_llm.serve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from compiled_llm.serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from compiled_llm.serve.sequence import Sequence
+from compiled_llm.serve.spec_decode.speculator import Speculator
 
 
 @dataclasses.dataclass
@@ -113,6 +114,7 @@ class LLMEngine:
         self._stats.init_s = {"kv_sizing": t1 - t0, "kv_alloc": time.perf_counter() - t1}
 
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -123,6 +125,7 @@ class LLMEngine:
             ),
             self.block_manager,
             stop_token_ids=model.eos_token_ids,
+            speculator=self.speculator,
         )
         self.runner = ModelRunner(
             mc, model.params, model.program, kv_cache,
@@ -312,19 +315,24 @@ class LLMEngine:
         logprobs = self.runner.collect_logprobs(handle)
         for i, positions in self.runner.collect_prompt_logprobs(handle):
             self._add_prompt_logprobs(batch.seqs[i], positions)
-        n_rows = len(batch.seqs)
-        batch, sampled, logprobs = _drop_finished(batch, sampled, logprobs)
-        self._stats.dropped_ahead_tokens += n_rows - len(batch.seqs)
-        if batch.is_empty:
-            return []  # every sequence of the step queued ahead had finished
-        changed = self.scheduler.update(batch, sampled)
+        if batch.is_verify:
+            changed, logprobs = self._apply_verified(batch, sampled, logprobs)
+            new_tokens = sum(n for _, n in changed)
+        else:
+            n_rows = len(batch.seqs)
+            batch, sampled, logprobs = _drop_finished(batch, sampled, logprobs)
+            self._stats.dropped_ahead_tokens += n_rows - len(batch.seqs)
+            if batch.is_empty:
+                return []  # every sequence of the step queued ahead had finished
+            changed = [(seq, 1) for seq in self.scheduler.update(batch, sampled)]
+            new_tokens = len(sampled)
         dt = time.perf_counter() - t0
         st = self._stats
         st.steps += 1
-        st.generated_tokens += len(sampled)
-        if batch.is_decode:
+        st.generated_tokens += new_tokens
+        if batch.is_decode or batch.is_verify:
             st.decode_steps += 1
-            st.decode_tokens += len(sampled)
+            st.decode_tokens += new_tokens
             st.decode_s += dt
         else:
             st.prefill_steps += 1
@@ -332,19 +340,26 @@ class LLMEngine:
             st.prefill_s += dt
 
         changed_by_request: dict[str, list[int]] = {}
-        for j, seq in enumerate(changed):
+        lp_row = 0
+        for seq, n in changed:
             request = self._requests.get(seq.request_id)
+            first_lp, lp_row = lp_row, lp_row + n
             if request is None:
                 continue
             det = request.detoks[seq.index]
-            if logprobs is not None and seq.params.logprobs is not None:
-                self._add_logprobs(seq, seq.token_ids[-1], logprobs[j])
-            if det is not None and det.add(seq.token_ids[-1]):
-                seq.stop_reason = det.stop_string
-                if seq.is_finished:
-                    seq.finish_reason = "stop"  # a stop string outranks max_tokens
-                else:
-                    self.scheduler.finish(seq, "stop")
+            for j in range(n):  # the seq's new tokens, in order (several after a verification)
+                token = seq.token_ids[j - n]
+                if logprobs is not None and seq.params.logprobs is not None:
+                    self._add_logprobs(seq, token, logprobs[first_lp + j])
+                if det is not None and det.add(token):
+                    seq.stop_reason = det.stop_string
+                    if j < n - 1:  # tokens after the one that completed the stop string go
+                        del seq.token_ids[j + 1 - n:], seq.output_ids[j + 1 - n:]
+                    if seq.is_finished:
+                        seq.finish_reason = "stop"  # a stop string outranks max_tokens
+                    else:
+                        self.scheduler.finish(seq, "stop")
+                    break
             if seq.is_finished:
                 if det is not None:
                     det.finalize()
@@ -360,6 +375,19 @@ class LLMEngine:
             elif request.stream:
                 changes.append((request, indices))
         return changes
+
+    def _apply_verified(self, batch: ScheduledBatch, sampled: list[int], logprobs: list | None):
+        """Apply a verification step: (each seq with how many tokens it got, the log-probability
+        entries of those tokens in the same order, or None)."""
+        drafts = batch.draft_tokens
+        emitted = self.speculator.verify(drafts, sampled)
+        self.speculator.observe(batch.seqs, drafts, emitted)
+        changed = self.scheduler.update_verified(batch, emitted)
+        if logprobs is not None:
+            # token j of seq i was sampled at its row j (rows of each seq consecutive)
+            firsts = itertools.accumulate((1 + len(d) for d in drafts[:-1]), initial=0)
+            logprobs = [logprobs[f + j] for f, (_, n) in zip(firsts, changed) for j in range(n)]
+        return changed, logprobs
 
     # ---- outputs ------------------------------------------------------------------------------
 

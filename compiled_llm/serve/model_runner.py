@@ -257,21 +257,28 @@ class ModelRunner:
         self._last_logit_rows, self._prompt_lp_rows = None, []
         ahead = 0 if ahead_of is None else 1
         assert ahead == 0 or batch.is_decode, "only decode steps are scheduled ahead"
-        if batch.is_decode:
-            bucket = self.graphs.bucket_for(S) if self.decode_buckets else None
+        if batch.is_decode or batch.is_verify:
+            # a verification step is a decode step of one row per token: each row a one-token
+            # query whose context ends at its own position, so the decode graphs (by row count)
+            # replay it and every position yields its logits
+            R = batch.num_tokens
+            bucket = self.graphs.bucket_for(R) if self.decode_buckets else None
             if bucket is not None:
                 # Padded to the bucket at full width, with or without graphs: eager decode
                 # runs exactly the kernels and shapes the graphs replay.
                 inputs, T, width = self.decode_inputs(), bucket, self.width
                 graphs = self.graphs if self.graphs.enabled else None
             else:
-                inputs, T, width, graphs = self.inputs, S, self._width_of(seqs), None
-            self._fill_decode(inputs, seqs, rows, T, width, ahead)
+                inputs, T, width, graphs = self.inputs, R, self._width_of(seqs), None
+            if batch.is_verify:
+                self._fill_verify(inputs, seqs, rows, batch.draft_tokens, T, width)
+            else:
+                self._fill_decode(inputs, seqs, rows, T, width, ahead)
             self._copy_in(inputs, T, T, width)
             self._tokens_from(ahead_of, ahead_rows, S, inputs.dev["tok"])
             if graphs is not None:
-                return graphs.run(T, S)
-            return self._run_program(inputs.views(T, T, width))[:S]
+                return graphs.run(T, R)
+            return self._run_program(inputs.views(T, T, width))[:R]
         inputs = self.inputs
         split = [s.wants_prompt_logprobs for s in seqs]
         bucket = None
@@ -326,22 +333,33 @@ class ModelRunner:
         if not rows:
             return None, None
         step_rows = self._step_rows
-        if len(rows) != len(batch.seqs):
+        seqs = batch.seqs
+        if batch.is_verify:
+            # every position of every seq samples with its seq's parameters and generator
+            counts = batch.num_new_tokens
+            step_rows = np.repeat(step_rows, counts)
+            seqs = [s for s, n in zip(seqs, counts) for _ in range(n)]
+        elif len(rows) != len(batch.seqs):
             logits = logits.index_select(0, self._to_device(rows))
             step_rows = step_rows[rows]
+            seqs = [batch.seqs[r] for r in rows]
         table = self._row_params[step_rows]
         if not (table[:, 0] > 0).any() and not penalised_rows(table).any():
             ids = greedy_ids(logits)
         else:
             st = self._sampling_tensors(step_rows, table, logits)
-            seqs = [batch.seqs[r] for r in rows]
             gens = [s.generator for s in seqs] if table[:, 8].any() else None
             seen = None
             if st.has_penalties:
                 runner_rows = self._to_device(step_rows.tolist())
                 seen = self.history.counts_and_prompt_mask(runner_rows, max(s.num_tokens for s in seqs) + 1)
             ids = sample(logits, st, gens, seen)
-            if st.has_penalties:
+            if st.has_penalties and batch.is_verify:
+                # penalised seqs never draft: their one row's sample is their new token; the
+                # drafting rows' samples are not all kept, and their history is never read
+                keep = self._to_device(np.flatnonzero(penalised_rows(table)).tolist())
+                self.history.append(runner_rows.index_select(0, keep), ids.index_select(0, keep))
+            elif st.has_penalties:
                 self.history.append(runner_rows, ids)
         k = int(table[:, 7].max())
         return ids, (token_logprobs(logits, ids, k) if k >= 0 else None)
@@ -389,6 +407,31 @@ class ModelRunner:
         if padded > S:
             inputs.pad_tokens(S, padded)
             inputs.pad_seqs(S, padded, width, seq_len=0)
+
+    def _fill_verify(self, inputs: StepInputs, seqs: list[Sequence], rows: np.ndarray, drafts: list[list[int]],
+                     padded: int, width: int) -> None:
+        """Seq i's last token and its drafts as 1 + len(drafts[i]) one-token rows at
+        consecutive positions, each attending up to its own position (every layer stores the
+        step's K/V before it attends); rows past them up to ``padded`` are padding."""
+        npb = inputs.np
+        counts = np.fromiter((1 + len(d) for d in drafts), dtype=np.int64, count=len(seqs))
+        R = int(counts.sum())
+        owner = np.repeat(np.arange(len(seqs)), counts)
+        first = np.cumsum(counts) - counts
+        start = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        pos = start[owner] + np.arange(R) - first[owner]
+        npb["tok"][:R] = [t for s, d in zip(seqs, drafts) for t in (s.token_ids[-1], *d)]
+        npb["pos"][:R] = pos
+        bs = self.block_size
+        runner_rows = rows[owner]
+        tables = self.rows.tables
+        npb["slot"][:R] = tables[runner_rows, pos // bs].astype(np.int64) * bs + pos % bs
+        npb["sl"][:R] = pos + 1
+        npb["qsl"][: R + 1] = np.arange(R + 1, dtype=np.int32)
+        inputs.block_table(R, width)[:] = tables[runner_rows, :width]
+        if padded > R:
+            inputs.pad_tokens(R, padded)
+            inputs.pad_seqs(R, padded, width, seq_len=0)
 
     def _fill_mixed(self, inputs: StepInputs, seqs: list[Sequence], rows: np.ndarray, num_new: list[int],
                     width: int, split: list[bool]) -> tuple[int, int]:

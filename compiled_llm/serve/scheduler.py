@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from compiled_llm.serve.block_manager import BlockManager
 from compiled_llm.serve.sequence import Sequence, SequenceStatus
+from compiled_llm.serve.spec_decode.speculator import Speculator
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class ScheduledBatch:
     sample_rows: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)
+    # a verification step: each seq's draft tokens (maybe none), computed after its last token
+    draft_tokens: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,11 +78,18 @@ class ScheduledBatch:
         shape: a one-token chunk of a prompt computes one token too, but not the last one."""
         return bool(self.seqs) and len(self.sample_rows) == len(self.seqs) == self.num_tokens
 
+    @property
+    def is_verify(self) -> bool:
+        """A decode step whose sequences also compute draft tokens (one logits row per token)."""
+        return self.draft_tokens is not None
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, stop_token_ids=()):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, stop_token_ids=(),
+                 speculator: Speculator | None = None):
         self.config = config
         self.bm = block_manager
+        self.speculator = speculator
         self.eos_token_ids = frozenset(stop_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -193,7 +203,30 @@ class Scheduler:
             self._start(batch, seq, n, cached, shared=source is not None)
             extra_rows += n - 1 if seq.wants_prompt_logprobs else 0
             budget -= n
+        if self.speculator is not None and batch.is_decode and not batch.preempted:
+            self._add_drafts(batch, budget)
         return batch
+
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """Turn a pure decode step into a verification step where the speculator proposes
+        drafts: each fits the seq's max_tokens (the step emits at most drafts + 1 tokens), the
+        model length, the step's token budget and row limit, and the free blocks."""
+        room = []
+        for seq in batch.seqs:
+            left = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens) - 1
+            room.append(max(0, min(left, budget)))
+        drafts = self.speculator.propose(batch.seqs, room, self.config.max_num_seqs)
+        if drafts is None:
+            return
+        for i, (seq, draft) in enumerate(zip(batch.seqs, drafts)):
+            draft = draft[:budget]
+            if draft and not self.bm.allocate_slots(seq, 1 + len(draft)):
+                draft = []
+            drafts[i] = draft
+            batch.num_new_tokens[i] = 1 + len(draft)
+            budget -= len(draft)
+        if any(drafts):
+            batch.draft_tokens = drafts
 
     def _start(self, batch: ScheduledBatch, seq: Sequence, n: int, cached: int, shared: bool) -> None:
         """A waiting seq, its slots allocated, runs from this step with its first n tokens."""
@@ -252,6 +285,8 @@ class Scheduler:
         new step (None: all, in order)."""
         if self.waiting or not batch.is_decode:
             return None
+        if self.speculator is not None and self.speculator.likely_to_draft(batch.seqs, self.config.max_num_seqs):
+            return None  # the next step should verify drafts, which needs this step's tokens
         limit = self.config.max_model_len
         ahead = ScheduledBatch()
         rows: list[int] = []
@@ -298,6 +333,35 @@ class Scheduler:
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
+        return out
+
+    def update_verified(self, batch: ScheduledBatch, emitted: list[list[int]]) -> list[tuple[Sequence, int]]:
+        """Account for a verification step: emitted[i] are seq i's accepted drafts and the
+        token after them. Each token is checked like a decoded one, and a stop ends the list
+        there. The seq's last token and accepted drafts now have their K/V; the rejected
+        drafts' slots are rolled back (num_computed_tokens stops before them). Returns each seq
+        with how many tokens it got."""
+        now = time.perf_counter()
+        out = []
+        for seq, tokens in zip(batch.seqs, emitted):
+            reason = None
+            applied = 0
+            for token in tokens:
+                seq.token_ids.append(token)
+                seq.output_ids.append(token)
+                applied += 1
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            # the rejected drafts' K/V lies past num_computed_tokens: the next step overwrites
+            # it; their blocks stay with the seq for the tokens that come next, as in vLLM
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.bm.commit(seq)
+            if reason is not None:
+                self.finish(seq, reason)
+            out.append((seq, applied))
         return out
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

@@ -72,6 +72,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     # Per prompt token after the first when params.prompt_logprobs is set, same shape.
     prompt_logprobs: list[dict] = field(default_factory=list)
+    # the speculator's per-sequence state (its n-gram index, acceptance), made on first use
+    draft_state: object | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     def __post_init__(self):
