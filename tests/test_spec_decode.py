@@ -273,3 +273,31 @@ def test_run_prints_the_acceptance_and_refuses_speculation_on_the_reference_loop
     assert "of " in out and "draft tokens accepted, mean accepted length" in out
     assert main(["run", "tiny-qwen2", "--eager", "--prompt", "hi", "--speculative-config", config]) != 0
     assert "--speculative-config needs the compiled runtime" in capsys.readouterr().err
+
+
+def test_the_server_speculates_and_streams_what_plain_decoding_gives(tiny_engine, tmp_path):
+    """``serve --speculative-config``: concurrent streamed completions of repeating prompts come
+    back token for token as the offline engine without speculation gives them."""
+    import asyncio
+
+    import openai
+    from server_fixtures import serve_process
+
+    loaded = load_model(str(tiny_engine), device="cpu")
+    prompts = _prompts(loaded.config.vocab_size, seed=3)[::2]  # the repeating ones
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].text for o in LLM.from_loaded(loaded).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+    async def one(client, prompt) -> str:
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0.0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them(url) -> list[str]:
+        async with openai.AsyncOpenAI(base_url=url, api_key="k", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    with serve_process(tiny_engine, "--served-model-name", "tiny", "--speculative-config", json.dumps(NGRAM),
+                       log_path=tmp_path / "serve.log") as server:
+        assert asyncio.run(all_of_them(server.api_url)) == want
