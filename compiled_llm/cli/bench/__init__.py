@@ -1,8 +1,10 @@
 """`compiled-llm bench ENGINE_DIR --workload latency|throughput|prefill|coldstart|all|serving`: the
 project's workloads (``workloads.py``, ``coldstart.py``) on a built engine, with Hugging Face
 transformers measured in the same run (built from the engine's source config with random
-weights) and one table comparing them; ``serving`` (``serving.py``) times ``compiled-llm serve``
-from a client process against offline generation instead. Results are recorded in BENCHMARKS.md."""
+weights; for an engine built with ``--quantization``, the latency workload also with torchao's
+weight-only quantization of that scheme, ``torchao_peer.py``) and one table comparing them;
+``serving`` (``serving.py``) times ``compiled-llm serve`` from a client process against offline
+generation instead. Results are recorded in BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -127,6 +129,7 @@ def run(args) -> int:
             results.extend(wl.run_compiled(llm, (w,)))
     hf_cfg = None if args.no_hf else hf_config_of(llm)
     dtype = llm.model.dtype
+    scheme = ((llm.model.manifest or {}).get("build_options") or {}).get("quantization")
     del llm  # free the engine's memory for the peer
     if hf_cfg is not None:
         import gc
@@ -138,6 +141,10 @@ def run(args) -> int:
             torch.cuda.empty_cache()
         for w in workloads:  # each in a child process (see workloads.run_hf_child)
             results.append(wl.run_hf_child(hf_cfg, dtype, device, w, args.num_requests))
+        if scheme and "latency" in workloads:  # a quantized engine: torchao's same scheme too
+            from compiled_llm.cli.bench import torchao_peer
+
+            results.append(torchao_peer.run_torchao_child(hf_cfg, dtype, device, scheme))
     table = wl.format_table(results)
     if cold:
         from compiled_llm.cli.bench import coldstart

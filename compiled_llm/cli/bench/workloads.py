@@ -8,7 +8,9 @@ way in the same run.
   output tok/s = sum(max_tokens) / wall time.
 - prefill: one 1024-token prompt; time to first token.
 
-HF peers: latency uses a static cache + torch.compile (mode reduce-overhead) on the same shapes;
+HF peers: latency uses a static cache + torch.compile (mode reduce-overhead) on the same shapes
+(and, for an engine built with ``--quantization``, the same after torchao's weight-only
+quantization of that scheme: ``torchao_peer.py``);
 throughput uses static batching (all requests left-padded to the longest, max(max_tokens) steps
 for the batch), measured over a capped number of decode steps and extrapolated (each extra step
 costs at least the measured average, so the extrapolation flatters HF). Every workload warms up
@@ -177,14 +179,26 @@ class _TokenClock:
 HF_COMPILE_VARIANTS = ("auto", "default")
 
 
-def hf_latency(hf_config: dict, dtype, device, new_tokens: int = 256, repeats: int = 3, variant: str = "auto") -> Result:
+class PrepareError(RuntimeError):
+    """``hf_latency``'s ``prepare`` (a peer's change to the model, such as quantizing it) failed."""
+
+
+def hf_latency(hf_config: dict, dtype, device, new_tokens: int = 256, repeats: int = 3, variant: str = "auto",
+               prepare=None, system: str = "hf static+compile") -> Result:
     """variant "auto": transformers' own path (a static cache makes generate() compile the
     decoding forward, CUDA graphs included); "default": our torch.compile(mode="default") of
     the forward, the fallback when the first crashes (seen: a segfault in torch 2.11's CUDA-graph
-    trees under transformers 5.17)."""
+    trees under transformers 5.17). ``prepare(model)``, when given, changes the model before
+    anything is compiled and returns a note (raised as PrepareError when it fails)."""
     import torch
 
     model = hf_model(hf_config, dtype, device)
+    prepared = ""
+    if prepare is not None:
+        try:
+            prepared = prepare(model) or ""
+        except Exception as e:
+            raise PrepareError(str(e)) from e
     model.generation_config.cache_implementation = "static"
     if variant == "default":
         model.forward = torch.compile(model.forward, mode="default", fullgraph=True)
@@ -209,8 +223,8 @@ def hf_latency(hf_config: dict, dtype, device, new_tokens: int = 256, repeats: i
             decode.append((new_tokens - 1) / (end - first))
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return Result("latency", "hf static+compile", {"decode_tok_s": statistics.median(decode), "ttft_ms": 1e3 * statistics.median(ttft)},
-                  note=f"compile {variant}, first call {first_call:.0f} s")
+    return Result("latency", system, {"decode_tok_s": statistics.median(decode), "ttft_ms": 1e3 * statistics.median(ttft)},
+                  note="; ".join(n for n in (prepared, f"compile {variant}, first call {first_call:.0f} s") if n))
 
 
 def hf_throughput(hf_config: dict, dtype, device, num_requests: int = 256, measured_steps: int = 64,
@@ -274,11 +288,13 @@ def hf_prefill(hf_config: dict, dtype, device, length: int = 1024, repeats: int 
     return Result("prefill", "hf eager", {"ttft_ms": 1e3 * med, "prefill_tok_s": length / med}, note="one forward, SDPA")
 
 
-def run_hf_child(hf_config: dict, dtype, device, workload: str, num_requests: int = 256) -> Result:
+def run_hf_child(hf_config: dict, dtype, device, workload: str, num_requests: int = 256,
+                 quantization: str | None = None) -> Result:
     """One HF workload in a fresh interpreter (``python -m compiled_llm.cli.bench.workloads``): its
     torch.compile and CUDA graphs then share nothing with our engine's, and a crash there (seen:
     a segfault in torch 2.11's CUDA-graph trees) cannot take our finished numbers with it. The
-    latency peer retries with the next compile variant when one crashes."""
+    latency peer retries with the next compile variant when one crashes. ``quantization``
+    (latency only): the torchao peer of that scheme (``torchao_peer.py``) instead."""
     import json
     import subprocess
     import sys
@@ -286,14 +302,23 @@ def run_hf_child(hf_config: dict, dtype, device, workload: str, num_requests: in
     failures = []
     for variant in HF_COMPILE_VARIANTS if workload == "latency" else (None,):
         spec = {"config": hf_config, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-                "workload": workload, "variant": variant, "num_requests": num_requests}
-        proc = subprocess.run([sys.executable, "-m", "compiled_llm.cli.bench.workloads", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=600)
+                "workload": workload, "variant": variant, "num_requests": num_requests, "quantization": quantization}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "compiled_llm.cli.bench.workloads", json.dumps(spec)],
+                                  capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            failures.append(f"variant {variant} timed out (600 s)")
+            continue
         for line in reversed(proc.stdout.splitlines()):
             if line.startswith("{"):
                 d = json.loads(line)
                 return Result(d["workload"], d["system"], d["metrics"], "; ".join(failures + [d.get("note", "")]))
-        failures.append(f"variant {variant} failed (exit {proc.returncode})")
+        last = next((ln.strip() for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "")
+        failures.append(f"variant {variant} failed (exit {proc.returncode}" + (f": {last[:160]})" if last else ")"))
+    if quantization:
+        from compiled_llm.cli.bench.torchao_peer import system_name
+
+        return Result(workload, system_name(quantization), {}, note="; ".join(failures))
     return Result(workload, "hf", {}, note="; ".join(failures))
 
 
@@ -305,7 +330,11 @@ def _hf_child(spec_json: str) -> int:
 
     spec = json.loads(spec_json)
     dtype, device = getattr(torch, spec["dtype"]), torch.device(spec["device"])
-    if spec["workload"] == "latency":
+    if spec["workload"] == "latency" and spec.get("quantization"):
+        from compiled_llm.cli.bench.torchao_peer import torchao_latency
+
+        res = torchao_latency(spec["config"], dtype, device, spec["quantization"], variant=spec["variant"])
+    elif spec["workload"] == "latency":
         res = hf_latency(spec["config"], dtype, device, variant=spec["variant"])
     elif spec["workload"] == "throughput":
         res = hf_throughput(spec["config"], dtype, device, spec.get("num_requests", 256))
@@ -341,20 +370,22 @@ LOWER_IS_BETTER = {"ttft_ms", "wall_s"}
 
 
 def format_table(results: list[Result]) -> str:
-    """One row per workload and metric: compiled_llm, the HF peer, and the speedup."""
+    """One row per workload and metric: compiled_llm, the HF peer, and the speedup; a further
+    peer of a workload (the torchao one of a quantized engine) adds the same rows against it."""
     rows = [("workload", "metric", "compiled_llm", "hf", "speedup", "notes")]
     for w in WORKLOADS:
         ours = next((r for r in results if r.workload == w and r.system == "compiled_llm"), None)
-        peer = next((r for r in results if r.workload == w and r.system != "compiled_llm"), None)
+        peers = [r for r in results if r.workload == w and r.system != "compiled_llm"] or [None]
         if ours is None:
             continue
-        for metric, value in ours.metrics.items():
-            other = peer.metrics.get(metric) if peer else None
-            speed = ""
-            if other:
-                speed = f"{(other / value if metric in LOWER_IS_BETTER else value / other):.2f}x"
-            notes = "; ".join(n for n in (ours.note, f"hf: {peer.system}, {peer.note}" if peer else "") if n)
-            rows.append((w, metric, f"{value:,.1f}", f"{other:,.1f}" if other else "-", speed, notes if metric == HEADLINE[w] else ""))
+        for i, peer in enumerate(peers):
+            for metric, value in ours.metrics.items():
+                other = peer.metrics.get(metric) if peer else None
+                speed = ""
+                if other:
+                    speed = f"{(other / value if metric in LOWER_IS_BETTER else value / other):.2f}x"
+                notes = "; ".join(n for n in (ours.note if i == 0 else "", f"hf: {peer.system}, {peer.note}" if peer else "") if n)
+                rows.append((w, metric, f"{value:,.1f}", f"{other:,.1f}" if other else "-", speed, notes if metric == HEADLINE[w] else ""))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = []
     for i, r in enumerate(rows):
