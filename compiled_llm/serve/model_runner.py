@@ -394,37 +394,35 @@ class ModelRunner:
         """One new token per sequence (its last); rows S..padded-1 are padding. ``ahead`` = 1:
         the token after the last, not sampled yet (its id is copied in on the device)."""
         S = len(seqs)
-        npb = inputs.np
-        tables = self.rows.tables
         pos = np.fromiter((s.num_computed_tokens + ahead for s in seqs), dtype=np.int64, count=S)
-        npb["tok"][:S] = 0 if ahead else [s.token_ids[-1] for s in seqs]
-        npb["pos"][:S] = pos
-        bs = self.block_size
-        npb["slot"][:S] = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        npb["sl"][:S] = pos + 1
-        npb["qsl"][: S + 1] = np.arange(S + 1, dtype=np.int32)
-        inputs.block_table(S, width)[:] = tables[rows, :width]
-        if padded > S:
-            inputs.pad_tokens(S, padded)
-            inputs.pad_seqs(S, padded, width, seq_len=0)
+        tok = 0 if ahead else [s.token_ids[-1] for s in seqs]
+        self._fill_token_rows(inputs, tok, pos, rows, padded, width)
 
     def _fill_verify(self, inputs: StepInputs, seqs: list[Sequence], rows: np.ndarray, drafts: list[list[int]],
                      padded: int, width: int) -> None:
         """Seq i's last token and its drafts as 1 + len(drafts[i]) one-token rows at
         consecutive positions, each attending up to its own position (every layer stores the
         step's K/V before it attends); rows past them up to ``padded`` are padding."""
-        npb = inputs.np
         counts = np.fromiter((1 + len(d) for d in drafts), dtype=np.int64, count=len(seqs))
         R = int(counts.sum())
         owner = np.repeat(np.arange(len(seqs)), counts)
         first = np.cumsum(counts) - counts
         start = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         pos = start[owner] + np.arange(R) - first[owner]
-        npb["tok"][:R] = [t for s, d in zip(seqs, drafts) for t in (s.token_ids[-1], *d)]
+        tok = [t for s, d in zip(seqs, drafts) for t in (s.token_ids[-1], *d)]
+        self._fill_token_rows(inputs, tok, pos, rows[owner], padded, width)
+
+    def _fill_token_rows(self, inputs: StepInputs, tok, pos: np.ndarray, runner_rows: np.ndarray, padded: int,
+                         width: int) -> None:
+        """Rows of one token each: row r is token tok[r] at position pos[r] of the request in
+        runner row runner_rows[r], attending up to that position; rows past them up to
+        ``padded`` write nowhere and attend to nothing."""
+        R = len(pos)
+        npb = inputs.np
+        tables = self.rows.tables
+        npb["tok"][:R] = tok
         npb["pos"][:R] = pos
         bs = self.block_size
-        runner_rows = rows[owner]
-        tables = self.rows.tables
         npb["slot"][:R] = tables[runner_rows, pos // bs].astype(np.int64) * bs + pos % bs
         npb["sl"][:R] = pos + 1
         npb["qsl"][: R + 1] = np.arange(R + 1, dtype=np.int32)
