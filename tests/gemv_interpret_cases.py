@@ -328,3 +328,114 @@ def test_int8_qkv_rope_equals_its_dequantizing_reference(T, bias, qk_norm, rope,
     qargs = [args[0], *_int8(args[1]), *args[2:]]
     ref = quantized_ops.fused_qkv_rope_wq_ref(*qargs, norm_weight=nw, norm_eps=1e-6)
     _check_qkv(triton_qkv_rope.fused_qkv_rope_wq(*qargs, norm_weight=nw, norm_eps=1e-6), ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# weight-only int4: the kernels' INT4 forms (which run at every T) equal the ops' dequantizing
+# references, at groups of 128 columns and at the narrower groups a K can demand
+# ---------------------------------------------------------------------------------------------
+
+# the tiny configs with K blocks that the INT4 forms widen to 32 columns (8x for fp32 x: as many
+# bytes a step as fp32 weights), so that K = 40 and up still takes several steps
+TINY_GEMV_INT4 = {**TINY_GEMV, "BLOCK_K": 4}
+TINY_MLP_INT4 = {**TINY_MLP, "BLOCK_H": 4}
+TINY_QKV_INT4 = {**TINY_QKV, "BLOCK_K": 4}
+
+
+def _int4(w):
+    from compiled_llm.graph.quantized_ops import quantize
+
+    return quantize(w, "int4")
+
+
+# K = 256: groups of 128 (a thread's 16 bytes); 40: groups of 8 (4 bytes); 6: groups of 2 (1 byte)
+@pytest.mark.parametrize("T,tiny,K", [(1, False, 256), (3, False, 256), (1, True, 40), (3, True, 40), (3, False, 6),
+                                      pytest.param(3, True, 256, marks=SLOW)])
+def test_int4_gemv_equals_the_linear_of_the_dequantized_weight(T, tiny, K):
+    """Weight-only int4: each chunk's codes decoded once for every row of x, the group's scale and
+    zero point applied per thread and chunk; the result is the linear of the dequantized weight."""
+    from compiled_llm.graph.quantized_ops import dequantize
+
+    if tiny:
+        launch_configs.use_configs({"gemv": {"inf": TINY_GEMV_INT4}})
+    x, w, b, r = _linear_case(T, 37, K, True, seed=30 + T)
+    q, scale, zero = _int4(w)
+    deq = dequantize(q, scale, zero, F32)
+    assert rel_err(triton_gemv.linear_residual_wq(x, q, scale, zero, b, r), r + F.linear(x, deq, b)) <= TOL
+    assert rel_err(triton_gemv.linear_wq(x, q, scale, zero), F.linear(x, deq)) <= TOL
+
+
+def test_int4_gemv_reads_rows_that_start_at_odd_columns():
+    """The INT4 form reads x two columns to a word: rows at odd columns (or an odd stride) are
+    copied first, not read misaligned."""
+    from compiled_llm.graph.quantized_ops import dequantize
+
+    gen = torch.Generator().manual_seed(5)
+    x = _rand(gen, 3, 97)[:, 1:]
+    q, scale, zero = _int4(_rand(gen, 37, 96, scale=0.1))
+    assert rel_err(triton_gemv.linear_wq(x, q, scale, zero), F.linear(x, dequantize(q, scale, zero, F32))) <= TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_forms_read_16_bit_activations_in_pairs(dtype):
+    """bf16/fp16 x (and norm weights) are read as 32-bit words of two values: the GEMV and the
+    LayerNorm MLP (norm weight and bias pairs) against the ops' references, which round the
+    dequantized weight to the dtype; 2e-2: the unquantized kernels are as far from the bf16
+    reference on these MLP inputs (its roundings in a different order)."""
+    from compiled_llm.graph import quantized_ops
+
+    x, w, b, r = (t.to(dtype) for t in _linear_case(2, 37, 96, True, seed=40))
+    q, scale, zero = _int4(w.float())
+    ref = quantized_ops.fused_linear_residual_wq_ref(x, q, scale, zero, b, r)
+    assert rel_err(triton_gemv.linear_residual_wq(x, q, scale, zero, b, r), ref) <= 2e-2
+    x, nw, nb, eps, fc, fb, proj, pb = mlp_gelu_inputs(1, 40, 56, dtype, "cpu", seed=41)
+    args = (x, nw, nb, eps, *_int4(fc.float()), fb, *_int4(proj.float()), pb)
+    ref = quantized_ops.fused_layer_norm_gelu_mlp_wq_ref(*args)
+    assert rel_err(triton_norm_mlp.fused_layer_norm_gelu_mlp_wq(*args), ref) <= 2e-2
+
+
+# H = 40, I = 56: groups of 8; H = 96, I = 64: groups of 32 and 64
+@pytest.mark.parametrize("T,tiny,H,I", [(1, False, 40, 56), (3, True, 40, 56), (1, False, 96, 64),
+                                        pytest.param(3, True, 96, 64, marks=SLOW)])
+def test_int4_norm_mlps_equal_their_dequantizing_references(T, tiny, H, I):
+    from compiled_llm.graph import quantized_ops
+
+    if tiny:
+        launch_configs.use_configs({"norm_mlp_decode": {"inf": TINY_MLP_INT4},
+                                    "norm_mlp_down": {"inf": TINY_GEMV_INT4}})
+    x, nw, eps, gate_up, down = mlp_glu_inputs(T, H, I, F32, "cpu", seed=100 + T)
+    r = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+    args = (x, nw, eps, *_int4(gate_up), *_int4(down), r)
+    ref = quantized_ops.fused_rms_norm_glu_mlp_wq_ref(*args)
+    assert rel_err(triton_norm_mlp.fused_rms_norm_glu_mlp_wq(*args), ref) <= TOL
+    x, nw, nb, eps, fc, fb, proj, pb = mlp_gelu_inputs(T, H, I, F32, "cpu", seed=110 + T)
+    args = (x, nw, nb, eps, *_int4(fc), fb, *_int4(proj), pb, r)
+    ref = quantized_ops.fused_layer_norm_gelu_mlp_wq_ref(*args)
+    assert rel_err(triton_norm_mlp.fused_layer_norm_gelu_mlp_wq(*args), ref) <= TOL
+
+
+def test_int4_and_int8_weights_mix_in_one_mlp():
+    """Each weight's scheme is its own: int4 gate/up and an int8 down projection."""
+    from compiled_llm.graph import quantized_ops
+
+    x, nw, eps, gate_up, down = mlp_glu_inputs(1, 40, 56, F32, "cpu", seed=120)
+    args = (x, nw, eps, *_int4(gate_up), *_int8(down))
+    ref = quantized_ops.fused_rms_norm_glu_mlp_wq_ref(*args)
+    assert rel_err(triton_norm_mlp.fused_rms_norm_glu_mlp_wq(*args), ref) <= TOL
+
+
+@pytest.mark.parametrize("T,tiny,kind", [
+    *[(1, False, kind) for kind in QKV_KINDS[:3]], (2, True, QKV_KINDS[0]),
+    *[pytest.param(3, True, kind, marks=SLOW) for kind in QKV_KINDS[1:3]],
+])
+def test_int4_qkv_rope_equals_its_dequantizing_reference(T, tiny, kind):
+    """H = 40: groups of 8, in 2 chunks with the tiny config, which also has 2 rows of x share
+    each chunk's codes (with q/k norm a head's pairs are walked 4 at a time)."""
+    from compiled_llm.graph import quantized_ops
+
+    if tiny:
+        launch_configs.use_configs({"qkv_decode": {"inf": TINY_QKV_INT4}})
+    args, nw = _qkv_args(T, *kind, seed=130 + T)
+    qargs = [args[0], *_int4(args[1]), *args[2:]]
+    ref = quantized_ops.fused_qkv_rope_wq_ref(*qargs, norm_weight=nw, norm_eps=1e-6)
+    _check_qkv(triton_qkv_rope.fused_qkv_rope_wq(*qargs, norm_weight=nw, norm_eps=1e-6), ref)

@@ -8,6 +8,8 @@ than in scarce GPU time. Launch-shaped arguments: bf16/fp16 the real dtypes, fp3
 IEEE-dot variants.
 """
 
+import inspect
+
 import pytest
 from interpret_child import import_triton, require_compiled_kernels
 
@@ -66,14 +68,17 @@ def _cases(dt):
             **_stride_args("stride_x", "stride_r", "stride_o", "stride_s", "N"), "eps": 1.0,
         }, dict(IS_RMS=rms, HAS_RESIDUAL=rms, BLOCK_N=2048, STORE_INPUT=not rms)
         mlp_args = {
-            **ptr("x_ptr", "nw_ptr", "nb_ptr", "w1_ptr", "b1_ptr", "act_ptr"), "s1_ptr": "*fp32", "eps": 1.0,
-            **_stride_args("T", "H", "I", "stride_x", "stride_w1", "stride_a"),
+            **ptr("x_ptr", "nw_ptr", "nb_ptr", "w1_ptr", "b1_ptr", "act_ptr"), "s1_ptr": "*fp32", "z1_ptr": "*fp32",
+            "eps": 1.0, **_stride_args("T", "H", "I", "stride_x", "stride_w1", "stride_a"),
         }
         yield f"norm_mlp_decode rms={rms}", tm._norm_mlp_decode_kernel, 4, mlp_args, dict(
             IS_RMS=rms, IS_GLU=rms, BLOCK_T=4, BLOCK_I=2, BLOCK_H=1024, PDL=rms, SCALED=False)
         # weight-only int8: int8 weight rows, a scale per row
         yield f"norm_mlp_decode int8 rms={rms}", tm._norm_mlp_decode_kernel, 4, {**mlp_args, "w1_ptr": "*i8"}, dict(
             IS_RMS=rms, IS_GLU=rms, BLOCK_T=4, BLOCK_I=2, BLOCK_H=2048, PDL=rms, SCALED=True)
+        # weight-only int4: two weights a byte, a scale and zero point per group of 128 columns
+        yield f"norm_mlp_decode int4 rms={rms}", tm._norm_mlp_decode_kernel, 4, {**mlp_args, "w1_ptr": "*u8"}, dict(
+            IS_RMS=rms, IS_GLU=rms, BLOCK_T=2, BLOCK_I=2, BLOCK_H=2048, PDL=rms, INT4=True, GROUP=128, VB=16)
         yield f"act glu={rms}", tm._act_kernel, 4, {
             **ptr("in_ptr", "out_ptr"), **_stride_args("I", "stride_in", "stride_out"),
         }, dict(IS_GLU=rms, BLOCK=1024)
@@ -92,6 +97,12 @@ def _cases(dt):
             HAS_ROPE=True, BLOCK_T=16)
 
 
+def _with_defaults(kernel, consts):
+    """``consts`` and the kernel's other constexprs at their defaults, as a launch leaves them."""
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    return {**defaults, **consts}
+
+
 def _signature(kernel, args, consts):
     sig = {}
     for name in kernel.arg_names:
@@ -108,6 +119,7 @@ def test_every_kernel_compiles_for_sm90(dt):
     require_compiled_kernels()
     failures = []
     for label, kernel, num_warps, args, consts in _cases(dt):
+        consts = _with_defaults(kernel, consts)
         try:
             src = ASTSource(fn=kernel, signature=_signature(kernel, args, consts), constexprs=consts)
             compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": 2})

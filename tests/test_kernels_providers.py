@@ -3,6 +3,7 @@ optional epilogue/prologue arguments compute (CPU, no kernel runs here: the Trit
 exercised by test_kernels_interpret.py and the GPU tests; the providers' shape fallbacks to the
 reference do run here)."""
 
+import inspect
 import json
 
 import pytest
@@ -208,24 +209,33 @@ def _reference_cases():
     }
 
 
-def _quantized_cases():
-    """The weight-only quantized ops: int8 weights for some, int4 for others (both encodings
-    must pass through the schema and the fake)."""
+def _quantized_cases(scheme=None, T=3):
+    """The weight-only quantized ops with ``scheme``'s weights, or int8 weights for some and int4
+    for others (both encodings must pass through the schema and the fake)."""
     from compiled_llm.graph.quantized_ops import quantize
 
     f32 = torch.float32
-    x, w, b, r = _linear_residual_inputs(3, 32, 24, bias=True, seed=13)
-    qkv = qkv_inputs(3, 32, 4, 2, 16, f32, "cpu", 14, bias=True, qk_norm=True, rope=True, max_pos=8)
-    glu = mlp_glu_inputs(3, 32, 24, f32, "cpu", 15)
-    gelu = mlp_gelu_inputs(3, 32, 24, f32, "cpu", 16)
+    s8, s4 = ("int8", "int4") if scheme is None else (scheme, scheme)
+    x, w, b, r = _linear_residual_inputs(T, 32, 24, bias=True, seed=13)
+    qkv = qkv_inputs(T, 32, 4, 2, 16, f32, "cpu", 14, bias=True, qk_norm=True, rope=True, max_pos=8)
+    glu = mlp_glu_inputs(T, 32, 24, f32, "cpu", 15)
+    gelu = mlp_gelu_inputs(T, 32, 24, f32, "cpu", 16)
     return {
-        "linear_wq": (x, *quantize(w, "int8"), b),
-        "fused_linear_residual_wq": (x, *quantize(w, "int4"), b, r),
-        "fused_qkv_rope_wq": (qkv[0], *quantize(qkv[1], "int8"), *qkv[2:]),
-        "fused_rms_norm_glu_mlp_wq": (*glu[:3], *quantize(glu[3], "int4"), *quantize(glu[4], "int8")),
-        "fused_layer_norm_gelu_mlp_wq": (*gelu[:4], *quantize(gelu[4], "int8"), gelu[5], *quantize(gelu[6], "int4"),
-                                         gelu[7]),
+        "linear_wq": (x, *quantize(w, s8), b),
+        "fused_linear_residual_wq": (x, *quantize(w, s4), b, r),
+        "fused_qkv_rope_wq": (qkv[0], *quantize(qkv[1], s8), *qkv[2:]),
+        "fused_rms_norm_glu_mlp_wq": (*glu[:3], *quantize(glu[3], s4), *quantize(glu[4], s8)),
+        "fused_layer_norm_gelu_mlp_wq": (*gelu[:4], *quantize(gelu[4], s8), gelu[5], *quantize(gelu[6], s4), gelu[7]),
     }
+
+
+QUANTIZED_OPS = list(_quantized_cases())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("name", QUANTIZED_OPS)
+def test_opcheck_quantized_op_with_each_scheme(name, scheme):
+    torch.library.opcheck(getattr(torch.ops.cllm, name), _quantized_cases(scheme)[name])
 
 
 @pytest.mark.parametrize("name", list(ops.OPS))
@@ -314,6 +324,40 @@ def test_triton_qkv_fallback_keeps_the_input_norm():
                                        rope=False), 22)
     for got, want in zip(providers.provider_op("fused_qkv_rope", "triton")(*args), fused_ops.fused_qkv_rope_ref(*args)):
         assert torch.equal(got, want)
+
+
+def _handles(name):
+    return providers.TRITON_KERNELS[name][1]
+
+
+def _handles_args(name, args):
+    """The arguments of a call that its provider's ``handles`` reads, by name."""
+    params = ops.OPS[name].params
+    wanted = inspect.signature(_handles(name)).parameters
+    return {p: args[params.index(p)] for p in wanted}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("name", QUANTIZED_OPS)
+def test_triton_quantized_providers_take_both_schemes_at_decode_sizes_only(name, scheme):
+    """An int8 or int4 engine's decode steps run the kernels, never the dequantizing reference;
+    prefill sizes do run it (dequantize, then cuBLAS)."""
+    decode = _quantized_cases(scheme, T=1)[name]
+    prefill = _quantized_cases(scheme, T=64)[name]
+    assert _handles(name)(**_handles_args(name, decode))
+    assert not _handles(name)(**_handles_args(name, prefill))
+
+
+def test_triton_int4_providers_refuse_groups_their_kernels_do_not_tile():
+    """A thread's 16 bytes (32 columns) must lie in one group: groups of 48 columns (not from
+    quantize, which makes powers of two) go to the reference."""
+    from compiled_llm.graph.quantized_ops import quantize
+
+    x, w, _, _ = _linear_residual_inputs(1, 96, 24, bias=True, seed=22)
+    q, scale, zero = quantize(w, "int4")  # groups of 32
+    assert _handles("linear_wq")(x, q, scale, zero)
+    assert not _handles("linear_wq")(x, q, scale[:, :2], zero[:, :2])  # 2 groups of 48
+    assert not _handles("linear_wq")(x, q, scale, None)  # uint8 weights need their zero points
 
 
 def test_runtime_program_calls_provider_functions_directly_and_keeps_the_saved_graph():

@@ -12,7 +12,7 @@ from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.export import FlatProgram, param_placeholder_names
 from compiled_llm.graph.quantized_ops import dequantize, int4_group_size, quantize
 from compiled_llm.graph.spec import forward
-from compiled_llm.model.presets import preset_config
+from compiled_llm.model.presets import PRESET_NAMES, preset_config
 from compiled_llm.model.weights import random_params
 from compiled_llm.passes import default_pass_names
 
@@ -104,6 +104,38 @@ def test_quantized_program_equals_the_model_with_dequantized_weights(family, sch
     # and the quantization itself changed the logits (the test would not notice a no-op pass)
     plain = forward(config, params, batch, kv.clone())
     assert not torch.allclose(got, plain, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_decode_kernels_stream_every_weight_the_pass_quantizes(family, scheme):
+    """A quantized engine's decode steps never dequantize for the weights' encoding: the Triton
+    kernels take every (qweight, scale, zero) the pass stores (their providers also check the
+    step's size: prefill sizes dequantize and run cuBLAS)."""
+    pytest.importorskip("triton")
+    from compiled_llm.kernels.triton_gemv import streams_quantized
+
+    config = preset_config(family)
+    lowered = lower(config, random_params(config, seed=3), default_pass_names(), "cpu", torch.float32,
+                    quantization=scheme)
+    p = lowered.params
+    weights = [n.removesuffix(".qweight") for n in p if n.endswith(".qweight")]
+    assert weights and all(streams_quantized(p[f"{w}.qweight"], p[f"{w}.scale"], p.get(f"{w}.zero")) for w in weights)
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_the_int4_decode_kernels_tile_the_groups_of_every_preset(name):
+    """Every linear's K (hidden, heads x head_dim, intermediate) of the presets quantizes to int4
+    groups the INT4 kernels tile (shapes only: meta tensors)."""
+    pytest.importorskip("triton")
+    from compiled_llm.kernels.triton_gemv import streams_quantized
+
+    c = preset_config(name)
+    for k in {c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size}:
+        groups = k // int4_group_size(k)
+        q = torch.empty(1, k // 2, dtype=torch.uint8, device="meta")
+        scale = zero = torch.empty(1, groups, device="meta")
+        assert streams_quantized(q, scale, zero), k
 
 
 def test_build_records_the_scheme_and_stores_smaller_weights(tmp_path):

@@ -57,7 +57,11 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # The T = 1 buckets of gemv, norm_mlp_down, norm_mlp_decode and qkv_decode serve the one-row
     # forms (one fp32 accumulator per weight row and thread; see triton_gemv) and come from
     # `kernel_bench.py tune`, on the whole batch-1 decode graph: a kernel timed alone misses what
-    # programmatic dependent launch overlaps with its neighbours.
+    # programmatic dependent launch overlaps with its neighbours. Weight-only quantized weights use
+    # the same tables, the K block widened so that a step streams as many bytes (x's itemsize over
+    # a weight's: 2x for int8, 4x for int4 under bf16; triton_gemv.per_weight_bytes); int4 runs the
+    # general kernels (INT4 forms) at every T, so its T = 1 buckets serve those, not the one-row
+    # kernels they were tuned on.
     "gemv": {
         "1": {"BLOCK_T": 1, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 1, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},

@@ -12,6 +12,8 @@ Decode form (T <= MAX_DECODE_TOKENS): two weight-streaming launches (see triton_
      (``triton_gemv.gemv``, launch-config table "norm_mlp_down").
   At one row (batch-1 decode) both launches use the one-row forms (``_norm_mlp_one_row_kernel``
   and triton_gemv's): one fp32 accumulator per weight row and thread instead of a whole tile.
+  Weight-only quantized weights (``*_wq``): int8 in either form, int4 in the general kernels' INT4
+  forms at every T (triton_gemv.int4_step).
 Deterministic: no atomics, so greedy decoding repeats exactly.
 
 Prefill form (large T): Triton norm -> cuBLAS matmul -> Triton activation -> cuBLAS matmul, the
@@ -36,7 +38,8 @@ from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import pdl_launch, pdl_open, pdl_wait, use_pdl
 from compiled_llm.kernels.triton_common import next_pow2
 from compiled_llm.kernels.triton_gemv import (
-    VECTOR_BYTES, dense_linear, gemv, input_chunk, norm_stats, per_weight_bytes, tile_config, weight_tile,
+    VECTOR_BYTES, dense_linear, gemv, input_chunk, int4_chunk, int4_constants, int4_step, norm_stats, pair_aligned,
+    per_weight_bytes, row_stats, streams_quantized, tile_config, weight_itemsize, weight_tile,
 )
 from compiled_llm.kernels.triton_norm import layer_norm as tr_layer_norm
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
@@ -70,13 +73,59 @@ def _activation(y1, y3, b1, act_ptr, IS_GLU: tl.constexpr):
 
 
 @triton.jit
+def _norm_mlp_int4(x_ptr, nw_ptr, nb_ptr, w1_ptr, s1_ptr, z1_ptr, offs_i, mask_i, T, H, I, eps, stride_x, stride_w1,
+                   IS_RMS: tl.constexpr, IS_GLU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                   GROUP: tl.constexpr, VB: tl.constexpr, PDL: tl.constexpr):
+    """``_norm_mlp_decode_kernel``'s first-projection sums for int4 weights: (gate, up) or
+    (fc, fc), each [BLOCK_T, BLOCK_I]; one pass over norm(x) serves the gate and up rows
+    (triton_gemv.int4_step)."""
+    HB = H // 2
+    groups = H // GROUP
+    rows1 = offs_i.to(tl.int64)
+    rows3 = (offs_i + I).to(tl.int64)
+    t0 = tl.program_id(1) * BLOCK_T
+    # the first chunks need nothing from the previous kernel: stream them while it finishes
+    # (PDL), then wait before touching x
+    w1, s1, z1 = int4_chunk(w1_ptr + rows1 * stride_w1, s1_ptr + rows1 * groups, z1_ptr + rows1 * groups, mask_i,
+                            0, HB, GROUP, BLOCK_H, VB)
+    w3, s3, z3 = w1, s1, z1
+    if IS_GLU:
+        w3, s3, z3 = int4_chunk(w1_ptr + rows3 * stride_w1, s1_ptr + rows3 * groups, z1_ptr + rows3 * groups,
+                                mask_i, 0, HB, GROUP, BLOCK_H, VB)
+    pdl_wait(PDL)
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    mean, rstd = norm_stats(x_ptr + offs_t.to(tl.int64)[:, None, None] * stride_x, (offs_t < T)[:, None, None],
+                            H, eps, BLOCK_T, BLOCK_H, IS_RMS)
+    mean, rstd = row_stats(mean, BLOCK_T), row_stats(rstd, BLOCK_T)
+    acc1, acc3 = int4_step(x_ptr, stride_x, t0, T, 0, HB, w1, s1, z1, w3, s3, z3, nw_ptr, nb_ptr, mean, rstd,
+                           True, IS_RMS, IS_GLU, BLOCK_T, BLOCK_H, VB)
+    for hb in range(BLOCK_H // 2, HB, BLOCK_H // 2):
+        w1, s1, z1 = int4_chunk(w1_ptr + rows1 * stride_w1, s1_ptr + rows1 * groups, z1_ptr + rows1 * groups,
+                                mask_i, hb, HB, GROUP, BLOCK_H, VB)
+        w3, s3, z3 = w1, s1, z1
+        if IS_GLU:
+            w3, s3, z3 = int4_chunk(w1_ptr + rows3 * stride_w1, s1_ptr + rows3 * groups, z1_ptr + rows3 * groups,
+                                    mask_i, hb, HB, GROUP, BLOCK_H, VB)
+        step1, step3 = int4_step(x_ptr, stride_x, t0, T, hb, HB, w1, s1, z1, w3, s3, z3, nw_ptr, nb_ptr, mean, rstd,
+                                 True, IS_RMS, IS_GLU, BLOCK_T, BLOCK_H, VB)
+        acc1 += step1
+        if IS_GLU:
+            acc3 += step3
+    y1 = tl.trans(tl.sum(acc1, 1))
+    y3 = y1
+    if IS_GLU:
+        y3 = tl.trans(tl.sum(acc3, 1))
+    return y1, y3
+
+
+@triton.jit
 def _norm_mlp_decode_kernel(
-    x_ptr, nw_ptr, nb_ptr, w1_ptr, b1_ptr, act_ptr, s1_ptr,
+    x_ptr, nw_ptr, nb_ptr, w1_ptr, b1_ptr, act_ptr, s1_ptr, z1_ptr,
     T, H, I, eps,
     stride_x, stride_w1, stride_a,
     IS_RMS: tl.constexpr, IS_GLU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
-    SCALED: tl.constexpr = False,
+    SCALED: tl.constexpr = False, INT4: tl.constexpr = False, GROUP: tl.constexpr = 128, VB: tl.constexpr = 16,
 ):
     """act[t, i] for BLOCK_T rows t and BLOCK_I intermediate rows i: norm(x) against gate row i
     and up row i + I of w1 = [gate; up] (GLU), or against fc row i (GELU), streamed along H."""
@@ -85,50 +134,58 @@ def _norm_mlp_decode_kernel(
     offs_i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_t = offs_t < T
     mask_i = offs_i < I
-    x_rows = x_ptr + offs_t.to(tl.int64)[:, None, None] * stride_x
-    mask_t3 = mask_t[:, None, None]
-    mask_i3 = mask_i[None, :, None]
-    w1_rows = w1_ptr + offs_i.to(tl.int64)[None, :, None] * stride_w1
-    w3_rows = w1_ptr + (offs_i + I).to(tl.int64)[None, :, None] * stride_w1
-
-    # the first weight tiles need nothing from the previous kernel: stream them while it
-    # finishes (PDL), then wait before touching x
-    offs_h = tl.arange(0, BLOCK_H)[None, None, :]
-    mask_h = offs_h < H
-    w1_first = weight_tile(w1_rows, offs_h, mask_i3 & mask_h)
-    w3_first = w1_first
-    if IS_GLU:
-        w3_first = weight_tile(w3_rows, offs_h, mask_i3 & mask_h)
-    pdl_wait(PDL)
-
-    # x is a few rows, kept cached (the weight loads are evict-first): every program recomputes
-    # their statistics rather than wait for another
-    mean, rstd = norm_stats(x_rows, mask_t3, H, eps, BLOCK_T, BLOCK_H, IS_RMS)
-    n = input_chunk(x_rows, mask_t3, offs_h, mask_h, nw_ptr, nb_ptr, mean, rstd, True, IS_RMS)
-    acc1 = n * w1_first
-    acc3 = tl.zeros([BLOCK_T, BLOCK_I, BLOCK_H], tl.float32)
-    if IS_GLU:
-        acc3 = n * w3_first
-    for h0 in range(BLOCK_H, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)[None, None, :]
-        mask_h = offs_h < H
-        n = input_chunk(x_rows, mask_t3, offs_h, mask_h, nw_ptr, nb_ptr, mean, rstd, True, IS_RMS)
-        acc1 += n * weight_tile(w1_rows, offs_h, mask_i3 & mask_h)
-        if IS_GLU:
-            acc3 += n * weight_tile(w3_rows, offs_h, mask_i3 & mask_h)
-
-    dtype = act_ptr.dtype.element_ty
-    y1 = tl.sum(acc1, 2)
-    if SCALED:  # int8 weights: each output row's scale, once, after the H loop
-        y1 *= tl.load(s1_ptr + offs_i, mask=mask_i, other=0.0)[None, :]
-    y3 = y1
-    b1 = tl.zeros([1, BLOCK_I], tl.float32)
-    if IS_GLU:
-        y3 = tl.sum(acc3, 2)
-        if SCALED:
-            y3 *= tl.load(s1_ptr + offs_i + I, mask=mask_i, other=0.0)[None, :]
+    if INT4:  # int4 weights with groups of GROUP columns: see triton_gemv.int4_step
+        dtype = act_ptr.dtype.element_ty
+        y1, y3 = _norm_mlp_int4(x_ptr, nw_ptr, nb_ptr, w1_ptr, s1_ptr, z1_ptr, offs_i, mask_i, T, H, I, eps,
+                                stride_x, stride_w1, IS_RMS, IS_GLU, BLOCK_T, BLOCK_H, GROUP, VB, PDL)
+        b1 = tl.zeros([1, BLOCK_I], tl.float32)
+        if not IS_GLU:
+            b1 = tl.load(b1_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)[None, :]
     else:
-        b1 = tl.load(b1_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)[None, :]
+        x_rows = x_ptr + offs_t.to(tl.int64)[:, None, None] * stride_x
+        mask_t3 = mask_t[:, None, None]
+        mask_i3 = mask_i[None, :, None]
+        w1_rows = w1_ptr + offs_i.to(tl.int64)[None, :, None] * stride_w1
+        w3_rows = w1_ptr + (offs_i + I).to(tl.int64)[None, :, None] * stride_w1
+
+        # the first weight tiles need nothing from the previous kernel: stream them while it
+        # finishes (PDL), then wait before touching x
+        offs_h = tl.arange(0, BLOCK_H)[None, None, :]
+        mask_h = offs_h < H
+        w1_first = weight_tile(w1_rows, offs_h, mask_i3 & mask_h)
+        w3_first = w1_first
+        if IS_GLU:
+            w3_first = weight_tile(w3_rows, offs_h, mask_i3 & mask_h)
+        pdl_wait(PDL)
+
+        # x is a few rows, kept cached (the weight loads are evict-first): every program recomputes
+        # their statistics rather than wait for another
+        mean, rstd = norm_stats(x_rows, mask_t3, H, eps, BLOCK_T, BLOCK_H, IS_RMS)
+        n = input_chunk(x_rows, mask_t3, offs_h, mask_h, nw_ptr, nb_ptr, mean, rstd, True, IS_RMS)
+        acc1 = n * w1_first
+        acc3 = tl.zeros([BLOCK_T, BLOCK_I, BLOCK_H], tl.float32)
+        if IS_GLU:
+            acc3 = n * w3_first
+        for h0 in range(BLOCK_H, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)[None, None, :]
+            mask_h = offs_h < H
+            n = input_chunk(x_rows, mask_t3, offs_h, mask_h, nw_ptr, nb_ptr, mean, rstd, True, IS_RMS)
+            acc1 += n * weight_tile(w1_rows, offs_h, mask_i3 & mask_h)
+            if IS_GLU:
+                acc3 += n * weight_tile(w3_rows, offs_h, mask_i3 & mask_h)
+
+        dtype = act_ptr.dtype.element_ty
+        y1 = tl.sum(acc1, 2)
+        if SCALED:  # int8 weights: each output row's scale, once, after the H loop
+            y1 *= tl.load(s1_ptr + offs_i, mask=mask_i, other=0.0)[None, :]
+        y3 = y1
+        b1 = tl.zeros([1, BLOCK_I], tl.float32)
+        if IS_GLU:
+            y3 = tl.sum(acc3, 2)
+            if SCALED:
+                y3 *= tl.load(s1_ptr + offs_i + I, mask=mask_i, other=0.0)[None, :]
+        else:
+            b1 = tl.load(b1_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)[None, :]
     act = _activation(y1, y3, b1, act_ptr, IS_GLU)
     # the activation goes to memory ([T, I] is tiny at decode sizes) for the down GEMV; summing
     # down's partial products here with atomics would save that launch but make the sum order
@@ -244,10 +301,12 @@ def _act(inp: torch.Tensor, is_glu: bool) -> torch.Tensor:
 
 
 def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bool, is_glu: bool,
-                      scale1=None) -> torch.Tensor:
+                      scale1=None, zero1=None) -> torch.Tensor:
     """The decode form's first kernel: act [T, I] = silu(gate(n)) * up(n) (GLU; w1 = [gate; up]
     of [2I, H]) or gelu_tanh(fc(n) + b1) (w1 = fc [I, H]), n = norm(x2). With ``scale1`` (one
-    fp32 per row of w1), w1 is int8 (weight-only quantized, graph/quantized_ops.py)."""
+    fp32 per row of w1), w1 is int8; with ``zero1`` too, w1 is int4 [rows, H / 2] with a scale and
+    zero point per group of columns, run by the general kernel's INT4 form at every T
+    (weight-only quantized, graph/quantized_ops.py)."""
     T, H = x2.shape
     inter = w1.shape[0] // 2 if is_glu else w1.shape[0]
     act = torch.empty((T, inter), dtype=x2.dtype, device=x2.device)
@@ -255,12 +314,17 @@ def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bo
         return act
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     w1 = w1 if w1.stride(-1) == 1 else w1.contiguous()
-    itemsize = w1.element_size()
+    itemsize = weight_itemsize(w1)
     cfg = per_weight_bytes(launch_configs.get("norm_mlp_decode", T), "BLOCK_H", x2, w1)
     tile = tile_config(cfg, T, inter, H, itemsize, rows_key="BLOCK_I", k_key="BLOCK_H")
     pdl = use_pdl(x2)
     s1 = scale1 if scale1 is not None else w1
-    if T == 1:
+    int4 = {}
+    if zero1 is not None:  # the INT4 form reads x and the norm's weights two columns to a word
+        x2, norm_weight = pair_aligned(x2), pair_aligned(norm_weight)
+        norm_bias = pair_aligned(norm_bias) if norm_bias is not None else None
+        int4 = int4_constants(H, scale1, tile, x2, row_sets=2 if is_glu else 1)
+    elif T == 1:
         _norm_mlp_one_row_kernel[(triton.cdiv(inter, tile["BLOCK_ROWS"]),)](
             x2, norm_weight, norm_bias if norm_bias is not None else norm_weight,
             w1, b1 if b1 is not None else norm_weight, act, s1,
@@ -274,23 +338,24 @@ def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bo
     grid = (triton.cdiv(inter, tile["BLOCK_ROWS"]), triton.cdiv(T, tile["BLOCK_T"]))
     _norm_mlp_decode_kernel[grid](
         x2, norm_weight, norm_bias if norm_bias is not None else norm_weight,
-        w1, b1 if b1 is not None else norm_weight, act, s1,
+        w1, b1 if b1 is not None else norm_weight, act, s1, zero1 if zero1 is not None else w1,
         T, H, inter, eps,
         x2.stride(0), w1.stride(0), act.stride(0),
         IS_RMS=is_rms, IS_GLU=is_glu,
         BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"], PDL=pdl,
-        SCALED=scale1 is not None,
+        SCALED=scale1 is not None and zero1 is None, **int4,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
     )
     return act
 
 
 def _decode(x2, norm_weight, norm_bias, eps, w1, b1, w2, b2, residual2, is_rms: bool, is_glu: bool,
-            scale1=None, scale2=None):
+            scale1=None, scale2=None, zero1=None, zero2=None):
     """Two launches: norm + first projection + activation, then the down/proj GEMV with the
-    bias and residual in its epilogue (int8 weights with their scales, when given)."""
-    act = decode_activation(x2, norm_weight, norm_bias, eps, w1, b1, is_rms, is_glu, scale1)
-    return gemv(act, w2, b2, residual2, config="norm_mlp_down", scale=scale2)
+    bias and residual in its epilogue (int8 or int4 weights with their scales and zero points,
+    when given)."""
+    act = decode_activation(x2, norm_weight, norm_bias, eps, w1, b1, is_rms, is_glu, scale1, zero1)
+    return gemv(act, w2, b2, residual2, config="norm_mlp_down", scale=scale2, zero=zero2)
 
 
 def use_decode_form(num_tokens: int) -> bool:
@@ -355,31 +420,34 @@ def fused_layer_norm_gelu_mlp(x, norm_weight, norm_bias, eps: float, fc_weight, 
 
 
 # ---------------------------------------------------------------------------------------------
-# weight-only int8 (graph/quantized_ops.py): the decode form with int8 weights and their scales
+# weight-only int8 and int4 (graph/quantized_ops.py): the decode form with quantized weights
 # ---------------------------------------------------------------------------------------------
 
 
-def int8_decode(qweights: tuple, zeros: tuple, T: int) -> bool:
-    """Whether the int8 decode kernels take a quantized MLP call: int8 weights (no zero points)
-    and a decode-sized step; others run the op's reference (dequantize, then cuBLAS)."""
-    return all(q.dtype == torch.int8 for q in qweights) and all(z is None for z in zeros) and use_decode_form(T)
+def quantized_decode(qweights: tuple, scales: tuple, zeros: tuple, T: int) -> bool:
+    """Whether the decode kernels take a quantized MLP call: weights they stream (int8, or int4
+    in groups they tile; see triton_gemv.streams_quantized) and a decode-sized step; others run
+    the op's reference (dequantize, then cuBLAS)."""
+    return all(map(streams_quantized, qweights, scales, zeros)) and use_decode_form(T)
 
 
 def fused_rms_norm_glu_mlp_wq(x, norm_weight, eps: float, gate_up_qweight, gate_up_scale, gate_up_zero,
                               down_qweight, down_scale, down_zero, residual=None):
-    """``fused_rms_norm_glu_mlp`` with int8 weights, decode form (``int8_decode`` says when)."""
+    """``fused_rms_norm_glu_mlp`` with int8 or int4 weights, decode form (``quantized_decode``
+    says when)."""
     x2 = _flat(x)
     r2 = _flat(residual) if residual is not None else None
     out = _decode(x2, norm_weight, None, eps, gate_up_qweight, None, down_qweight, None, r2, True, True,
-                  gate_up_scale, down_scale)
+                  gate_up_scale, down_scale, gate_up_zero, down_zero)
     return out.view(*x.shape[:-1], down_qweight.shape[0])
 
 
 def fused_layer_norm_gelu_mlp_wq(x, norm_weight, norm_bias, eps: float, fc_qweight, fc_scale, fc_zero, fc_bias,
                                  proj_qweight, proj_scale, proj_zero, proj_bias, residual=None):
-    """``fused_layer_norm_gelu_mlp`` with int8 weights, decode form (``int8_decode`` says when)."""
+    """``fused_layer_norm_gelu_mlp`` with int8 or int4 weights, decode form (``quantized_decode``
+    says when)."""
     x2 = _flat(x)
     r2 = _flat(residual) if residual is not None else None
     out = _decode(x2, norm_weight, norm_bias, eps, fc_qweight, fc_bias, proj_qweight, proj_bias, r2, False, False,
-                  fc_scale, proj_scale)
+                  fc_scale, proj_scale, fc_zero, proj_zero)
     return out.view(*x.shape[:-1], proj_qweight.shape[0])

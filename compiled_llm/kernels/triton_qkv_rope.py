@@ -14,7 +14,9 @@ triton_gemv._gemv_one_row_kernel does. Splitting heads into pairs keeps
 enough programs to fill the GPU (Qwen2.5-0.5B has 18 heads). With q/k norm the statistics need the
 whole head, so a program owns a whole head (SPLITS = 1): it walks the head BLOCK_P pairs at a time,
 stores the rounded projection, and once its head is complete (a CTA barrier makes its own stores
-visible to all its threads) normalises and rotates it in place.
+visible to all its threads) normalises and rotates it in place. Weight-only quantized weights:
+int8 (SCALED) in either form, int4 in the INT4 form at every T (triton_gemv.int4_step; no
+one-block-ahead pipeline).
 
 Prefill form (large T): Triton rms_norm when there is an input norm, the projection in cuBLAS
 (which adds the bias in its own epilogue with one rounding, as the reference does), then
@@ -34,7 +36,10 @@ import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import next_pow2, pdl_launch, pdl_open, pdl_wait, use_pdl
-from compiled_llm.kernels.triton_gemv import input_chunk, norm_stats, per_weight_bytes, tile_config, weight_tile
+from compiled_llm.kernels.triton_gemv import (
+    input_chunk, int4_chunk, int4_constants, int4_step, norm_stats, pair_aligned, per_weight_bytes, row_stats,
+    tile_config, weight_itemsize, weight_tile,
+)
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
 
 
@@ -128,8 +133,34 @@ def _pair_constants(b_ptr, cs_rows, rows1, offs_p, mask_p, HALF: tl.constexpr,
 
 
 @triton.jit
+def _pair_rows_int4(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rows1, mask_p, t0, T, K, stride_x, stride_w, mean, rstd,
+                    HALF: tl.constexpr, HAS_INPUT_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP: tl.constexpr, VB: tl.constexpr):
+    """The projection sums [BLOCK_T, BLOCK_P] of rows ``rows1`` and rows1 + HALF (a block of
+    rotation pairs) for int4 weights, over all of K: one pass over x serves both halves
+    (triton_gemv.int4_step)."""
+    KB = K // 2
+    groups = K // GROUP
+    r1 = rows1.to(tl.int64)
+    r2 = (rows1 + HALF).to(tl.int64)
+    mean, rstd = row_stats(mean, BLOCK_T), row_stats(rstd, BLOCK_T)
+    acc1 = tl.zeros([rows1.shape[0], BLOCK_K // (2 * VB), BLOCK_T], tl.float32)
+    acc2 = acc1
+    for kb in range(0, KB, BLOCK_K // 2):
+        w1, s1, z1 = int4_chunk(w_ptr + r1 * stride_w, s_ptr + r1 * groups, z_ptr + r1 * groups, mask_p, kb, KB,
+                                GROUP, BLOCK_K, VB)
+        w2, s2, z2 = int4_chunk(w_ptr + r2 * stride_w, s_ptr + r2 * groups, z_ptr + r2 * groups, mask_p, kb, KB,
+                                GROUP, BLOCK_K, VB)
+        step1, step2 = int4_step(x_ptr, stride_x, t0, T, kb, KB, w1, s1, z1, w2, s2, z2, nw_ptr, nw_ptr, mean, rstd,
+                                 HAS_INPUT_NORM, True, True, BLOCK_T, BLOCK_K, VB)
+        acc1 += step1
+        acc2 += step2
+    return tl.trans(tl.sum(acc1, 1)), tl.trans(tl.sum(acc2, 1))
+
+
+@triton.jit
 def _qkv_decode_kernel(
-    x_ptr, w_ptr, b_ptr, nw_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, cs_ptr, s_ptr,
+    x_ptr, w_ptr, b_ptr, nw_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, cs_ptr, s_ptr, z_ptr,
     q_out, k_out, v_out,
     T, K, stride_x, stride_w, stride_cs, stride_qt, stride_kt, stride_vt,
     eps, norm_eps,
@@ -138,7 +169,7 @@ def _qkv_decode_kernel(
     BLOCK_HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INPUT_NORM: tl.constexpr, HAS_QK_NORM: tl.constexpr, HAS_ROPE: tl.constexpr,
     PDL: tl.constexpr = False, ONE_ROW: tl.constexpr = False, VEC: tl.constexpr = 8,
-    SCALED: tl.constexpr = False,
+    SCALED: tl.constexpr = False, INT4: tl.constexpr = False, GROUP: tl.constexpr = 128, VB: tl.constexpr = 16,
 ):
     # PDL: launched while the previous kernel runs. The weights, bias, positions and cos/sin
     # need nothing from it, so the first weight tiles and the rotation factors are loaded before
@@ -173,14 +204,16 @@ def _qkv_decode_kernel(
         cs_rows = cs_ptr + pos[:, None] * stride_cs  # [BLOCK_T, 1]
 
     # software pipeline over the pairs: the first k chunk of each pair block's weight rows is
-    # loaded one block ahead (the first block's before the PDL wait)
+    # loaded one block ahead (the first block's before the PDL wait; int4 weights stream in
+    # _pair_rows_int4, without it)
     offs_k0 = _chunk_offsets(BLOCK_K, VEC, ONE_ROW)
     mask_k0 = offs_k0 < K
     offs_p = p_lo + tl.arange(0, BLOCK_P)
     rows1 = head * HEAD_DIM + offs_p
-    mask_w = _rows3(offs_p < p_hi, ONE_ROW) & mask_k0
-    w1_next = weight_tile(w_ptr + _rows3(rows1.to(tl.int64), ONE_ROW) * stride_w, offs_k0, mask_w)
-    w2_next = weight_tile(w_ptr + _rows3((rows1 + HALF).to(tl.int64), ONE_ROW) * stride_w, offs_k0, mask_w)
+    if not INT4:
+        mask_w = _rows3(offs_p < p_hi, ONE_ROW) & mask_k0
+        w1_next = weight_tile(w_ptr + _rows3(rows1.to(tl.int64), ONE_ROW) * stride_w, offs_k0, mask_w)
+        w2_next = weight_tile(w_ptr + _rows3((rows1 + HALF).to(tl.int64), ONE_ROW) * stride_w, offs_k0, mask_w)
     b1_next, b2_next, cos_next, sin_next = _pair_constants(
         b_ptr, cs_rows, rows1, offs_p, offs_p < p_hi, HALF, HAS_BIAS, HAS_ROPE and not HAS_QK_NORM)
     pdl_wait(PDL)
@@ -191,33 +224,40 @@ def _qkv_decode_kernel(
     rstd = mean
     if HAS_INPUT_NORM:
         mean, rstd = norm_stats(x_rows, mask_t3, K, norm_eps, BLOCK_T, BLOCK_K, True)
-    x_first = input_chunk(x_rows, mask_t3, offs_k0, mask_k0, nw_ptr, nw_ptr, mean, rstd, HAS_INPUT_NORM, True)
+    if not INT4:
+        x_first = input_chunk(x_rows, mask_t3, offs_k0, mask_k0, nw_ptr, nw_ptr, mean, rstd, HAS_INPUT_NORM, True)
 
     for p0 in range(p_lo, p_hi, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         mask_p = offs_p < p_hi
         rows1 = head * HEAD_DIM + offs_p
-        w1_rows = w_ptr + _rows3(rows1.to(tl.int64), ONE_ROW) * stride_w
-        w2_rows = w_ptr + _rows3((rows1 + HALF).to(tl.int64), ONE_ROW) * stride_w
-        acc1 = _product(x_first, w1_next, ONE_ROW)
-        acc2 = _product(x_first, w2_next, ONE_ROW)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            offs_k = k0 + offs_k0
-            mask_k = offs_k < K
-            xk = input_chunk(x_rows, mask_t3, offs_k, mask_k, nw_ptr, nw_ptr, mean, rstd, HAS_INPUT_NORM, True)
-            mask_w = _rows3(mask_p, ONE_ROW) & mask_k
-            acc1 += _product(xk, weight_tile(w1_rows, offs_k, mask_w), ONE_ROW)
-            acc2 += _product(xk, weight_tile(w2_rows, offs_k, mask_w), ONE_ROW)
-        # the next block's first chunk streams while this block finishes (masked off past p_hi)
-        mask_next = _rows3((offs_p + BLOCK_P) < p_hi, ONE_ROW) & mask_k0
-        w1_next = weight_tile(w1_rows + BLOCK_P * stride_w, offs_k0, mask_next)
-        w2_next = weight_tile(w2_rows + BLOCK_P * stride_w, offs_k0, mask_next)
+        if INT4:  # int4 weights with groups of GROUP columns
+            y1, y2 = _pair_rows_int4(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rows1, mask_p, tl.program_id(1) * BLOCK_T, T,
+                                     K, stride_x, stride_w, mean, rstd, HALF, HAS_INPUT_NORM, BLOCK_T, BLOCK_K,
+                                     GROUP, VB)
+        else:
+            w1_rows = w_ptr + _rows3(rows1.to(tl.int64), ONE_ROW) * stride_w
+            w2_rows = w_ptr + _rows3((rows1 + HALF).to(tl.int64), ONE_ROW) * stride_w
+            acc1 = _product(x_first, w1_next, ONE_ROW)
+            acc2 = _product(x_first, w2_next, ONE_ROW)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                offs_k = k0 + offs_k0
+                mask_k = offs_k < K
+                xk = input_chunk(x_rows, mask_t3, offs_k, mask_k, nw_ptr, nw_ptr, mean, rstd, HAS_INPUT_NORM, True)
+                mask_w = _rows3(mask_p, ONE_ROW) & mask_k
+                acc1 += _product(xk, weight_tile(w1_rows, offs_k, mask_w), ONE_ROW)
+                acc2 += _product(xk, weight_tile(w2_rows, offs_k, mask_w), ONE_ROW)
+            # the next block's first chunk streams while this block finishes (masked off past p_hi)
+            mask_next = _rows3((offs_p + BLOCK_P) < p_hi, ONE_ROW) & mask_k0
+            w1_next = weight_tile(w1_rows + BLOCK_P * stride_w, offs_k0, mask_next)
+            w2_next = weight_tile(w2_rows + BLOCK_P * stride_w, offs_k0, mask_next)
         b1, b2, cos, sin = b1_next, b2_next, cos_next, sin_next
         b1_next, b2_next, cos_next, sin_next = _pair_constants(
             b_ptr, cs_rows, rows1 + BLOCK_P, offs_p + BLOCK_P, (offs_p + BLOCK_P) < p_hi, HALF,
             HAS_BIAS, HAS_ROPE and not HAS_QK_NORM)
-        y1 = _row_sums(acc1, ONE_ROW)
-        y2 = _row_sums(acc2, ONE_ROW)
+        if not INT4:
+            y1 = _row_sums(acc1, ONE_ROW)
+            y2 = _row_sums(acc2, ONE_ROW)
         if SCALED:  # int8 weights: each output row's scale, once, after the K loop
             y1 *= tl.load(s_ptr + rows1, mask=mask_p, other=0.0)[None, :]
             y2 *= tl.load(s_ptr + rows1 + HALF, mask=mask_p, other=0.0)[None, :]
@@ -257,9 +297,11 @@ def _qkv_decode_kernel(
 
 
 def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
-            num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps, scale=None):
+            num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps, scale=None, zero=None):
     """The one-launch decode form; with ``scale`` (one fp32 per row of the weight) the weight
-    is int8 (weight-only quantized, graph/quantized_ops.py)."""
+    is int8, with ``zero`` too it is int4 [rows, H / 2] with a scale and zero point per group of
+    columns, run by the kernel's INT4 form at every T (weight-only quantized,
+    graph/quantized_ops.py)."""
     T, H = x.shape
     q = torch.empty((T, num_heads, head_dim), dtype=x.dtype, device=x.device)
     k = torch.empty((T, num_kv_heads, head_dim), dtype=x.dtype, device=x.device)
@@ -271,18 +313,22 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
     half = head_dim // 2
     has_qk_norm = q_norm_weight is not None
     has_rope = cos_sin is not None
-    itemsize = w.element_size()
     cfg = per_weight_bytes(launch_configs.get("qkv_decode", T), "BLOCK_K", x, w)
-    tile = tile_config(cfg, T, half, H, itemsize, rows_key="BLOCK_P")
+    tile = tile_config(cfg, T, half, H, weight_itemsize(w), rows_key="BLOCK_P")
+    int4 = {}
+    if zero is not None:  # the INT4 form reads x and the input norm's weight two columns to a word
+        x = pair_aligned(x)
+        norm_weight = pair_aligned(norm_weight) if norm_weight is not None else None
+        int4 = int4_constants(H, scale, tile, x, row_sets=2)
     splits = 1 if has_qk_norm else triton.cdiv(half, tile["BLOCK_ROWS"])
     heads = num_heads + 2 * num_kv_heads
     grid = (heads * splits, triton.cdiv(T, tile["BLOCK_T"]))
-    one_row = T == 1  # batch-1 decode: one fp32 accumulator per weight row and thread
+    one_row = T == 1 and zero is None  # batch-1 decode: one fp32 accumulator per weight row and thread
     _qkv_decode_kernel[grid](
         x, w, qkv_bias if qkv_bias is not None else w,
         norm_weight if norm_weight is not None else w,
         q_norm_weight if has_qk_norm else w, k_norm_weight if has_qk_norm else w,
-        positions, cos_sin if has_rope else w, scale if scale is not None else w,
+        positions, cos_sin if has_rope else w, scale if scale is not None else w, zero if zero is not None else w,
         q, k, v,
         T, H, x.stride(0), w.stride(0), cos_sin.stride(0) if has_rope else 0,
         q.stride(0), k.stride(0), v.stride(0),
@@ -292,7 +338,7 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
         BLOCK_HALF=next_pow2(half),
         HAS_BIAS=qkv_bias is not None, HAS_INPUT_NORM=norm_weight is not None,
         HAS_QK_NORM=has_qk_norm, HAS_ROPE=has_rope, PDL=use_pdl(x),
-        ONE_ROW=one_row, VEC=16 // itemsize, SCALED=scale is not None,
+        ONE_ROW=one_row, VEC=16 // w.element_size(), SCALED=scale is not None and zero is None, **int4,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(use_pdl(x)),
     )
     return q, k, v
@@ -449,7 +495,7 @@ def rotary_embedding(q, k, positions, cos_sin):
 def fused_qkv_rope_wq(x, qkv_qweight, qkv_scale, qkv_zero, qkv_bias, q_norm_weight, k_norm_weight, positions,
                       cos_sin, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                       norm_weight=None, norm_eps: float = 0.0):
-    """``fused_qkv_rope`` with an int8 weight (weight-only quantized), the one-launch decode form;
-    the provider sends other calls (int4, prefill sizes) to the op's reference."""
+    """``fused_qkv_rope`` with an int8 or int4 weight (weight-only quantized), the one-launch
+    decode form; the provider sends other calls (prefill sizes) to the op's reference."""
     return _decode(x, qkv_qweight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
-                   num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps, qkv_scale)
+                   num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps, qkv_scale, qkv_zero)
