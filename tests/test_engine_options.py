@@ -50,7 +50,8 @@ def test_flags_parse_into_the_options_llm_takes():
 
 
 def test_llm_takes_every_option_by_name_and_refuses_others(tiny_engine):
-    assert set(inspect.signature(LLM).parameters) == {"model", "dtype", "device", "quantization", "engine_options"}
+    assert set(inspect.signature(LLM).parameters) == {"model", "dtype", "device", "quantization", "tensor_parallel_size",
+                                                       "engine_options"}
     llm = LLM(str(tiny_engine), device="cpu", **{n: f.default for n, f in FIELDS.items()})
     assert llm.engine.config == EngineConfig()
     llm = LLM(str(tiny_engine), device="cpu", max_num_seqs=3, enable_prefix_caching=False)

@@ -43,12 +43,19 @@ def test_cuda_provider_has_the_semantic_schema_and_ranks_below_triton(name):
     assert not cuda.supports("cuda", torch.float32)  # the CUDA kernels are 16-bit only
 
 
-def test_every_op_has_a_triton_provider():
-    assert {*providers.TRITON_KERNELS, *providers.SAMPLER_KERNELS} == set(ops.OPS) == set(registry.op_names())
+# the collectives' references are their implementation (torch.distributed); no kernel replaces them
+COLLECTIVES = {"all_reduce", "all_gather_columns", "vocab_shard_embedding"}
+
+
+def test_every_op_but_the_collectives_has_a_triton_provider():
+    assert {*providers.TRITON_KERNELS, *providers.SAMPLER_KERNELS} == set(ops.OPS) - COLLECTIVES
+    assert set(ops.OPS) == set(registry.op_names())
 
 
 def test_default_choice_is_triton_on_cuda_and_reference_on_cpu():
-    assert set(registry.choose_providers("cuda", torch.bfloat16).values()) == {"triton"}
+    cuda = registry.choose_providers("cuda", torch.bfloat16)
+    assert {p for op, p in cuda.items() if op not in COLLECTIVES} == {"triton"}
+    assert {cuda[op] for op in COLLECTIVES} == {"reference"}
     assert set(registry.choose_providers("cpu", torch.float32).values()) == {"reference"}
 
 
@@ -188,10 +195,16 @@ def _reference_cases():
     f32 = torch.float32
     g = torch.Generator().manual_seed(0)
     x, r = torch.randn(3, 32, generator=g), torch.randn(3, 32, generator=g)
+    collectives = {
+        "all_reduce": (x,),
+        "all_gather_columns": (x, 30),
+        "vocab_shard_embedding": (torch.randn(8, 32, generator=g), torch.tensor([3, 9, 12, 5]), torch.tensor([4])),
+    }
     w, b = torch.randn(32, generator=g), torch.randn(32, generator=g)
     q, k = torch.randn(3, 4, 16, generator=g), torch.randn(3, 2, 16, generator=g)
     attn = attention_case([(0, 5), (6, 3)], 4, 2, 16, 4, f32, "cpu", seed=1)
     return {
+        **collectives,
         "rms_norm": (x, w, 1e-6),
         "layer_norm": (x, w, b, 1e-5),
         "rotary_embedding": (q, k, torch.tensor([1, 0, 5]), ops.rope_cos_sin(16, 8, 10000.0)),

@@ -28,6 +28,9 @@ def add_parser(subparsers):
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the linear layers and the lm_head: int8 (per output "
                         "channel) or int4 (groups of 128 along K); default: none")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the model over N GPUs (N processes over gloo on a CPU): heads and MLP columns "
+                        "split, one weights file per rank; default: 1")
     p.add_argument("--dump-ir", action="store_true",
                    help="keep the graph code after every pass in ENGINE_DIR/ir (default: captured and final only)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -66,10 +69,12 @@ def run(args) -> int:
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         disabled_passes=args.disable_pass, dump_ir=args.dump_ir,
         kernel_prefs=parse_kernel_prefs(args.kernel), progress=not args.quiet and sys.stderr.isatty(),
-        quantization=args.quantization,
+        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
     )
     print(format_summary(manifest))
     opts = manifest["build_options"]
     quant = f", {opts['quantization']} weights" if opts.get("quantization") else ""
+    if (opts.get("tensor_parallel_size") or 1) > 1:
+        quant += f", tensor parallel over {opts['tensor_parallel_size']} ranks"
     print(f"engine written to {args.output} ({opts['device']}, {opts['dtype']}{quant})")
     return 0

@@ -122,6 +122,8 @@ def run(args) -> int:
             raise CompiledLLMError("--quantization needs the compiled path: --eager runs the original weights")
         if args.speculative_config:
             raise CompiledLLMError("--speculative-config needs the compiled runtime: --eager runs the reference loop")
+        if (args.tensor_parallel_size or 1) > 1:
+            raise CompiledLLMError("--tensor-parallel-size needs the compiled path: --eager runs the reference loop")
         return run_reference(args)
     return run_engine(args)
 
@@ -169,9 +171,13 @@ def run_reference(args) -> int:
 
 
 def add_quantization_argument(p) -> None:
+    """--quantization and --tensor-parallel-size: how a SOURCE is built, what an engine must be."""
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
                    help="weight-only quantized linear layers (a SOURCE is built so, into an engine cache entry "
                         "of its own; an engine directory must have been built so); default: none")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                   help="shard over N GPUs, one process each (a SOURCE is built so; an engine directory must "
+                        "have been built so); default: the engine's own, 1 for a SOURCE")
 
 
 def engine_of(args, device) -> str:
@@ -181,7 +187,8 @@ def engine_of(args, device) -> str:
 
     if is_engine_dir(args.source):
         return args.source
-    return str(cached_engine(args.source, dtype=args.dtype, device=device, quantization=args.quantization))
+    return str(cached_engine(args.source, dtype=args.dtype, device=device, quantization=args.quantization,
+                             tensor_parallel_size=args.tensor_parallel_size or 1))
 
 
 def build_llm(args):
@@ -191,7 +198,7 @@ def build_llm(args):
     device = resolve_device(args.device)
     dtype = None if args.dtype == "auto" else args.dtype
     return LLM(engine_of(args, device), dtype=dtype, device=device, quantization=args.quantization,
-               **engine_options(args))
+               tensor_parallel_size=args.tensor_parallel_size, **engine_options(args))
 
 
 def run_engine(args) -> int:

@@ -43,6 +43,7 @@ from compiled_llm.engine.program import PortableProgram
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.serialize import graph_from_json, graph_to_json
 from compiled_llm.kernels import registry
+from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.sources import checked_generation_default
 from compiled_llm.model.tokenizer import load_tokenizer
@@ -127,12 +128,27 @@ def _all_files(engine_dir: Path) -> list[str]:
     )
 
 
-def save_engine(engine_dir: Path, manifest: dict, params: dict[str, Tensor], tokenizer=None) -> None:
-    """Write weights, tokenizer and the manifest (with checksums of everything else) into
-    ``engine_dir``, which already holds the program, ir/ and any kernels."""
-    engine_dir = Path(engine_dir)
-    save_file({n: t.detach().contiguous().cpu() for n, t in params.items()}, str(engine_dir / WEIGHTS_FILE),
+def weights_file(rank: int = 0, tp_size: int = 1) -> str:
+    """The weights file of one tensor-parallel rank: each rank reads only its own."""
+    return WEIGHTS_FILE if tp_size == 1 else f"weights.rank{rank}.safetensors"
+
+
+def tp_size_of(manifest: dict) -> int:
+    return int(manifest["build_options"].get("tensor_parallel_size") or 1)
+
+
+def save_weights(engine_dir: Path, params: dict[str, Tensor], name: str = WEIGHTS_FILE) -> None:
+    save_file({n: t.detach().contiguous().cpu() for n, t in params.items()}, str(Path(engine_dir) / name),
               metadata={"format": "pt"})
+
+
+def save_engine(engine_dir: Path, manifest: dict, params: dict[str, Tensor] | None, tokenizer=None) -> None:
+    """Write weights (unless None: a sharded build wrote each rank's already), tokenizer and
+    the manifest (with checksums of everything else) into ``engine_dir``, which already holds
+    the program, ir/ and any kernels."""
+    engine_dir = Path(engine_dir)
+    if params is not None:
+        save_weights(engine_dir, params)
     if tokenizer is not None:
         tokenizer.save(engine_dir / TOKENIZER_DIR)
     write_manifest(engine_dir, {**manifest, "tokenizer": TOKENIZER_DIR if tokenizer is not None else None})
@@ -200,7 +216,9 @@ def _check_shape(manifest: dict, path: Path) -> None:
     problems = [
         (isinstance(manifest["model_config"], dict), "model_config"),
         (isinstance(opts, dict) and opts.get("device") in ("cpu", "cuda") and isinstance(opts.get("dtype"), str)
-         and isinstance(opts.get("max_model_len"), int), "build_options"),
+         and isinstance(opts.get("max_model_len"), int)
+         and type(opts.get("tensor_parallel_size", 1)) is int and opts.get("tensor_parallel_size", 1) >= 1,
+         "build_options"),
         (isinstance(program, dict) and isinstance(program.get("file"), str)
          and isinstance(program.get("param_names"), list) and all(isinstance(n, str) for n in program["param_names"]),
          "program"),
@@ -259,7 +277,8 @@ def check_listed_files(engine_dir: Path, manifest: dict) -> None:
     none but the weights starts like a pickle or a zip archive (torch.save, .pt2): the loader
     reads no such format, so an engine carrying one is refused rather than trusted. The
     safetensors header is checked by its own parser: its first bytes are a length."""
-    for required in (WEIGHTS_FILE, manifest["program"]["file"]):
+    size = tp_size_of(manifest)
+    for required in (*(weights_file(r, size) for r in range(size)), manifest["program"]["file"]):
         if required not in manifest["files"]:
             raise EngineError(f"manifest of {engine_dir} does not list {required}; rebuild the engine")
     tok = manifest.get("tokenizer")
@@ -352,15 +371,16 @@ def _load_program(engine_dir: Path, manifest: dict) -> torch.fx.GraphModule:
     return graph_from_json(data)
 
 
-def _load_weights(engine_dir: Path, manifest: dict, device: torch.device) -> dict[str, Tensor]:
+def _load_weights(engine_dir: Path, manifest: dict, device: torch.device, rank: int) -> dict[str, Tensor]:
+    name = weights_file(rank, tp_size_of(manifest))
     try:
-        tensors = load_file(str(inside(engine_dir, WEIGHTS_FILE)), device=str(device))
+        tensors = load_file(str(inside(engine_dir, name)), device=str(device))
     except Exception as e:
-        raise EngineError(f"cannot read {WEIGHTS_FILE} as safetensors ({type(e).__name__}); rebuild the engine") from None
+        raise EngineError(f"cannot read {name} as safetensors ({type(e).__name__}); rebuild the engine") from None
     names = manifest["program"]["param_names"]
     missing = [n for n in names if n not in tensors]
     if missing:
-        raise EngineError(f"{WEIGHTS_FILE} lacks {missing[0]!r} that the program reads; rebuild the engine")
+        raise EngineError(f"{name} lacks {missing[0]!r} that the program reads; rebuild the engine")
     # safetensors may hand out views of one shared buffer (CPU); give each weight its own
     # storage so no program sees storage offsets the build never saw.
     return {n: tensors[n].clone() if tensors[n]._base is not None else tensors[n] for n in names}
@@ -370,8 +390,10 @@ def load_engine(
     engine_dir: str | Path,
     device: str | torch.device | None = None,
     verify: bool = True,
+    rank: int = 0,
 ) -> LoadedModel:
-    """Validate and load an engine directory; ``load_stages`` says where the time went."""
+    """Validate and load an engine directory (of a tensor-parallel engine, rank ``rank``'s
+    weights and config); ``load_stages`` says where the time went."""
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     engine_dir = Path(engine_dir)
@@ -385,7 +407,7 @@ def load_engine(
         raise EngineError(f"manifest dtype {manifest['build_options']['dtype']!r} is not valid; rebuild the engine")
     t1 = time.perf_counter()
     times["manifest"] = t1 - t0
-    params = _load_weights(engine_dir, manifest, dev)
+    params = _load_weights(engine_dir, manifest, dev, rank)
     t2 = time.perf_counter()
     times["weights"] = t2 - t1
     _check_kernels(manifest)
@@ -408,11 +430,13 @@ def load_engine(
     source_dir = (manifest.get("source") or {}).get("model_dir")
     return LoadedModel(
         name=str(engine_dir),
-        config=config,
+        config=sharding.local_config(config, tp_size_of(manifest)),
         params=params,
         program=program,
         tokenizer=tokenizer,
         eos_token_ids=tuple(i for i in dict.fromkeys(eos) if 0 <= i < config.vocab_size),
+        tp_rank=rank,
+        tp_size=tp_size_of(manifest),
         dtype=dtype,
         device=dev,
         manifest=manifest,

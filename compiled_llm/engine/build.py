@@ -28,6 +28,7 @@ from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.export import capture, param_placeholder_names
 from compiled_llm.graph.quantized_ops import SCHEMES
 from compiled_llm.kernels import registry
+from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.placement import dtype_name, resolve_device, resolve_dtype
 from compiled_llm.model.sources import (
@@ -84,9 +85,12 @@ def lower(
     dump_code: bool = True,
     progress: bool = False,
     quantization: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> Lowered:
     """Capture the spec and run the named passes (in order) on it; ``quantization`` is the
-    weight-only scheme quantize_weights applies (None: none)."""
+    weight-only scheme quantize_weights applies (None: none); ``tp_rank`` of ``tp_size`` is the
+    tensor-parallel rank whose program and weights the shard pass makes."""
 
     registry.load_providers()
     t0 = time.perf_counter()
@@ -94,7 +98,7 @@ def lower(
     t1 = time.perf_counter()
     passes = [get_pass(n) for n in pass_names]
     choice = registry.choose_providers(device_type, dtype, prefer=kernel_prefs)
-    ctx = PassContext(config, dict(params), device_type, dtype, choice, quantization)
+    ctx = PassContext(config, dict(params), device_type, dtype, choice, quantization, tp_rank, tp_size)
     bar = _bar(len(passes), "passes", progress)
     manager = PassManager(passes, ir_dir, dump_code, on_pass=lambda r: (bar.set_postfix_str(r.name), bar.update()))
     try:
@@ -151,12 +155,15 @@ def build_engine(
     kernel_prefs: dict[str, str] | None = None,
     progress: bool = True,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     """Build ``source`` (checkpoint dir, preset or hub id) into an engine directory; returns the
     manifest. ``device`` "auto" is cuda when available, else cpu; ``dtype`` "auto" is
     ``auto_dtype`` (the checkpoint's float16/bfloat16 on a GPU, float32 on a CPU).
     ``pass_names`` replaces the default pipeline (tests plant passes this way); ``quantization``
-    ("int8", "int4") makes the weights of the linear ops weight-only quantized."""
+    ("int8", "int4") makes the weights of the linear ops weight-only quantized;
+    ``tensor_parallel_size`` N > 1 shards the program over N ranks (the shard pass), one weights
+    file per rank."""
 
     if quantization is not None and quantization not in SCHEMES:
         raise CompiledLLMError(f"unknown quantization {quantization!r}; the choices are: {', '.join(SCHEMES)}")
@@ -172,6 +179,9 @@ def build_engine(
         src = resolve_source(str(source))
         config = src.config
         max_len = check_max_len(max_model_len, config)
+        sharding.plan(config, tensor_parallel_size)  # refuses a shape that does not split, before any work
+        if tensor_parallel_size > 1 and "shard" not in passes:
+            raise CompiledLLMError(f"--tensor-parallel-size {tensor_parallel_size} needs the shard pass, which is disabled")
         params = load_source_params(src, torch_dtype, dev)
         tokenizer = load_source_tokenizer(src)
         generation_file = read_generation_config(src.model_dir)
@@ -185,10 +195,20 @@ def build_engine(
     except OSError as e:
         raise CompiledLLMError(f"cannot write into {out_dir.parent}: {e.strerror or e}") from None
     try:
-        lowered = lower(
-            config, params, passes, dev.type, torch_dtype, kernel_prefs,
-            ir_dir=work / artifact.IR_DIR, dump_code=True, progress=progress, quantization=quantization,
-        )
+        lowered = None
+        for rank in range(tensor_parallel_size):
+            rank_lowered = lower(
+                config, params, passes, dev.type, torch_dtype, kernel_prefs,
+                ir_dir=work / artifact.IR_DIR if rank == 0 else None, dump_code=True, progress=progress and rank == 0,
+                quantization=quantization, tp_rank=rank, tp_size=tensor_parallel_size,
+            )
+            if tensor_parallel_size > 1:
+                _check_same_program(lowered, rank_lowered, rank)
+                with _Stage("write", times, progress):
+                    artifact.save_weights(work, rank_lowered.params, artifact.weights_file(rank, tensor_parallel_size))
+            if rank == 0:
+                lowered = rank_lowered
+            del rank_lowered
         del params
         times["capture"] = lowered.capture_seconds
         times["passes"] = lowered.passes_seconds
@@ -207,13 +227,13 @@ def build_engine(
                 build_options={
                     "dtype": dtype_name(torch_dtype), "device": dev.type, "max_model_len": max_len,
                     "disabled_passes": list(disabled_passes), "kernel_prefs": dict(kernel_prefs or {}),
-                    "dump_ir": dump_ir, "quantization": quantization,
+                    "dump_ir": dump_ir, "quantization": quantization, "tensor_parallel_size": tensor_parallel_size,
                 },
                 lowered=lowered,
                 stage_seconds=times,
                 generation_config=generation,
             )
-            artifact.save_engine(work, manifest, lowered.params, tokenizer)
+            artifact.save_engine(work, manifest, lowered.params if tensor_parallel_size == 1 else None, tokenizer)
         del lowered
         host = None
         if dev.type == "cuda":
@@ -231,6 +251,13 @@ def build_engine(
     finally:
         engine_output.discard_work_dir(work)
     return artifact.read_manifest(out_dir)
+
+
+def _check_same_program(first: Lowered | None, lowered: Lowered, rank: int) -> None:
+    """Every rank runs one program on its own weights: the shard pass must give each the same
+    graph."""
+    if first is not None and artifact.graph_to_json(first.gm) != artifact.graph_to_json(lowered.gm):
+        raise CompiledLLMError(f"the passes gave rank {rank} a program that differs from rank 0's; a pass depends on the rank")
 
 
 def check_max_len(max_model_len: int | None, config: ModelConfig) -> int:

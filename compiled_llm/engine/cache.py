@@ -166,6 +166,7 @@ def key_payload(
     disabled_passes: Sequence[str] = (),
     kernel_prefs: dict[str, str] | None = None,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     """Everything the key hashes; every value already resolved (no "auto", no None length)."""
     build = {
@@ -177,6 +178,8 @@ def key_payload(
     }
     if quantization is not None:  # absent otherwise: unquantized engines keep their keys
         build["quantization"] = quantization
+    if tensor_parallel_size != 1:  # likewise
+        build["tensor_parallel_size"] = tensor_parallel_size
     return {
         "key_version": KEY_VERSION,
         "source": source_fingerprint(src),
@@ -231,13 +234,15 @@ def _is_engine(path: Path) -> bool:
         return False
 
 
-def _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs, quantization=None):
+def _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs, quantization=None,
+          tensor_parallel_size=1):
     src = resolve_source(str(source))
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, src)
     max_len = check_max_len(max_model_len, src.config)
     payload = key_payload(src, dtype=torch_dtype, device=dev, max_model_len=max_len,
-                          disabled_passes=disabled_passes, kernel_prefs=kernel_prefs, quantization=quantization)
+                          disabled_passes=disabled_passes, kernel_prefs=kernel_prefs, quantization=quantization,
+                          tensor_parallel_size=tensor_parallel_size)
     path = engines_dir() / f"{_entry_name(src)}-{engine_key(payload)[:KEY_CHARS]}"
     return src, dev, torch_dtype, max_len, path
 
@@ -251,10 +256,12 @@ def engine_path(
     disabled_passes: Sequence[str] = (),
     kernel_prefs: dict[str, str] | None = None,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Path:
     """Where ``cached_engine`` keeps (or would build) the engine of ``source`` with these
     options; builds nothing."""
-    return _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs, quantization)[-1]
+    return _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs, quantization,
+                 tensor_parallel_size)[-1]
 
 
 def cached_engine(
@@ -267,12 +274,13 @@ def cached_engine(
     kernel_prefs: dict[str, str] | None = None,
     progress: bool | None = None,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Path:
     """The engine directory of ``source`` built with these options: the cached one, or built
     now (under the entry's lock) when there is none or it is not a valid engine.
     ``progress``: build progress bars; None (the default) shows them when stderr is a terminal."""
     src, dev, torch_dtype, max_len, path = _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs,
-                                                 quantization)
+                                                 quantization, tensor_parallel_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(path.parent / f"{path.name}.lock"):
         if _is_engine(path):
@@ -285,5 +293,6 @@ def cached_engine(
             str(source), path, dtype=torch_dtype, device=dev, max_model_len=max_len,
             disabled_passes=list(disabled_passes), kernel_prefs=kernel_prefs,
             progress=sys.stderr.isatty() if progress is None else progress, quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size,
         )
     return path

@@ -28,13 +28,15 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from compiled_llm.engine.artifact import load_engine
+from compiled_llm.engine.artifact import load_engine, tp_size_of
 from compiled_llm.engine.build import lower
 from compiled_llm.engine.program import PortableProgram
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.quantized_ops import dequantize, quantize
 from compiled_llm.graph.spec import forward, kv_cache_shape
+from compiled_llm.model.config import ModelConfig
+from compiled_llm.model.sharding import local_config
 from compiled_llm.model.sources import load_source_params, resolve_source
 
 BLOCK_SIZE = 16
@@ -206,6 +208,26 @@ def dequantized_model(config, params: dict[str, Tensor], scheme: str):
     return config, out
 
 
+def whole_config(engine):
+    """The whole model's config (a tensor-parallel engine's ``config`` is one rank's)."""
+    return ModelConfig.from_dict(engine.manifest["model_config"]) if engine.manifest else engine.config
+
+
+def sharded_step(engine, executor) -> StepFn:
+    """A tensor-parallel engine's program over all its ranks: every other rank runs the same
+    batch on its weights and a KV cache of its own shaped like this one's."""
+    state = {"kv": None}
+
+    def step(batch, kv):
+        fresh, state["kv"] = state["kv"] is not kv, kv
+        # numpy, not tensors: multiprocessing would share a tensor's memory through a handle
+        # only processes it started may open
+        executor.send("compare_step", tuple(t.cpu().numpy() for t in batch), tuple(kv.shape), fresh)
+        return engine.program(engine.params, batch, kv)
+
+    return step
+
+
 def reference_logits(kind: str, engine, prompts, tokens: Tensor, max_tokens: int,
                      quantization: str | None = None) -> Tensor:
     """The reference's logits on ``tokens``; with ``quantization``, the spec on the weights
@@ -215,40 +237,56 @@ def reference_logits(kind: str, engine, prompts, tokens: Tensor, max_tokens: int
             raise CompiledLLMError("--reference hf needs the source checkpoint directory, which this engine was not built from or which is gone")
         return hf_logits(engine.source_dir, prompts, tokens, engine.dtype, engine.device)
     if kind == "spec":
-        config, params = engine.config, load_source_params(source_of(engine.manifest), engine.dtype, engine.device)
+        config, params = whole_config(engine), load_source_params(source_of(engine.manifest), engine.dtype, engine.device)
         if quantization is not None:
             config, params = dequantized_model(config, params, quantization)
         step = spec_step(config, params)
     else:
         raise CompiledLLMError(f"unknown reference {kind!r}; choose spec or hf")
-    logits, _ = run_steps(step, engine.config, prompts, max_tokens, engine.device, engine.dtype, forced=tokens)
+    logits, _ = run_steps(step, config, prompts, max_tokens, engine.device, engine.dtype, forced=tokens)
     return logits
 
 
 def check_candidate(step: StepFn, ref_kind: str, engine, prompts, max_tokens: int,
-                    quantization: str | None = None) -> Verdict:
-    """The candidate against the reference (the dequantized spec when ``quantization``)."""
-    logits, tokens = run_steps(step, engine.config, prompts, max_tokens, engine.device, engine.dtype)
+                    quantization: str | None = None, config=None) -> Verdict:
+    """The candidate against the reference (the dequantized spec when ``quantization``);
+    ``config`` shapes the candidate's KV cache (default: the engine's)."""
+    logits, tokens = run_steps(step, config or engine.config, prompts, max_tokens, engine.device, engine.dtype)
     ref = reference_logits("spec" if quantization else ref_kind, engine, prompts, tokens, max_tokens, quantization)
     return judge(logits, tokens, ref, prompts, engine.dtype)
 
 
-def bisect_passes(engine, ref_kind: str, prompts, max_tokens: int, on_step=None) -> str:
+def rebuilt_program(manifest: dict, pass_names: Sequence[str], dtype, device, rank: int = 0):
+    """(program, params) of the engine's source rebuilt in memory with ``pass_names``, as rank
+    ``rank`` of a tensor-parallel engine computes it."""
+    src = source_of(manifest)
+    params = load_source_params(src, dtype, device)
+    lowered = lower(src.config, params, pass_names, device.type, dtype, manifest["build_options"].get("kernel_prefs") or {},
+                    quantization=quantization_of(manifest), tp_rank=rank, tp_size=tp_size_of(manifest))
+    return PortableProgram(lowered.gm, lowered.param_names), lowered.params
+
+
+def bisect_passes(engine, ref_kind: str, prompts, max_tokens: int, on_step=None, executor=None) -> str:
     """Rebuild the engine in memory with passes[:k], k = 0, 1, ...; name the first stage whose
     program fails the check ("capture" when even no passes fail, "artifact" when every
-    in-memory rebuild passes and only the saved engine fails)."""
+    in-memory rebuild passes and only the saved engine fails). A tensor-parallel engine's
+    ranks (``executor``) rebuild their own programs alongside."""
 
     manifest = engine.manifest
     names = [p["name"] for p in manifest["passes"]]
-    src = source_of(manifest)
-    prefs = manifest["build_options"].get("kernel_prefs") or {}
     scheme = quantization_of(manifest)
+    size = tp_size_of(manifest)
     for k in range(len(names) + 1):
-        params = load_source_params(src, engine.dtype, engine.device)
-        lowered = lower(engine.config, params, names[:k], engine.device.type, engine.dtype, prefs, quantization=scheme)
-        program = PortableProgram(lowered.gm, lowered.param_names)
+        program, params = rebuilt_program(manifest, names[:k], engine.dtype, engine.device)
+        step = program_step(program, params)
+        config = whole_config(engine)
+        if executor is not None:
+            executor.send("use_rebuilt_program", names[:k])
+            step = sharded_step(dataclasses.replace(engine, program=program, params=params), executor)
+            if "shard" in names[:k]:
+                config = local_config(config, size)
         quantized = scheme if "quantize_weights" in names[:k] else None
-        verdict = check_candidate(program_step(program, lowered.params), ref_kind, engine, prompts, max_tokens, quantized)
+        verdict = check_candidate(step, ref_kind, engine, prompts, max_tokens, quantized, config)
         stage = names[k - 1] if k else "capture"
         if on_step is not None:
             on_step(stage, verdict)
@@ -271,12 +309,30 @@ def compare_engine(
     if num_prompts < 1 or max_tokens < 1:
         raise CompiledLLMError("--num-prompts and --max-tokens must be at least 1")
     engine = load_engine(engine_dir)
+    executor = None
+    if engine.tp_size > 1:  # the other ranks, as the runtime starts them
+        from compiled_llm.serve.executor.multiproc import MultiprocExecutor
+
+        executor = MultiprocExecutor(engine.engine_dir, engine.tp_size, engine.device)
+    try:
+        return _compare(engine, executor, num_prompts, max_tokens, reference, seed, bisect, out)
+    except Exception:
+        if executor is not None:
+            executor.check(wait_s=3.0)  # a rank failed: say which, not how the collective broke
+        raise
+    finally:
+        if executor is not None:
+            executor.shutdown()
+
+
+def _compare(engine, executor, num_prompts, max_tokens, reference, seed, bisect, out):
     prompts = random_prompts(engine.config.vocab_size, num_prompts, seed)
     scheme = quantization_of(engine.manifest)
-    step = program_step(engine.program, engine.params)
+    step = program_step(engine.program, engine.params) if executor is None else sharded_step(engine, executor)
     verdict = check_candidate(step, reference, engine, prompts, max_tokens, scheme)
     against = f"spec on its {scheme}-dequantized weights" if scheme else reference
-    out(f"engine {engine.engine_dir} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}) vs {against}")
+    ranks = f", {engine.tp_size} tensor-parallel ranks" if engine.tp_size > 1 else ""
+    out(f"engine {engine.engine_dir} ({engine.device.type}, {str(engine.dtype).removeprefix('torch.')}{ranks}) vs {against}")
     for i, s in enumerate(verdict.per_prompt):
         out(f"  prompt {i}: {s.prompt_len:3d} tokens  greedy agreement {s.agree}/{s.steps}  max|Δlogit| {s.max_abs_delta:.3e}")
     if scheme:
@@ -289,6 +345,7 @@ def compare_engine(
         culprit = bisect_passes(
             engine, reference, prompts, max_tokens,
             on_step=lambda stage, v: out(f"  after {stage:<18} agreement {v.agreement:7.2%}  max|Δlogit| {v.max_abs_delta:.3e}  {'ok' if v.ok else 'FAIL'}"),
+            executor=executor,
         )
     out(summary_line(verdict, against, culprit))
     return verdict, culprit

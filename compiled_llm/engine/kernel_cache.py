@@ -81,7 +81,10 @@ def warm_kernels(engine_dir: Path, device: torch.device, workers: int | None = N
     cache.mkdir(parents=True, exist_ok=True)
     gc.collect()
     torch.cuda.empty_cache()  # the build's own copies of the weights must not shrink the KV cache
-    if workers is None:
+    sharded = json.loads((Path(engine_dir) / "manifest.json").read_text())["build_options"].get("tensor_parallel_size", 1) > 1
+    if sharded:
+        workers = 1  # each share would start a process per rank, on every GPU
+    elif workers is None:
         weight_bytes = sum(f.stat().st_size for f in Path(engine_dir).glob("*.safetensors"))
         workers = warm_workers(weight_bytes, torch.cuda.mem_get_info(device)[0])
     if not _warm_in_children(Path(engine_dir), device, workers) and workers > 1:

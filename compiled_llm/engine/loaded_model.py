@@ -30,6 +30,9 @@ class LoadedModel:
     # carries them in its manifest); what ``LLM.get_default_sampling_params`` applies
     generation_defaults: dict[str, int | float] = dataclasses.field(default_factory=dict)
     load_stages: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds, in load order
+    # a tensor-parallel engine's rank this process loaded, of how many; ``config`` is that rank's
+    tp_rank: int = 0
+    tp_size: int = 1
     load_s: float = 0.0
 
     @property

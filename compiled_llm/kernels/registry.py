@@ -31,7 +31,7 @@ from typing import Any, Callable, Collection, Mapping
 import torch
 
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.graph import fused_ops as _fused_ops, ops, quantized_ops as _quantized_ops  # noqa: F401  (they define their ops)
+from compiled_llm.graph import collective_ops as _collective_ops, fused_ops as _fused_ops, ops, quantized_ops as _quantized_ops  # noqa: F401  (they define their ops)
 
 REFERENCE = "reference"
 

@@ -16,7 +16,9 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 from compiled_llm.model.config import ModelConfig
-from compiled_llm.graph import fused_ops as _fused_ops, ops as _ops, quantized_ops as _quantized_ops  # noqa: F401  (registers cllm:: ops)
+from compiled_llm.graph import (  # noqa: F401  (registers cllm:: ops)
+    collective_ops as _collective_ops, fused_ops as _fused_ops, ops as _ops, quantized_ops as _quantized_ops,
+)
 from compiled_llm.graph.export import INPUT_NAMES, PARAM_META
 
 aten = torch.ops.aten
@@ -31,6 +33,8 @@ class PassContext:
     dtype: torch.dtype = torch.float32
     kernel_choice: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> provider
     quantization: str | None = None  # weight-only scheme (quantize_weights), None: keep the dtype
+    tp_rank: int = 0  # the tensor-parallel rank whose program and weights this build makes (shard)
+    tp_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,6 +100,17 @@ def check_quantization(engine_dir, quantization: str | None) -> None:
             f"'compiled-llm build SOURCE --quantization {quantization}', or pass its source instead")
 
 
+def check_tensor_parallel_size(engine_dir, size: int | None) -> None:
+    """An engine directory is sharded at build time: a size asked for must be the one it has."""
+    if size is None:
+        return
+    built = read_manifest(Path(engine_dir))["build_options"].get("tensor_parallel_size") or 1
+    if built != size:
+        raise InvalidOptionError(
+            f"{engine_dir} was built for tensor_parallel_size {built}, not {size}; build it with "
+            f"'compiled-llm build SOURCE --tensor-parallel-size {size}', or pass its source instead")
+
+
 class LLM:
     """Load a model and serve batches of requests with continuous batching.
 
@@ -115,6 +126,9 @@ class LLM:
     - ``quantization`` ("int8", "int4"; vLLM's name) builds a SOURCE with weight-only quantized
       linear layers (``compiled-llm build --quantization``), a cache entry of its own; an
       engine directory must have been built with the scheme asked for;
+    - ``tensor_parallel_size`` N (vLLM's name) builds a SOURCE sharded over N ranks (``compiled-llm
+      build --tensor-parallel-size``); loading an engine so built starts N - 1 worker processes,
+      one per GPU (gloo on a CPU), which ``shutdown()`` (or the end of this process) stops;
     - ``enforce_eager=True`` decodes without CUDA graphs. For a SOURCE it also skips the
       build: the eager spec program runs in the runtime (the uncompiled model, for checking
       the runtime against the reference loop);
@@ -125,14 +139,19 @@ class LLM:
     defaults; an unknown name is refused.
     """
 
-    def __init__(self, model: str, dtype=None, device=None, quantization: str | None = None, **engine_options):
+    def __init__(self, model: str, dtype=None, device=None, quantization: str | None = None,
+                 tensor_parallel_size: int | None = None, **engine_options):
         config = EngineConfig.from_options(engine_options)
         if is_engine_dir(model):
             check_quantization(model, quantization)
+            check_tensor_parallel_size(model, tensor_parallel_size)
         elif quantization is not None and config.enforce_eager:
             raise InvalidOptionError("quantization needs the compiled path: the eager model runs the original weights")
+        elif (tensor_parallel_size or 1) > 1 and config.enforce_eager:
+            raise InvalidOptionError("tensor_parallel_size needs the compiled path: the shard pass splits the model")
         elif not config.enforce_eager:
-            model = cached_engine(str(model), dtype=dtype, device=device, quantization=quantization)
+            model = cached_engine(str(model), dtype=dtype, device=device, quantization=quantization,
+                                  tensor_parallel_size=tensor_parallel_size or 1)
         self._init_engine(load_model(model, dtype=dtype, device=device), config)
 
     @classmethod
@@ -146,6 +165,11 @@ class LLM:
         self.model = loaded
         self.engine = LLMEngine(loaded, config)
         self._loop = EngineLoop(self.engine)
+
+    def shutdown(self) -> None:
+        """Stop a tensor-parallel engine's worker processes now (otherwise they stop with this
+        process); nothing can be generated afterwards."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

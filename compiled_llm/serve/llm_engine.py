@@ -25,6 +25,7 @@ from compiled_llm.serve.sampling import SamplingParams, make_generator
 from compiled_llm.serve import kv_cache as kvc
 from compiled_llm.serve.block_manager import BlockManager, cdiv
 from compiled_llm.serve.detokenizer import IncrementalDetokenizer
+from compiled_llm.serve.executor.multiproc import MultiprocExecutor
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.serve.model_runner import ModelRunner, _label, profile_step
 from compiled_llm.serve.request_validator import RequestValidator
@@ -32,6 +33,10 @@ from compiled_llm.serve.outputs import CompletionOutput, Logprob, PositionLogpro
 from compiled_llm.serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from compiled_llm.serve.sequence import Sequence
 from compiled_llm.serve.spec_decode.speculator import Speculator
+
+
+# After a failed step of a tensor-parallel engine: how long a rank that is ending may take to be seen
+FAILED_RANK_WAIT_S = 3.0
 
 
 @dataclasses.dataclass
@@ -86,19 +91,24 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len})"
             )
         self._stats = EngineStats()
+        # the other tensor-parallel ranks: every device operation below is sent to them first
+        self.executor = MultiprocExecutor(model.engine_dir, model.tp_size, self.device) if model.tp_size > 1 else None
+        try:
+            self._init_on_device(model, config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_on_device(self, model: LoadedModel, config: EngineConfig) -> None:
+        """KV cache, scheduler, runner: everything after the options are checked."""
+        mc = model.config
         bs = config.block_size
         max_num_seqs = config.max_num_seqs
-
         t0 = time.perf_counter()
         num_blocks = config.num_blocks
         if num_blocks is None and self.device.type == "cuda":
             num_blocks, self._stats.memory = kvc.gpu_num_blocks(
-                mc, bs, model.dtype, self.device, config.gpu_memory_utilization,
-                lambda: profile_step(
-                    mc, model.params, model.program,
-                    num_tokens=min(config.max_num_batched_tokens, self.max_model_len),
-                    num_seqs=max_num_seqs, block_size=bs, dtype=model.dtype, device=self.device,
-                ),
+                mc, bs, model.dtype, self.device, config.gpu_memory_utilization, self.profile_largest_step,
             )
             # Blocks beyond what every sequence can hold at once, twice over (the second half keeps
             # prefixes cached), would only cost start-up time: a tiny model on a large GPU would
@@ -127,16 +137,20 @@ class LLMEngine:
             stop_token_ids=model.eos_token_ids,
             speculator=self.speculator,
         )
-        self.runner = ModelRunner(
-            mc, model.params, model.program, kv_cache,
-            block_size=bs, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, device=self.device,
-        )
-        self.runner.set_decode_buckets(config.max_graph_batch_size)
+        runner_options = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                              max_model_len=self.max_model_len)
+        # captured bucket by bucket on first use, so none stands before the first token
+        graph_tokens = None
         if not config.enforce_eager and self.device.type == "cuda":
-            # captured bucket by bucket on first use, so none stands before the first token
-            self.runner.prepare_graphs(min(config.prefill_graph_max_tokens, self.max_model_len))
+            graph_tokens = min(config.prefill_graph_max_tokens, self.max_model_len)
+        if self.executor is not None:
+            self.executor.send("make_runner", num_blocks, bs, runner_options, config.max_graph_batch_size, graph_tokens)
+        self.runner = ModelRunner(mc, model.params, model.program, kv_cache, block_size=bs, device=self.device,
+                                  tp_size=model.tp_size, **runner_options)
+        self.runner.peers = self.executor
+        self.runner.set_decode_buckets(config.max_graph_batch_size)
+        if graph_tokens is not None:
+            self.runner.prepare_graphs(graph_tokens)
 
         self.validator = RequestValidator(
             tokenizer=self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len, block_size=bs,
@@ -163,17 +177,24 @@ class LLMEngine:
         """Capture every CUDA graph bucket now instead of on first use (builds warming their
         kernels, benchmarks timing a steady state), or share ``part`` of ``parts`` of them.
         Call between steps; False when graphs are off."""
+        if self.executor is not None:
+            self.executor.send("capture_all_graphs", part, parts)
         return self.runner.capture_all_graphs(part, parts)
 
     def profile_largest_step(self) -> None:
         """Run the step the KV-cache sizing measures (the largest prefill, then sampling of
         every row), without sizing anything: a build warms its kernels this way."""
-        profile_step(
-            self.model.config, self.model.params, self.model.program,
-            num_tokens=min(self.config.max_num_batched_tokens, self.max_model_len),
-            num_seqs=self.config.max_num_seqs, block_size=self.config.block_size,
-            dtype=self.model.dtype, device=self.device,
-        )
+        size = (min(self.config.max_num_batched_tokens, self.max_model_len), self.config.max_num_seqs,
+                self.config.block_size)
+        if self.executor is not None:
+            self.executor.send("profile_step", *size)
+        profile_step(self.model.config, self.model.params, self.model.program, num_tokens=size[0],
+                     num_seqs=size[1], block_size=size[2], dtype=self.model.dtype, device=self.device)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (the engine cannot step afterwards)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -268,9 +289,16 @@ class LLMEngine:
         others; their ids are in ``failed_request_ids`` and the exception propagates."""
         self.failed_request_ids = []
         try:
+            if self.executor is not None:
+                self.executor.check()
             return self._step()
         except BaseException:
             self.failed_request_ids = self._abandon_steps()
+            if self.executor is not None:  # a rank died: say which, not how the collective broke
+                try:
+                    self.executor.check(wait_s=FAILED_RANK_WAIT_S)
+                except EngineError as e:
+                    raise e from None
             raise
         finally:
             self._in_flight = None

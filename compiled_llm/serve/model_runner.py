@@ -55,6 +55,22 @@ class StepHandle:
     prompt_logprob_rows: list[tuple[int, int]] | None = None
 
 
+@dataclass(frozen=True)
+class DeviceStep:
+    """What a step runs once its host inputs are filled (``ModelRunner.run_device_step``): what
+    a tensor-parallel rank 0 sends its peers, with the inputs, so that they run it too."""
+
+    decode_buffers: bool  # the bucketed decode input buffers, else the general ones
+    tokens: int  # token rows copied in (and run)
+    seqs: int  # query segments copied in (and run)
+    width: int  # block-table columns
+    run: str  # "decode_graph", "prefill_graph" or "program"
+    rows: int  # logits rows the step yields
+    ahead_seqs: int = 0  # scheduled ahead: the first ahead_seqs input tokens are the last step's ids
+    ahead_rows: list[int] | None = None  # ... rows ahead_rows of them (all, in order, when None)
+    ahead_ids: int = 0  # how many ids the last step sampled
+
+
 def _label(enabled: bool, name: str):
     if enabled:
         return torch.profiler.record_function(name)
@@ -74,8 +90,11 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         device: torch.device,
+        tp_size: int = 1,
     ):
         self.config = config
+        self.tp_size = tp_size
+        self.peers = None  # a tensor-parallel rank 0's executor: every device step is sent to it first
         self.params = params
         self.program = program
         self.kv_cache = kv_cache
@@ -97,6 +116,8 @@ class ModelRunner:
         self.prefill_graphs = StepGraphs()  # prefill of one sequence, by token count
         self._ids_host = [torch.zeros(s, dtype=torch.int64).pin_memory() for _ in range(2)] if cuda else []
         self._ids_turn = 0
+        # a tensor-parallel rank's copy of the last step's sampled ids, for a step scheduled ahead
+        self._ahead_ids = torch.zeros(s, dtype=torch.int64, device=self.device) if tp_size > 1 else None
         self.history = TokenHistory(s, self.width * block_size, config.vocab_size, self.device)
         # Each row's sampling parameters (SamplingParams.sampling_row), written when a sequence
         # takes the row, so a step reads its rows' parameters with one fancy index; and the
@@ -274,11 +295,9 @@ class ModelRunner:
                 self._fill_verify(inputs, seqs, rows, batch.draft_tokens, T, width)
             else:
                 self._fill_decode(inputs, seqs, rows, T, width, ahead)
-            self._copy_in(inputs, T, T, width)
-            self._tokens_from(ahead_of, ahead_rows, S, inputs.dev["tok"])
-            if graphs is not None:
-                return graphs.run(T, R)
-            return self._run_program(inputs.views(T, T, width))[:R]
+            step = DeviceStep(bucket is not None, T, T, width, "decode_graph" if graphs is not None else "program", R,
+                              S if ahead else 0, ahead_rows, len(ahead_of.ids) if ahead else 0)
+            return self.run_device_step(step, ahead_of)
         inputs = self.inputs
         split = [s.wants_prompt_logprobs for s in seqs]
         bucket = None
@@ -288,10 +307,32 @@ class ModelRunner:
         T, R = self._fill_mixed(inputs, seqs, rows, batch.num_new_tokens, width, split)
         if bucket is not None:
             inputs.pad_tokens(T, bucket)
-            self._copy_in(inputs, bucket, 1, width)
-            return self.prefill_graphs.run(bucket, 1)
-        self._copy_in(inputs, T, R, width)
-        return self._run_program(inputs.views(T, R, width))
+            return self.run_device_step(DeviceStep(False, bucket, 1, width, "prefill_graph", 1))
+        return self.run_device_step(DeviceStep(False, T, R, width, "program", R))
+
+    def run_device_step(self, step: DeviceStep, ahead_of: StepHandle | None = None) -> Tensor:
+        """The device part of a step whose host inputs are filled: copy them in, run the graph
+        or the program. Tensor-parallel peers are sent the step first and run it alongside."""
+        inputs = self.decode_inputs() if step.decode_buffers else self.inputs
+        if self.peers is not None:
+            self.peers.send("replay_step", step, inputs.used(step.tokens, step.seqs, step.width))
+        self._copy_in(inputs, step.tokens, step.seqs, step.width)
+        if step.ahead_seqs:
+            self._tokens_from(ahead_of, step.ahead_rows, step.ahead_seqs, step.ahead_ids, inputs.dev["tok"])
+        if step.run == "decode_graph":
+            return self.graphs.run(step.tokens, step.rows)
+        if step.run == "prefill_graph":
+            return self.prefill_graphs.run(step.tokens, step.seqs)
+        return self._run_program(inputs.views(step.tokens, step.seqs, step.width))[:step.rows]
+
+    @torch.inference_mode()
+    def replay_step(self, step: DeviceStep, host: dict[str, np.ndarray]) -> None:
+        """A tensor-parallel peer's side of rank 0's ``run_device_step``: the same inputs, the
+        same graph or program (its collectives meet rank 0's); the logits are rank 0's to use."""
+        self._wait_for_copies()
+        inputs = self.decode_inputs() if step.decode_buffers else self.inputs
+        inputs.fill_used(host)
+        self.run_device_step(step, None)
 
     @staticmethod
     def _width_of(seqs: list[Sequence]) -> int:
@@ -306,12 +347,17 @@ class ModelRunner:
         if self._copied is not None:
             self._copied.record()
 
-    def _tokens_from(self, handle: StepHandle | None, rows: list[int] | None, S: int, tok: Tensor) -> None:
+    def _tokens_from(self, handle: StepHandle | None, rows: list[int] | None, S: int, count: int, tok: Tensor) -> None:
         """Input tokens of a step scheduled ahead: the earlier step's sampled ids, copied into
-        ``tok`` on the device after (stream order) the host inputs landed."""
-        if handle is None:
-            return
-        src = handle.ids
+        ``tok`` on the device after (stream order) the host inputs landed. Tensor-parallel
+        peers (``handle`` None) receive them from rank 0, which alone samples."""
+        if self.tp_size > 1:
+            src = self._ahead_ids[:count]
+            if handle is not None:
+                src.copy_(handle.ids)
+            torch.distributed.broadcast(src, src=0)
+        else:
+            src = handle.ids
         if rows is not None:
             src = src.index_select(0, self._to_device(rows))
         tok[:S].copy_(src)

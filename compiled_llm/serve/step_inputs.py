@@ -67,6 +67,16 @@ class StepInputs:
     def block_table(self, num_seqs: int, width: int) -> np.ndarray:
         return self.np["bt"][: num_seqs * width].reshape(num_seqs, width)
 
+    def used(self, num_tokens: int, num_seqs: int, width: int) -> dict[str, np.ndarray]:
+        """Copies of the filled part of every field (what a tensor-parallel peer is sent)."""
+        counts = {"tok": num_tokens, "pos": num_tokens, "slot": num_tokens, "sl": num_seqs,
+                  "qsl": num_seqs + 1, "bt": num_seqs * width}
+        return {name: self.np[name][:n].copy() for name, n in counts.items()}
+
+    def fill_used(self, used: dict[str, np.ndarray]) -> None:
+        for name, values in used.items():
+            self.np[name][: len(values)] = values
+
     # ---- to the device ------------------------------------------------------------------------
 
     def copy_in(self, num_tokens: int, num_seqs: int, width: int) -> None:

@@ -1,0 +1,262 @@
+"""``MultiprocExecutor``: tensor-parallel ranks 1..N-1 as processes of this host; this process
+is rank 0.
+
+Start-up: every worker process loads its rank's weights from the engine directory (only its
+own file) and says so; then all ranks join one torch.distributed group through a file store:
+NCCL on CUDA (rank r on cuda:r), gloo on CPU. A worker that fails to load is an error here,
+before anyone waits in a collective.
+
+Failure: a monitor thread watches every worker. When one dies or reports an error, the others
+are killed at once: a collective rank 0 waits in then fails (gloo and NCCL see the closed
+connection; the group's timeout is the backstop), and every later call raises ``EngineError``
+naming the rank. Workers end with this process, even when it is killed: each watches its parent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from compiled_llm.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+# How long a rank waits in a collective for the others before the group fails the step. Ranks
+# run the same work, so only a stuck or dead rank makes another wait this long; the monitor sees
+# a dead one sooner. NCCL's is longer: its watchdog ends the process rather than the call, and
+# a first step may compile kernels.
+COLLECTIVE_TIMEOUT_S = {"gloo": 20.0, "nccl": 300.0}
+LOAD_TIMEOUT_S = 900.0
+_STOP_GRACE_S = 5.0
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+
+
+def check_devices(device: torch.device, size: int) -> None:
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise EngineError(
+            f"the engine is sharded over {size} GPUs but {torch.cuda.device_count()} are visible; "
+            f"rebuild it with a smaller --tensor-parallel-size"
+        )
+
+
+def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_s: float) -> None:
+    if dist.is_initialized():
+        raise EngineError("torch.distributed is already initialized in this process; a tensor-parallel engine starts its own group")
+    dist.init_process_group(
+        backend_for(device), init_method=f"file://{store}", rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+class MultiprocExecutor:
+    def __init__(self, engine_dir: Path, size: int, device: torch.device, timeout_s: float | None = None):
+        device = torch.device(device)
+        timeout_s = timeout_s or COLLECTIVE_TIMEOUT_S[backend_for(device)]
+        check_devices(device, size)
+        self.size = size
+        self.failure: str | None = None
+        self._stopping = False
+        self._dir = Path(tempfile.mkdtemp(prefix="cllm-tp-"))
+        store = self._dir / "store"
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        try:
+            for rank in range(1, size):
+                ours, theirs = socket.socketpair()
+                cmd = [sys.executable, "-m", __name__, str(engine_dir), str(rank), str(size), device.type, str(store),
+                       str(theirs.fileno()), str(os.getpid()), str(timeout_s)]
+                # a fresh interpreter, not multiprocessing: nothing of the caller's __main__ is
+                # re-run, and a daemonic engine process may start it too
+                self._procs.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL))
+                theirs.close()
+                self._conns.append(Connection(ours.detach()))
+            self._wait_ready()
+            init_group(device, 0, size, store, timeout_s)
+        except BaseException:
+            self._kill_workers()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
+        self._monitor.start()
+        atexit.register(_shutdown_ref, weakref.ref(self))
+
+    # ---- the interface (see the package docstring) ----------------------------------------------
+
+    def send(self, method: str, *args) -> None:
+        self.check()
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send((method, args))
+            except OSError:
+                self._fail(f"tensor-parallel rank {rank} is gone (its pipe closed)")
+                self.check()
+
+    def check(self, wait_s: float = 0.0) -> None:
+        """Raise EngineError if a rank has failed; with ``wait_s``, give a rank that is ending
+        (a collective just failed) that long to be seen."""
+        deadline = time.monotonic() + wait_s
+        while self.failure is None:
+            dead = next((r for r, p in enumerate(self._procs, start=1) if p.poll() is not None), None)
+            if dead is not None:
+                self._fail(self._describe(dead, self._receive(dead) if self._conns[dead - 1].poll() else None))
+            elif time.monotonic() >= deadline:
+                return
+            else:
+                time.sleep(0.05)
+        raise EngineError(self.failure)
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        # every rank tears the group down together (NCCL's waits for the others); after a
+        # failure the group is left as it is, since the ranks it would wait for are gone
+        if dist.is_initialized() and self.failure is None:
+            dist.destroy_process_group()
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for proc in self._procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_workers()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- start-up and failure ---------------------------------------------------------------------
+
+    def _wait_ready(self) -> None:
+        waiting = dict(enumerate(self._conns, start=1))
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while waiting:
+            ready = wait(list(waiting.values()), timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise EngineError(f"tensor-parallel ranks {sorted(waiting)} did not load within {LOAD_TIMEOUT_S:.0f} s")
+            for conn in ready:
+                rank = next(r for r, c in waiting.items() if c is conn)
+                message = self._receive(rank)
+                if message is None or message[0] != "ready":
+                    raise EngineError(self._describe(rank, message))
+                waiting.pop(rank)
+
+    def _receive(self, rank: int):
+        try:
+            return self._conns[rank - 1].recv()
+        except (EOFError, OSError):  # the process is gone
+            return None
+
+    def _describe(self, rank: int, message) -> str:
+        if message is not None and message[0] == "error":
+            return f"tensor-parallel rank {rank} failed: {message[1]}"
+        proc = self._procs[rank - 1]
+        try:
+            status = proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            status = "unknown"
+        return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {status}"
+
+    def _watch(self) -> None:
+        """Any message or end of a worker's socket after start-up is a failure."""
+        ranks = {c: r for r, c in enumerate(self._conns, start=1)}
+        while not self._stopping and self.failure is None:
+            ready = wait(list(ranks), timeout=1.0)
+            if self._stopping:
+                return
+            if ready:
+                rank = ranks[ready[0]]
+                self._fail(self._describe(rank, self._receive(rank)))
+
+    def _fail(self, why: str) -> None:
+        if self.failure is None and not self._stopping:
+            self.failure = why
+            log.error("%s; stopping the other ranks", why)
+            self._kill_workers()
+
+    def _kill_workers(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self._procs:
+            try:
+                proc.wait(_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("tensor-parallel worker pid %d did not end after SIGKILL", proc.pid)
+
+
+def _shutdown_ref(ref) -> None:
+    executor = ref()
+    if executor is not None:
+        executor.shutdown()
+
+
+# ---- the worker process -------------------------------------------------------------------------
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker must not outlive rank 0's process, however that ends (even SIGKILL)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store: str, conn: Connection,
+                 timeout_s: float) -> None:
+    try:
+        from compiled_llm.engine.artifact import load_engine
+        from compiled_llm.serve.executor.rank_worker import RankWorker
+
+        device = rank_device(torch.device(device_type), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        worker = RankWorker(load_engine(engine_dir, device=device, rank=rank))
+        conn.send(("ready", None))
+        init_group(device, rank, size, Path(store), timeout_s)
+        while True:
+            message = conn.recv()
+            if message is None:
+                break
+            method, args = message
+            getattr(worker, method)(*args)
+    except EOFError:  # rank 0 is gone
+        os._exit(1)
+    except BaseException as e:
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}".splitlines()[0][:500]))
+        except OSError:
+            pass
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _engine_dir, _rank, _size, _device_type, _store, _fd, _parent, _timeout = sys.argv[1:]
+    threading.Thread(target=_exit_with_parent, args=(int(_parent),), daemon=True).start()
+    _worker_main(_engine_dir, int(_rank), int(_size), _device_type, _store, Connection(int(_fd)), float(_timeout))
