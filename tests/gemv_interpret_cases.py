@@ -1,5 +1,5 @@
 """The weight-streaming GEMV kernels against their references on the CPU, through the Triton
-interpreter: triton_gemv (o projection + residual), the norm + MLP decode form (gate/up kernel +
+interpreter: triton_gemv (o projection + residual, and the plain linear), the norm + MLP decode form (gate/up kernel +
 down GEMV), and the one-launch q/k/v decode kernel.
 
 Not collected by itself: tests/test_gemv_interpret.py runs this file in a subprocess with
@@ -70,6 +70,18 @@ def test_linear_residual_matches_reference(T, bias):
     assert rel_err(out, ref) <= TOL
     assert all(torch.equal(a, c) for a, c in zip((x, w, r), before))  # inputs untouched
     assert out.data_ptr() != r.data_ptr()  # a fresh output, never the residual updated in place
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("T", [1, 3, MAX_TOKENS + 5])
+def test_linear_matches_reference(T, bias):
+    """cllm::linear (a sharded program's row-parallel linear): the GEMV at decode sizes, cuBLAS's
+    form above."""
+    x, w, b, _ = _linear_case(T, 37, 50, bias, seed=100 + T)
+    out = triton_gemv.linear(x, w, b)
+    ref = fused_ops.linear_ref(x, w, b)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) <= TOL
 
 
 @pytest.mark.parametrize("bias", [False, True])

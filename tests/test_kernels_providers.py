@@ -196,7 +196,7 @@ def _reference_cases():
     g = torch.Generator().manual_seed(0)
     x, r = torch.randn(3, 32, generator=g), torch.randn(3, 32, generator=g)
     collectives = {
-        "all_reduce": (x,),
+        "all_reduce": (x, r),
         "all_gather_columns": (x, 30),
         "vocab_shard_embedding": (torch.randn(8, 32, generator=g), torch.tensor([3, 9, 12, 5]), torch.tensor([4])),
     }
@@ -211,6 +211,7 @@ def _reference_cases():
         "paged_attention": attn.args(attn.kv_cache.nan_to_num(0.0)),
         "fused_add_rms_norm": (x, r, w, 1e-6),
         "fused_add_layer_norm": (x, r, w, b, 1e-5),
+        "linear": _linear_residual_inputs(3, 32, 24, bias=True, seed=7)[:3],
         "fused_linear_residual": _linear_residual_inputs(3, 32, 24, bias=True, seed=5),
         "fused_qkv_rope": qkv_inputs(3, 32, 4, 2, 16, f32, "cpu", 2, bias=True, qk_norm=True, rope=True, max_pos=8),
         "fused_rms_norm_glu_mlp": mlp_glu_inputs(3, 32, 24, f32, "cpu", 3),

@@ -292,6 +292,20 @@ def test_mlp_plus_residual_takes_the_residual_once():
     assert matches == 0 and hist["aten::add.Tensor"] == 1
 
 
+def test_residual_add_after_an_all_reduce_rides_it_and_the_linear_becomes_the_engines():
+    """A sharded program's ``r + all_reduce(linear(x, W, b))``: the all-reduce adds r (one
+    reduction, no add left), and the row-parallel linear runs the engine's GEMV (cllm::linear)."""
+    x, w, b, r = _rand(3, 8), _rand(6, 8), _rand(6), _rand(3, 6)
+    all_reduce = torch.ops.cllm.all_reduce
+
+    matches, hist = _fuse_residual(lambda x, w, b, r: r + all_reduce(F.linear(x, w, b)), x, w, b, r)
+    assert matches == 1 and hist == {"cllm::all_reduce": 1, "cllm::linear": 1}
+
+    # a partial read elsewhere stays the plain linear; the add still rides the all-reduce
+    matches, hist = _fuse_residual(lambda x, w, r: (lambda y: (r + all_reduce(y), y.relu()))(F.linear(x, w)), x, w, r)
+    assert matches == 1 and hist == {"cllm::all_reduce": 1, "aten::linear": 1, "aten::relu": 1}
+
+
 def test_input_norm_read_elsewhere_is_not_folded_into_qkv():
     config = preset_config("tiny-llama")
     params = random_params(config, seed=4)

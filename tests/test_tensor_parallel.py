@@ -7,11 +7,14 @@
   request alone.
 - The engine directory holds one weights file per rank, each with its rank's heads, columns
   and vocabulary rows, and the program carries one all-reduce per row-parallel linear (o and
-  down/proj) plus one after the embedding, and one all-gather of the logits.
+  down/proj; each adds the residual) plus one after the embedding, and one all-gather of the
+  logits.
 - ``compare`` checks a TP engine over both ranks.
 - A rank that dies fails the generation running and every later one with an ``EngineError``
-  naming it; a killed rank 0 takes its worker with it.
-- An engine directory is sharded at build time: asking it for another size is refused.
+  naming it; a killed rank 0 takes its worker with it. Shutdown drops the CUDA graphs before
+  the group ends.
+- An engine directory is sharded at build time: asking it (``LLM``, ``bench``) for another size
+  is refused.
 """
 
 from __future__ import annotations
@@ -253,6 +256,8 @@ def test_engine_has_one_weights_file_per_rank_and_its_collectives(built, family)
     assert ops["cllm::all_reduce"] == 2 * LAYERS + 1  # after o and down/proj in every layer, after the embedding
     assert ops["cllm::all_gather_columns"] == 1  # the logits
     assert ops["cllm::vocab_shard_embedding"] == 1
+    assert ops["cllm::linear"] == LAYERS  # the attention output's row-parallel linear, on the engine's GEMV
+    assert "aten::add.Tensor" not in ops  # every residual add rides its all-reduce
     assert m["model_config"]["num_heads"] == HEADS  # the manifest describes the whole model
 
 
@@ -316,6 +321,27 @@ def test_compare_checks_a_tp_engine_over_both_ranks(qwen2):
 
 
 # ---- failures ---------------------------------------------------------------------------------
+
+
+def test_shutdown_drops_the_runners_graphs_while_the_group_still_stands(qwen2, monkeypatch):
+    """NCCL's teardown waits for every CUDA graph that captured one of its collectives, so rank
+    0's runner lets its graphs go before the group ends (the workers do the same)."""
+    from compiled_llm.serve.model_runner import ModelRunner
+
+    seen = []
+    release = ModelRunner.release_graphs
+
+    def recording(runner):
+        seen.append(torch.distributed.is_initialized())
+        release(runner)
+
+    monkeypatch.setattr(ModelRunner, "release_graphs", recording)
+    llm = LLM(str(qwen2.engine), device="cpu")
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.shutdown()
+    assert seen == [True]
+    assert not torch.distributed.is_initialized()
+    assert not llm.engine.runner.graphs.enabled
 
 
 def test_a_killed_worker_fails_the_running_generate_and_every_later_one(qwen2):
@@ -388,6 +414,18 @@ def test_a_killed_rank0_takes_its_worker_with_it(qwen2, tmp_path):
             child.kill()
             child.wait()
         child.stdout.close()
+
+
+def test_bench_runs_a_tp_engine_and_holds_it_to_the_asked_size(qwen2, capsys):
+    from compiled_llm.cli.main import main
+
+    argv = ["bench", str(qwen2.engine), "--workload", "latency", "--no-hf", "--device", "cpu", "--json"]
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["workload"] == "latency" and row["metrics"]["decode_tok_s"] > 0
+    assert main([*argv, "--tensor-parallel-size", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error:") and "tensor_parallel_size 2, not 1" in line
 
 
 def test_an_engine_is_sharded_at_build_time(qwen2):

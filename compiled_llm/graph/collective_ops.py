@@ -7,7 +7,9 @@ collectives are the identity, so an unsharded program is their reference. They a
 calls hidden in a kernel, so ``inspect`` shows where a program communicates and ``compare``'s
 bisection can stop before or after them.
 
-  all_reduce(x)                    the sum of every rank's x
+  all_reduce(x, residual=None)     the sum of every rank's x (plus ``residual``, which every
+                                   rank holds whole: the residual add fused after a row-parallel
+                                   linear)
   all_gather_columns(x, columns)   the ranks' x side by side along the last dimension, cut to
                                    ``columns`` (the vocabulary, padded to a multiple of N)
   vocab_shard_embedding(w, ids, start)
@@ -17,6 +19,8 @@ bisection can stop before or after them.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,11 +34,11 @@ def group_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def all_reduce_ref(x: Tensor) -> Tensor:
+def all_reduce_ref(x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
     out = x.contiguous().clone()
     if group_size() > 1:
         dist.all_reduce(out)
-    return out
+    return out if residual is None else out + residual
 
 
 def all_gather_columns_ref(x: Tensor, columns: int) -> Tensor:
@@ -66,6 +70,6 @@ def _embedding_like(weight: Tensor, token_ids: Tensor, vocab_start: Tensor) -> T
     return weight.new_empty((token_ids.shape[0], weight.shape[1]))
 
 
-all_reduce = cllm_op("all_reduce", all_reduce_ref, fake=lambda x: torch.empty_like(x))
+all_reduce = cllm_op("all_reduce", all_reduce_ref, fake=lambda x, residual=None: torch.empty_like(x))
 all_gather_columns = cllm_op("all_gather_columns", all_gather_columns_ref, fake=_gathered_like)
 vocab_shard_embedding = cllm_op("vocab_shard_embedding", vocab_shard_embedding_ref, fake=_embedding_like)

@@ -43,6 +43,12 @@ def fused_add_layer_norm_ref(
     return layer_norm_ref(summed, weight, bias, eps), summed
 
 
+def linear_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """A linear the passes hand to the engine's kernels (the spec writes aten.linear, which runs
+    cuBLAS): a sharded program's row-parallel linear before its all-reduce (fuse_residual)."""
+    return F.linear(x, weight, bias)
+
+
 def add_residual(out: Tensor, residual: Optional[Tensor]) -> Tensor:
     """``residual + out`` when a residual is given: the op's output is rounded to its dtype
     first, exactly as the separate aten.add it replaces saw it."""
@@ -125,6 +131,7 @@ def fused_qkv_rope_ref(
 # The fused cllm:: ops
 # ---------------------------------------------------------------------------------------------
 
+linear = cllm_op("linear", linear_ref)
 fused_add_rms_norm = cllm_op("fused_add_rms_norm", fused_add_rms_norm_ref)
 fused_add_layer_norm = cllm_op("fused_add_layer_norm", fused_add_layer_norm_ref)
 fused_linear_residual = cllm_op("fused_linear_residual", fused_linear_residual_ref)

@@ -107,6 +107,7 @@ TRITON_KERNELS = {  # op -> (kernel, handles)
     "rotary_embedding": (triton_qkv_rope.rotary_embedding, _even_head_dim),
     "fused_qkv_rope": (triton_qkv_rope.fused_qkv_rope, _qkv_rope_fits),
     "paged_attention": (triton_paged_attention.paged_attention, None),
+    "linear": (triton_gemv.linear, None),
     "fused_linear_residual": (triton_gemv.linear_residual, _residual_is_output_shaped),
     "fused_rms_norm_glu_mlp": (triton_norm_mlp.fused_rms_norm_glu_mlp, None),
     "fused_layer_norm_gelu_mlp": (triton_norm_mlp.fused_layer_norm_gelu_mlp, None),

@@ -558,6 +558,14 @@ def use_gemv(num_tokens: int) -> bool:
     return num_tokens <= launch_configs.get("gemv_dispatch", num_tokens)["MAX_TOKENS"]
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``cllm::linear``: one GEMV launch for up to MAX_TOKENS rows, cuBLAS above."""
+    T = math.prod(x.shape[:-1])
+    if use_gemv(T):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     residual: torch.Tensor) -> torch.Tensor:
     """``residual + linear(x, weight, bias)``: x [..., K], weight [N, K], residual [..., N].

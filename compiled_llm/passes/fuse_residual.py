@@ -4,6 +4,11 @@ as that op's epilogue instead of as a launch of its own.
   h = r + linear(x, W, b)                     => h = fused_linear_residual(x, W, b, r)
   h = r + fused_rms_norm_glu_mlp(x, ...)      => h = fused_rms_norm_glu_mlp(x, ..., residual=r)
   h = r + fused_layer_norm_gelu_mlp(x, ...)   => h = fused_layer_norm_gelu_mlp(x, ..., residual=r)
+  h = r + all_reduce(p)                       => h = all_reduce(p, r)     (a sharded program's
+                                                 row-parallel outputs: the add rides the reduction)
+  h = r + all_reduce(linear(x, W, b))         => h = all_reduce(cllm::linear(x, W, b), r)
+                                                (the linear then runs the engine's GEMV at decode
+                                                sizes, as fused_linear_residual does unsharded)
 
 Either operand order matches (float addition commutes bit for bit). The producer must have no
 other user (its output before the add is needed nowhere else), and the add must neither
@@ -53,9 +58,18 @@ def _with_residual(producer: Node, residual: Node) -> tuple[Any, tuple] | None:
     if is_call(producer, aten.linear.default):
         x, w, b = linear_parts(producer)
         return cllm.fused_linear_residual.default, (x, w, b, residual)
+    if is_call(producer, cllm.all_reduce.default) and len(producer.args) == 1 and not producer.kwargs:
+        return producer.target, (producer.args[0], residual)
     if _mlp_without_residual(producer):
         return producer.target, (*producer.args[: _MLP_ARITY[producer.target]], residual)
     return None
+
+
+def _to_engine_linear(partial: Node) -> None:
+    """A row-parallel aten.linear whose only user is the all-reduce becomes cllm::linear."""
+    if is_call(partial, aten.linear.default) and single_user(partial):
+        partial.target = cllm.linear.default
+        partial.args, partial.kwargs = linear_parts(partial), {}
 
 
 def _fuse(gm: GraphModule, add: Node) -> bool:
@@ -72,6 +86,8 @@ def _fuse(gm: GraphModule, add: Node) -> bool:
         add.replace_all_uses_with(fused)
         gm.graph.erase_node(add)
         gm.graph.erase_node(producer)
+        if is_call(fused, cllm.all_reduce.default):
+            _to_engine_linear(fused.args[0])
         return True
     return False
 
@@ -85,4 +101,4 @@ def run(gm: GraphModule, ctx: PassContext) -> int:
     return count
 
 
-PASS = Pass("fuse_residual", run, "residual add into the linear or fused MLP producing one operand")
+PASS = Pass("fuse_residual", run, "residual add into the linear, fused MLP or all-reduce producing one operand")

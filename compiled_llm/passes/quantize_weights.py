@@ -8,6 +8,7 @@ the lm_head take their weights quantized (schemes in graph/quantized_ops.py), W 
                                               => fused_layer_norm_gelu_mlp_wq(x, .., W1q, W1s, W1z, b1, W2q, W2s, W2z, b2, r)
   fused_linear_residual(x, W, b, r)           => fused_linear_residual_wq(x, Wq, Ws, Wz, b, r)
   linear(x, W, b)  (the lm_head)              => linear_wq(x, Wq, Ws, Wz, b)
+  cllm::linear(x, W, b)  (row-parallel)       => linear_wq(x, Wq, Ws, Wz, b)
 
 It runs after the fusion passes and before select_kernels. A weight another op still reads (a
 tied lm_head's embedding table) stays as it is for that op; ``cleanup`` drops the originals
@@ -30,6 +31,7 @@ _VARIANTS = {
     cllm.fused_rms_norm_glu_mlp.default: ("fused_rms_norm_glu_mlp_wq", ("gate_up_weight", "down_weight")),
     cllm.fused_layer_norm_gelu_mlp.default: ("fused_layer_norm_gelu_mlp_wq", ("fc_weight", "proj_weight")),
     cllm.fused_linear_residual.default: ("fused_linear_residual_wq", ("weight",)),
+    cllm.linear.default: ("linear_wq", ("weight",)),
 }
 
 

@@ -103,6 +103,16 @@ class StepGraphs:
         or a capture failed."""
         return self.enabled and all(self.capture(b) for b in self.buckets)
 
+    def release(self) -> None:
+        """Drop every captured graph; nothing runs through these graphs afterwards. A graph that
+        captured an NCCL collective holds a reference on the communicator, and NCCL's teardown
+        (``destroy_process_group``) waits until that graph is destroyed."""
+        if self.graphs:
+            torch.cuda.synchronize(self._device)
+        self.graphs.clear()
+        self.logits = None
+        self._forward = None
+
     def _capture(self, bucket: int) -> bool:
         t0 = time.perf_counter()
         device = self._device

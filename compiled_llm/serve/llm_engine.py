@@ -148,6 +148,8 @@ class LLMEngine:
         self.runner = ModelRunner(mc, model.params, model.program, kv_cache, block_size=bs, device=self.device,
                                   tp_size=model.tp_size, **runner_options)
         self.runner.peers = self.executor
+        if self.executor is not None:
+            self.executor.before_teardown.append(self.runner.release_graphs)
         self.runner.set_decode_buckets(config.max_graph_batch_size)
         if graph_tokens is not None:
             self.runner.prepare_graphs(graph_tokens)

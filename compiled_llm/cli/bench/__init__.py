@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from compiled_llm.cli.engine_args import add_engine_arguments, engine_options
+from compiled_llm.cli.run import add_quantization_argument
 
 
 def add_parser(subparsers):
@@ -53,7 +54,9 @@ def add_parser(subparsers):
                               "cores, up to 8: one process reads about 13k chunks/s)")
     # the workloads' longest sequence is 2,048 tokens: a shorter limit than a model's keeps the
     # block tables (and the graphs' inputs) small
-    add_engine_arguments(p.add_argument_group("engine options"), defaults={"max_model_len": 4096})
+    engine_group = p.add_argument_group("engine options")
+    add_quantization_argument(engine_group)
+    add_engine_arguments(engine_group, defaults={"max_model_len": 4096})
     p.add_argument("--no-cuda-graphs", dest="enforce_eager", action="store_true",
                    help=argparse.SUPPRESS)  # the old name of --enforce-eager
     p.add_argument("--json", action="store_true", help="print the results as one JSON list instead of a table")
@@ -108,7 +111,8 @@ def run(args) -> int:
     if not is_engine_dir(engine):  # a model source: its cached engine (so --enforce-eager still compiles)
         from compiled_llm.engine.cache import cached_engine
 
-        engine = str(cached_engine(engine, device=device))
+        engine = str(cached_engine(engine, device=device, quantization=args.quantization,
+                                   tensor_parallel_size=args.tensor_parallel_size or 1))
     if args.workload == "serving":
         return _run_serving(args, engine, device)
     cold = []
@@ -120,7 +124,8 @@ def run(args) -> int:
         if not workloads:
             _print_results(args, cold, device, None, coldstart.format_table(cold))
             return 0
-    llm = LLM(engine, device=device, **engine_options(args))
+    llm = LLM(engine, device=device, quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+              **engine_options(args))
     results = []
     for w in workloads:
         if w == "throughput":

@@ -28,6 +28,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,9 @@ class MultiprocExecutor:
         check_devices(device, size)
         self.size = size
         self.failure: str | None = None
+        # run on rank 0 before the group ends (the runner drops its CUDA graphs: NCCL's
+        # teardown waits for graphs that captured its collectives)
+        self.before_teardown: list[Callable[[], None]] = []
         self._stopping = False
         self._dir = Path(tempfile.mkdtemp(prefix="cllm-tp-"))
         store = self._dir / "store"
@@ -139,6 +143,8 @@ class MultiprocExecutor:
         # every rank tears the group down together (NCCL's waits for the others); after a
         # failure the group is left as it is, since the ranks it would wait for are gone
         if dist.is_initialized() and self.failure is None:
+            for release in self.before_teardown:
+                release()
             dist.destroy_process_group()
         deadline = time.monotonic() + _STOP_GRACE_S
         for proc in self._procs:
@@ -241,6 +247,7 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
         while True:
             message = conn.recv()
             if message is None:
+                worker.release_graphs()  # before the group ends: see MultiprocExecutor.before_teardown
                 break
             method, args = message
             getattr(worker, method)(*args)

@@ -39,6 +39,10 @@ class RankWorker:
         if prefill_graph_tokens is not None:
             self.runner.prepare_graphs(prefill_graph_tokens)
 
+    def release_graphs(self) -> None:
+        if self.runner is not None:
+            self.runner.release_graphs()
+
     def capture_all_graphs(self, part: int, parts: int) -> None:
         self.runner.capture_all_graphs(part, parts)
 
