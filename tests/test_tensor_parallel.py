@@ -320,7 +320,7 @@ def test_compare_checks_a_tp_engine_over_both_ranks(qwen2):
     assert worker_children() == before  # the worker it started is gone
 
 
-# ---- failures ---------------------------------------------------------------------------------
+# ---- shutdown and bench ---------------------------------------------------------------------
 
 
 def test_shutdown_drops_the_runners_graphs_while_the_group_still_stands(qwen2, monkeypatch):
@@ -342,6 +342,23 @@ def test_shutdown_drops_the_runners_graphs_while_the_group_still_stands(qwen2, m
     assert seen == [True]
     assert not torch.distributed.is_initialized()
     assert not llm.engine.runner.graphs.enabled
+
+
+def test_bench_runs_a_tp_engine_and_holds_it_to_the_asked_size(qwen2, capsys):
+    from compiled_llm.cli.main import main
+
+    argv = ["bench", str(qwen2.engine), "--workload", "latency", "--no-hf", "--device", "cpu", "--json"]
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
+    assert not torch.distributed.is_initialized()  # the workers ended with the measurement
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["workload"] == "latency" and row["metrics"]["decode_tok_s"] > 0
+    assert main([*argv, "--tensor-parallel-size", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error:") and "tensor_parallel_size 2, not 1" in line
+
+
+# ---- failures (last: after a rank dies, this process keeps the broken group, so no other
+# tensor-parallel engine can start in it) ---------------------------------------------------------
 
 
 def test_a_killed_worker_fails_the_running_generate_and_every_later_one(qwen2):
@@ -414,18 +431,6 @@ def test_a_killed_rank0_takes_its_worker_with_it(qwen2, tmp_path):
             child.kill()
             child.wait()
         child.stdout.close()
-
-
-def test_bench_runs_a_tp_engine_and_holds_it_to_the_asked_size(qwen2, capsys):
-    from compiled_llm.cli.main import main
-
-    argv = ["bench", str(qwen2.engine), "--workload", "latency", "--no-hf", "--device", "cpu", "--json"]
-    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
-    (row,) = json.loads(capsys.readouterr().out)
-    assert row["workload"] == "latency" and row["metrics"]["decode_tok_s"] > 0
-    assert main([*argv, "--tensor-parallel-size", "1"]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("error:") and "tensor_parallel_size 2, not 1" in line
 
 
 def test_an_engine_is_sharded_at_build_time(qwen2):

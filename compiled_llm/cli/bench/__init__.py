@@ -135,6 +135,7 @@ def run(args) -> int:
     hf_cfg = None if args.no_hf else hf_config_of(llm)
     dtype = llm.model.dtype
     scheme = ((llm.model.manifest or {}).get("build_options") or {}).get("quantization")
+    llm.shutdown()  # a tensor-parallel engine's workers end here
     del llm  # free the engine's memory for the peer
     if hf_cfg is not None:
         import gc
