@@ -305,3 +305,73 @@ def test_gumbel_sampling_does_not_depend_on_the_split_count():
     four = gumbel_sample(logits, temps, torch.Generator().manual_seed(5), splits=4)
     assert one.tolist() == four.tolist()
     assert one[1].item() == int(logits[1].argmax())
+
+
+# ---------------------------------------------------------------------------------------------
+# one-shot all-reduce: one rank's kernel over buffers laid out as symmetric memory would be
+# ---------------------------------------------------------------------------------------------
+
+
+def _one_shot_rank(rank, world, xs, residual, capacity=1 << 16):
+    """Run ``rank``'s kernel with every peer's buffer already holding its x and every peer's
+    flags for this rank already raised (both barriers), as if the peers had run up to them.
+    Returns (out, flags: world x slots int32 per buffer, own buffer's payload)."""
+    from compiled_llm.kernels import triton_all_reduce as ar
+
+    n, dtype = xs[0].numel(), xs[0].dtype
+    bufs = [torch.zeros(ar.FLAG_BYTES + capacity, dtype=torch.uint8) for _ in range(world)]
+    for peer in range(world):
+        if peer != rank:
+            bufs[peer][ar.FLAG_BYTES:].view(dtype)[:n].copy_(xs[peer].flatten())
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    ar.install(ar.Workspace(rank, world, bases, capacity, 10**9, None, bufs[rank]))
+    flags = [b[:ar.FLAG_BYTES].view(torch.int32) for b in bufs]
+    blocks = ar.blocks_for(n, xs[rank].device)
+    for barrier in range(2):
+        for b in range(blocks):
+            for peer in range(world):
+                if peer != rank:
+                    flags[rank][(barrier * ar.MAX_BLOCKS + b) * world + peer] = 1
+    try:
+        out = ar.all_reduce(xs[rank], residual)
+    finally:
+        ar.close_workspace(torch.device("cpu"))
+    return out, flags, bufs[rank][ar.FLAG_BYTES:].view(dtype)[:n], blocks
+
+
+@pytest.mark.parametrize("world,rank,n,dtype", [
+    (2, 0, 5000, torch.float32),  # several chunks per block, a partial last one
+    (2, 1, 37, torch.float32),
+    (3, 2, 4100, torch.float32),  # the sum's order is the ranks', on every rank
+])  # fp32 only: the interpreter truncates to bf16 where GPUs round (bf16 on 2 GPUs: test_tensor_parallel)
+def test_one_shot_all_reduce_sums_the_ranks_in_order_and_adds_the_residual(world, rank, n, dtype):
+    g = torch.Generator().manual_seed(world * 10 + rank)
+    xs = [torch.randn(n, generator=g).to(dtype) for _ in range(world)]
+    residual = torch.randn(n, generator=g).to(dtype)
+    out, flags, payload, blocks = _one_shot_rank(rank, world, xs, residual)
+    total = torch.zeros(n)
+    for x in xs:  # fp32, rank by rank
+        total = total + x.float()
+    # the sum rounds to the dtype before the residual is added, as all-reduce-then-add does
+    assert torch.equal(out, (total.to(dtype).float() + residual.float()).to(dtype))
+    assert torch.equal(payload, xs[rank])  # what the peers read
+    # every flag this rank was given is taken, and it raised one per block, peer and barrier
+    assert int(flags[rank].sum()) == 0
+    assert sum(int(flags[p].sum()) for p in range(world) if p != rank) == 2 * blocks * (world - 1)
+    plain, *_ = _one_shot_rank(rank, world, xs, None)
+    assert torch.equal(plain, total.to(dtype))
+
+
+def test_one_shot_all_reduce_takes_only_what_its_workspace_holds():
+    from compiled_llm.kernels import triton_all_reduce as ar
+
+    x = torch.randn(64, 32)
+    assert not ar.handles(x)  # no workspace on this device
+    buf = torch.zeros(ar.FLAG_BYTES + 4096, dtype=torch.uint8)
+    ar.install(ar.Workspace(0, 2, torch.tensor([buf.data_ptr()] * 2), 4096, 10**9, None, buf))
+    try:
+        assert ar.handles(torch.randn(32, 32)) and not ar.handles(torch.randn(33, 32))  # 4 KiB
+        assert not ar.handles(torch.randn(32, 16).t())
+    finally:
+        ar.close_workspace(torch.device("cpu"))
+    assert not ar.handles(torch.randn(32, 32))

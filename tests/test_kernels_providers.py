@@ -43,19 +43,20 @@ def test_cuda_provider_has_the_semantic_schema_and_ranks_below_triton(name):
     assert not cuda.supports("cuda", torch.float32)  # the CUDA kernels are 16-bit only
 
 
-# the collectives' references are their implementation (torch.distributed); no kernel replaces them
-COLLECTIVES = {"all_reduce", "all_gather_columns", "vocab_shard_embedding"}
+# these references are their implementation (torch.distributed, and the lookup beside it); the
+# all-reduce has a kernel (one-shot over symmetric memory), which falls back to its reference
+TORCH_DISTRIBUTED_ONLY = {"all_gather_columns", "vocab_shard_embedding"}
 
 
-def test_every_op_but_the_collectives_has_a_triton_provider():
-    assert {*providers.TRITON_KERNELS, *providers.SAMPLER_KERNELS} == set(ops.OPS) - COLLECTIVES
+def test_every_op_but_the_gather_and_the_lookup_has_a_triton_provider():
+    assert {*providers.TRITON_KERNELS, *providers.SAMPLER_KERNELS} == set(ops.OPS) - TORCH_DISTRIBUTED_ONLY
     assert set(ops.OPS) == set(registry.op_names())
 
 
 def test_default_choice_is_triton_on_cuda_and_reference_on_cpu():
     cuda = registry.choose_providers("cuda", torch.bfloat16)
-    assert {p for op, p in cuda.items() if op not in COLLECTIVES} == {"triton"}
-    assert {cuda[op] for op in COLLECTIVES} == {"reference"}
+    assert {p for op, p in cuda.items() if op not in TORCH_DISTRIBUTED_ONLY} == {"triton"}
+    assert {cuda[op] for op in TORCH_DISTRIBUTED_ONLY} == {"reference"}
     assert set(registry.choose_providers("cpu", torch.float32).values()) == {"reference"}
 
 

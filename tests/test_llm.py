@@ -347,3 +347,19 @@ def test_hf_peer_runs_in_a_child_process_and_reports_back():
     result = wl.run_hf_child(preset_hf_config("tiny-qwen2"), torch.float32, "cpu", "prefill")
     assert result.workload == "prefill" and result.system.startswith("hf"), result.note
     assert result.metrics["ttft_ms"] > 0
+
+
+def test_capturing_every_graph_runs_in_inference_mode_like_the_steps(tiny, monkeypatch):
+    """Build warm-ups and benchmarks capture every CUDA graph outside generate(): the step
+    buffers the captures write were made in inference mode, which refuses in-place writes from
+    outside it, so the capture must run in it too (on a CPU, with the captures stubbed)."""
+    from compiled_llm.serve.cuda_graphs import StepGraphs
+
+    tiny.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # buffers made
+    inside = []
+    monkeypatch.setattr(tiny.engine.runner, "decode_buckets", [1, 2, 4])
+    monkeypatch.setattr(tiny.engine.runner.graphs, "buckets", [1, 2, 4])
+    monkeypatch.setattr(StepGraphs, "enabled", property(lambda self: True))
+    monkeypatch.setattr(StepGraphs, "capture", lambda self, bucket: inside.append(torch.is_inference_mode_enabled()) or True)
+    assert tiny.engine.capture_cuda_graphs()
+    assert inside and all(inside)

@@ -14,17 +14,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import quant_accuracy as qa  # noqa: E402
 import train_synthetic_lm as tsl  # noqa: E402
+from tiny_trained import train_tiny  # noqa: E402
 
 PROMPTS, TOKENS = 4, 16
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trained")
-    rc = tsl.main(["--preset", "tiny-qwen2", "--out", str(out), "--device", "cpu", "--steps", "40", "--batch", "16",
-                   "--seq-len", "48", "--states", "32", "--lr", "1e-2", "--log-every", "20", "--num-prompts", "6"])
-    assert rc == 0
-    return out
+    return train_tiny(tmp_path_factory.mktemp("trained"), num_prompts=6)
 
 
 @pytest.fixture(scope="module")

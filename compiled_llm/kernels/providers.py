@@ -5,8 +5,8 @@ Each kernel is registered with ``registry.register_kernel``, which makes it the 
 build's select_kernels pass can swap the call target without touching arguments, and exported
 programs name it. A kernel takes the op's arguments in the schema's order.
 
-Triton providers: every semantic and fused op, and the sampler's two ops; CUDA devices,
-fp32/bf16/fp16. The CUDA C++ norm+MLP provider ranks below Triton, so a build gets it only by
+Triton providers: every semantic and fused op, the sampler's two ops and the all-reduce; CUDA
+devices, fp32/bf16/fp16. The CUDA C++ norm+MLP provider ranks below Triton, so a build gets it only by
 asking (``prefer={op: "cuda"}``); it compiles on first use and runs Triton if it cannot (see
 cuda_norm_mlp).
 
@@ -20,8 +20,8 @@ import torch
 
 from compiled_llm.graph import fused_ops, ops
 from compiled_llm.kernels import (
-    cuda_norm_mlp, triton_gemv, triton_norm, triton_norm_mlp, triton_paged_attention, triton_qkv_rope,
-    triton_sampling,
+    cuda_norm_mlp, triton_all_reduce, triton_gemv, triton_norm, triton_norm_mlp, triton_paged_attention,
+    triton_qkv_rope, triton_sampling,
 )
 from compiled_llm.kernels.registry import register_kernel
 
@@ -117,6 +117,8 @@ TRITON_KERNELS = {  # op -> (kernel, handles)
     "fused_rms_norm_glu_mlp_wq": (triton_norm_mlp.fused_rms_norm_glu_mlp_wq, _quantized_decode_mlp),
     "fused_layer_norm_gelu_mlp_wq": (triton_norm_mlp.fused_layer_norm_gelu_mlp_wq, _quantized_decode_gelu_mlp),
     "fused_qkv_rope_wq": (triton_qkv_rope.fused_qkv_rope_wq, _quantized_decode_qkv),
+    # tensor parallelism: one-shot over symmetric memory where the ranks opened it, else NCCL
+    "all_reduce": (triton_all_reduce.all_reduce, triton_all_reduce.handles),
 }
 # the sampler's ops (serve/sampling.py picks them with registry.kernel_for)
 SAMPLER_KERNELS = {

@@ -92,7 +92,9 @@ class LLMEngine:
             )
         self._stats = EngineStats()
         # the other tensor-parallel ranks: every device operation below is sent to them first
-        self.executor = MultiprocExecutor(model.engine_dir, model.tp_size, self.device) if model.tp_size > 1 else None
+        self.executor = (MultiprocExecutor(model.engine_dir, model.tp_size, self.device,
+                                           custom_all_reduce=not config.disable_custom_all_reduce)
+                         if model.tp_size > 1 else None)
         try:
             self._init_on_device(model, config)
         except BaseException:

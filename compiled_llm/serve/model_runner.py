@@ -158,13 +158,13 @@ class ModelRunner:
             )
         return True
 
-    @torch.inference_mode()
     def release_graphs(self) -> None:
         """Drop the CUDA graphs before the tensor-parallel group ends (StepGraphs.release says
         why); the runner steps no more."""
         self.graphs.release()
         self.prefill_graphs.release()
 
+    @torch.inference_mode()
     def capture_all_graphs(self, part: int = 0, parts: int = 1) -> bool:
         """Capture every prepared bucket now, on inputs that write nowhere (a build warms every
         kernel specialisation this way; profiling tools replay them). With ``parts`` > 1, only

@@ -4,7 +4,8 @@ is rank 0.
 Start-up: every worker process loads its rank's weights from the engine directory (only its
 own file) and says so; then all ranks join one torch.distributed group through a file store:
 NCCL on CUDA (rank r on cuda:r), gloo on CPU. A worker that fails to load is an error here,
-before anyone waits in a collective.
+before anyone waits in a collective. On CUDA the ranks then open the one-shot all-reduce's
+workspace together (kernels/triton_all_reduce.py), unless asked not to; all use it or none do.
 
 Failure: a monitor thread watches every worker. When one dies or reports an error, the others
 are killed at once: a collective rank 0 waits in then fails (gloo and NCCL see the closed
@@ -62,21 +63,54 @@ def check_devices(device: torch.device, size: int) -> None:
         )
 
 
-def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_s: float) -> None:
+def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_s: float,
+               custom_all_reduce: bool) -> bool:
+    """Join the group; on GPUs also open the one-shot all-reduce's workspace (a collective too),
+    unless ``custom_all_reduce`` is off. True when every rank opened it (otherwise none uses it:
+    ranks that disagreed would wait in different collectives)."""
     if dist.is_initialized():
         raise EngineError("torch.distributed is already initialized in this process; a tensor-parallel engine starts its own group")
     dist.init_process_group(
         backend_for(device), init_method=f"file://{store}", rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    if device.type != "cuda" or not custom_all_reduce:
+        return False
+    from compiled_llm.kernels import triton_all_reduce
+
+    opened = triton_all_reduce.open_workspace(device, timeout_s=min(timeout_s, triton_all_reduce.DEFAULT_TIMEOUT_S))
+    everywhere = torch.tensor([opened is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    if not everywhere.item():
+        triton_all_reduce.close_workspace(device)
+        return False
+    return True
+
+
+def end_group(device: torch.device) -> None:
+    """Leave the group, every rank together (NCCL's teardown waits for the others)."""
+    if device.type == "cuda":
+        from compiled_llm.kernels import triton_all_reduce
+
+        torch.cuda.synchronize(device)
+        triton_all_reduce.close_workspace(device)
+    dist.destroy_process_group()
 
 
 class MultiprocExecutor:
-    def __init__(self, engine_dir: Path, size: int, device: torch.device, timeout_s: float | None = None):
+    def __init__(self, engine_dir: Path, size: int, device: torch.device, timeout_s: float | None = None,
+                 custom_all_reduce: bool = True):
         device = torch.device(device)
         timeout_s = timeout_s or COLLECTIVE_TIMEOUT_S[backend_for(device)]
         check_devices(device, size)
         self.size = size
+        self._device = device
+        if custom_all_reduce and device.type == "cuda" and not _symmetric_memory_fresh():
+            log.info("this process opened a one-shot all-reduce workspace before; this tensor-parallel engine's "
+                     "all-reduces go through NCCL (torch counts symmetric-memory rendezvous per process: pytorch#196082)")
+            custom_all_reduce = False
+        # whether the steps' small all-reduces run the one-shot kernel (else NCCL's)
+        self.custom_all_reduce = False
         self.failure: str | None = None
         # run on rank 0 before the group ends (the runner drops its CUDA graphs: NCCL's
         # teardown waits for graphs that captured its collectives)
@@ -90,14 +124,14 @@ class MultiprocExecutor:
             for rank in range(1, size):
                 ours, theirs = socket.socketpair()
                 cmd = [sys.executable, "-m", __name__, str(engine_dir), str(rank), str(size), device.type, str(store),
-                       str(theirs.fileno()), str(os.getpid()), str(timeout_s)]
+                       str(theirs.fileno()), str(os.getpid()), str(timeout_s), str(int(custom_all_reduce))]
                 # a fresh interpreter, not multiprocessing: nothing of the caller's __main__ is
                 # re-run, and a daemonic engine process may start it too
                 self._procs.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL))
                 theirs.close()
                 self._conns.append(Connection(ours.detach()))
             self._wait_ready()
-            init_group(device, 0, size, store, timeout_s)
+            self.custom_all_reduce = init_group(device, 0, size, store, timeout_s, custom_all_reduce)
         except BaseException:
             self._kill_workers()
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -145,7 +179,7 @@ class MultiprocExecutor:
         if dist.is_initialized() and self.failure is None:
             for release in self.before_teardown:
                 release()
-            dist.destroy_process_group()
+            end_group(self._device)
         deadline = time.monotonic() + _STOP_GRACE_S
         for proc in self._procs:
             try:
@@ -215,6 +249,15 @@ class MultiprocExecutor:
                 log.warning("tensor-parallel worker pid %d did not end after SIGKILL", proc.pid)
 
 
+def _symmetric_memory_fresh() -> bool:
+    """Whether this process has not yet rendezvoused symmetric memory. torch before the fix of
+    pytorch#196082 names a rendezvous's store keys by how many the process has made, so a second
+    engine's rank 0 and its fresh workers would wait on different keys for ever."""
+    from compiled_llm.kernels import triton_all_reduce
+
+    return triton_all_reduce.rendezvous_count() == 0
+
+
 def _shutdown_ref(ref) -> None:
     executor = ref()
     if executor is not None:
@@ -233,7 +276,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store: str, conn: Connection,
-                 timeout_s: float) -> None:
+                 timeout_s: float, custom_all_reduce: bool) -> None:
     try:
         from compiled_llm.engine.artifact import load_engine
         from compiled_llm.serve.executor.rank_worker import RankWorker
@@ -243,7 +286,7 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
             torch.cuda.set_device(device)
         worker = RankWorker(load_engine(engine_dir, device=device, rank=rank))
         conn.send(("ready", None))
-        init_group(device, rank, size, Path(store), timeout_s)
+        init_group(device, rank, size, Path(store), timeout_s, custom_all_reduce)
         while True:
             message = conn.recv()
             if message is None:
@@ -260,10 +303,11 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
             pass
         os._exit(1)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        end_group(device)
 
 
 if __name__ == "__main__":
-    _engine_dir, _rank, _size, _device_type, _store, _fd, _parent, _timeout = sys.argv[1:]
+    _engine_dir, _rank, _size, _device_type, _store, _fd, _parent, _timeout, _custom = sys.argv[1:]
     threading.Thread(target=_exit_with_parent, args=(int(_parent),), daemon=True).start()
-    _worker_main(_engine_dir, int(_rank), int(_size), _device_type, _store, Connection(int(_fd)), float(_timeout))
+    _worker_main(_engine_dir, int(_rank), int(_size), _device_type, _store, Connection(int(_fd)), float(_timeout),
+                 _custom == "1")
