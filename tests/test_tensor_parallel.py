@@ -35,6 +35,7 @@ import pytest
 import torch
 import transformers
 from lively import INIT_RANGE, greedy_continuation
+from rank_processes import run_ranks
 from safetensors import safe_open
 
 from compiled_llm import LLM, SamplingParams
@@ -438,3 +439,38 @@ def test_an_engine_is_sharded_at_build_time(qwen2):
     with pytest.raises(InvalidOptionError, match="tensor_parallel_size 2, not 1"):
         LLM(str(qwen2.engine), device="cpu", tensor_parallel_size=1)
     assert worker_children() == before  # refused before any worker started
+
+
+# each rank: open_workspace with one step failing on one rank only; every rank must come back
+# with None (NCCL's path) and then meet the others in the next collective
+_WORKSPACE_RANK = """
+import datetime, sys
+import torch, torch.distributed as dist
+from compiled_llm.kernels import triton_all_reduce as ar
+
+rank, store, failing_step = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=20))
+
+def fails(step, works):
+    def call(*args):
+        if rank == 1 and step == failing_step:
+            raise RuntimeError(f"{step} failed on purpose")
+        return works(*args)
+    return call
+
+ar._allocate = fails("allocation", lambda size, device, world: torch.zeros(size, dtype=torch.uint8))
+ar._rendezvous = fails("rendezvous", lambda buffer: object())
+assert ar.open_workspace(torch.device("cpu")) is None
+out = torch.tensor([rank + 1.0])
+dist.all_reduce(out)
+assert out.item() == 3.0
+dist.destroy_process_group()
+print("rank", rank, "agreed")
+"""
+
+
+@pytest.mark.parametrize("failing_step", ["allocation", "rendezvous"])
+def test_the_one_shot_workspace_opens_on_every_rank_or_on_none(tmp_path, failing_step):
+    for rank, (status, out) in enumerate(run_ranks(tmp_path, _WORKSPACE_RANK, failing_step)):
+        assert status == 0 and f"rank {rank} agreed" in out, out[-2000:]

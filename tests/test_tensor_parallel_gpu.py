@@ -12,14 +12,12 @@ Run on a machine with two GPUs:  python -m pytest -q tests/test_tensor_parallel_
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 import torch
+from rank_processes import run_ranks
 
 from compiled_llm import LLM, SamplingParams
 
@@ -69,14 +67,8 @@ _RANK_SCRIPT = textwrap.dedent("""
 
 
 def test_one_shot_all_reduce_gives_nccls_bits_eagerly_and_in_a_graph(tmp_path):
-    script = tmp_path / "rank.py"
-    script.write_text(_RANK_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"rank {rank} equal" in out, out[-3000:]
+    for rank, (status, out) in enumerate(run_ranks(tmp_path, _RANK_SCRIPT, timeout=300)):
+        assert status == 0 and f"rank {rank} equal" in out, out[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -103,22 +95,26 @@ def test_tp2_engines_generate_what_tp1_does_and_shut_down(engines):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, detokenize=False)
 
     def run(engine, **kw):
-        """(tokens, graphs captured, one-shot on) of one engine, which must then shut down."""
+        """(tokens, graphs captured, one-shot on) of one engine, which must then shut down in
+        under 30 s."""
         llm = LLM(str(engine), gpu_memory_utilization=0.3, **kw)
         try:
             tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             executor = llm.engine.executor
-            return tokens, llm.stats.graphs_captured, executor is not None and executor.custom_all_reduce
+            result = tokens, llm.stats.graphs_captured, executor is not None and executor.custom_all_reduce
         finally:
             t0 = time.monotonic()
             llm.shutdown()
-            assert time.monotonic() - t0 < 30, "shutdown hung"
+        assert time.monotonic() - t0 < 30, "shutdown hung"
+        return result
 
     want, _, _ = run(engines[1])
     fresh = triton_all_reduce.rendezvous_count() == 0
     got, graphs, one_shot = run(engines[2])
     assert got == want and graphs > 0 and one_shot == fresh
+    made = triton_all_reduce.rendezvous_count()
     got, graphs, one_shot = run(engines[2], disable_custom_all_reduce=True)
     assert got == want and graphs > 0 and not one_shot
     got, graphs, one_shot = run(engines[2], enforce_eager=True)
     assert got == want and graphs == 0 and not one_shot
+    assert triton_all_reduce.rendezvous_count() == made  # the later engines did not rendezvous again

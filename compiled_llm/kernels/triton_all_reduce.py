@@ -80,30 +80,61 @@ def rendezvous_count() -> int:
 def open_workspace(device: torch.device, capacity: int = DEFAULT_CAPACITY,
                    timeout_s: float = DEFAULT_TIMEOUT_S) -> Optional[Workspace]:
     """Allocate and exchange this rank's buffer (a collective: every rank of the default group
-    calls it together). Returns None, leaving the NCCL path, where symmetric memory cannot be
-    had (no peer access between the GPUs, a torch without it)."""
+    calls it together). Returns None on every rank, leaving the NCCL path, where symmetric memory
+    cannot be had on some rank (no peer access between the GPUs, a torch without it, no memory).
+    The ranks agree after each step that may fail, outside it, so a rank that fails never waits
+    in a different collective from the others."""
     import torch.distributed as dist
 
     global _rendezvous_made
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        if dist.get_world_size() > MAX_WORLD:
-            raise ValueError(f"{dist.get_world_size()} ranks, more than the {MAX_WORLD} the flags hold")
-        buffer = symm_mem.empty(FLAG_BYTES + capacity, dtype=torch.uint8, device=device)
-        buffer[:FLAG_BYTES].zero_()
-        _rendezvous_made += 1
-        handle = symm_mem.rendezvous(buffer, dist.group.WORLD)
-        bases = torch.tensor(
-            [handle.get_buffer(r, (FLAG_BYTES + capacity,), torch.uint8).data_ptr() for r in range(handle.world_size)],
-            dtype=torch.int64, device=device,
-        )
-        torch.cuda.synchronize(device)
-        dist.barrier()  # every rank's flags are zero before any rank signals
-    except Exception as e:  # noqa: BLE001  (any failure means: use NCCL)
-        log.warning("one-shot all-reduce unavailable (%s); tensor-parallel steps use NCCL's", str(e).splitlines()[0])
+    size = FLAG_BYTES + capacity
+    buffer = _attempt("allocation", lambda: _allocate(size, device, dist.get_world_size()))
+    if not _on_every_rank(buffer is not None, device):
         return None
+    _rendezvous_made += 1
+    handle = _attempt("rendezvous", lambda: _rendezvous(buffer))
+    if not _on_every_rank(handle is not None, device):
+        return None
+    bases = torch.tensor([handle.get_buffer(r, (size,), torch.uint8).data_ptr() for r in range(handle.world_size)],
+                         dtype=torch.int64, device=device)
+    torch.cuda.synchronize(device)
+    dist.barrier()  # every rank's flags are zero before any rank signals
     return install(Workspace(handle.rank, handle.world_size, bases, capacity, int(timeout_s * 1e9), handle, buffer))
+
+
+def _allocate(size: int, device: torch.device, world: int) -> torch.Tensor:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if world > MAX_WORLD:
+        raise ValueError(f"{world} ranks, more than the {MAX_WORLD} the flags hold")
+    buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    buffer[:FLAG_BYTES].zero_()
+    return buffer
+
+
+def _rendezvous(buffer: torch.Tensor):
+    import torch.distributed as dist
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    return symm_mem.rendezvous(buffer, dist.group.WORLD)
+
+
+def _attempt(step: str, fn):
+    """fn(), or None (logged) if it raises: any failure here means NCCL's path."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        log.warning("one-shot all-reduce unavailable: %s failed (%s); tensor-parallel steps use NCCL's",
+                    step, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+
+
+def _on_every_rank(ok: bool, device: torch.device) -> bool:
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def install(ws: Workspace) -> Workspace:

@@ -66,8 +66,8 @@ def check_devices(device: torch.device, size: int) -> None:
 def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_s: float,
                custom_all_reduce: bool) -> bool:
     """Join the group; on GPUs also open the one-shot all-reduce's workspace (a collective too),
-    unless ``custom_all_reduce`` is off. True when every rank opened it (otherwise none uses it:
-    ranks that disagreed would wait in different collectives)."""
+    unless ``custom_all_reduce`` is off. True when it opened, which it does on every rank or on
+    none (ranks that disagreed would wait in different collectives)."""
     if dist.is_initialized():
         raise EngineError("torch.distributed is already initialized in this process; a tensor-parallel engine starts its own group")
     dist.init_process_group(
@@ -79,12 +79,7 @@ def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_
     from compiled_llm.kernels import triton_all_reduce
 
     opened = triton_all_reduce.open_workspace(device, timeout_s=min(timeout_s, triton_all_reduce.DEFAULT_TIMEOUT_S))
-    everywhere = torch.tensor([opened is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
-    if not everywhere.item():
-        triton_all_reduce.close_workspace(device)
-        return False
-    return True
+    return opened is not None
 
 
 def end_group(device: torch.device) -> None:
