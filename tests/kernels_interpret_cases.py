@@ -308,66 +308,85 @@ def test_gumbel_sampling_does_not_depend_on_the_split_count():
 
 
 # ---------------------------------------------------------------------------------------------
-# one-shot all-reduce: one rank's kernel over buffers laid out as symmetric memory would be
+# custom all-reduce: one rank's kernel over buffers laid out as symmetric memory would be
 # ---------------------------------------------------------------------------------------------
 
 
-def _one_shot_rank(rank, world, xs, residual, capacity=1 << 16):
-    """Run ``rank``'s kernel with every peer's buffer already holding its x and every peer's
-    flags for this rank already raised (both barriers), as if the peers had run up to them.
-    Returns (out, flags: world x slots int32 per buffer, own buffer's payload)."""
+def _all_reduce_calls(rank, world, calls, capacity=1 << 19):
+    """Run ``rank``'s kernel on each call ``(xs, residual)`` in turn, as if the peers had pushed
+    their x into this rank's buffer and raised its flags first. Yields, after each call, its
+    number, its output, and the header and slots of every rank's buffer."""
     from compiled_llm.kernels import triton_all_reduce as ar
 
-    n, dtype = xs[0].numel(), xs[0].dtype
-    bufs = [torch.zeros(ar.FLAG_BYTES + capacity, dtype=torch.uint8) for _ in range(world)]
-    for peer in range(world):
-        if peer != rank:
-            bufs[peer][ar.FLAG_BYTES:].view(dtype)[:n].copy_(xs[peer].flatten())
+    bufs = [torch.zeros(ar.buffer_bytes(world, capacity), dtype=torch.uint8) for _ in range(world)]
     bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     ar.install(ar.Workspace(rank, world, bases, capacity, 10**9, None, bufs[rank]))
-    flags = [b[:ar.FLAG_BYTES].view(torch.int32) for b in bufs]
-    blocks = ar.blocks_for(n, xs[rank].device)
-    for barrier in range(2):
-        for b in range(blocks):
+    headers = [b[:ar.HEADER_BYTES].view(torch.int64) for b in bufs]
+    try:
+        for number, (xs, residual) in enumerate(calls, start=1):
+            n, dtype = xs[0].numel(), xs[0].dtype
+            slots = [b[ar.HEADER_BYTES:].view(dtype).view(2, world, capacity // xs[0].element_size()) for b in bufs]
             for peer in range(world):
                 if peer != rank:
-                    flags[rank][(barrier * ar.MAX_BLOCKS + b) * world + peer] = 1
-    try:
-        out = ar.all_reduce(xs[rank], residual)
+                    slots[rank][number % 2, peer, :n].copy_(xs[peer].flatten())
+                    for b in range(ar.blocks_for(n, xs[rank].device)):
+                        headers[rank][b * world + peer] = number
+            out = ar.all_reduce(xs[rank], residual)
+            yield number, out, headers, slots
     finally:
         ar.close_workspace(torch.device("cpu"))
-    return out, flags, bufs[rank][ar.FLAG_BYTES:].view(dtype)[:n], blocks
 
 
 @pytest.mark.parametrize("world,rank,n,dtype", [
-    (2, 0, 5000, torch.float32),  # several chunks per block, a partial last one
+    (2, 0, 5000, torch.float32),  # a partial last chunk
+    (2, 1, 3 * 8 * 2048 + 37, torch.float32),  # several chunks per block (8 blocks on a CPU)
     (2, 1, 37, torch.float32),
     (3, 2, 4100, torch.float32),  # the sum's order is the ranks', on every rank
-])  # fp32 only: the interpreter truncates to bf16 where GPUs round (bf16 on 2 GPUs: test_tensor_parallel)
-def test_one_shot_all_reduce_sums_the_ranks_in_order_and_adds_the_residual(world, rank, n, dtype):
+])  # fp32 only: the interpreter truncates to bf16 where GPUs round (bf16 on 2 GPUs: test_tensor_parallel_gpu)
+def test_custom_all_reduce_sums_the_ranks_in_order_and_adds_the_residual(world, rank, n, dtype):
+    from compiled_llm.kernels import triton_all_reduce as ar
+
     g = torch.Generator().manual_seed(world * 10 + rank)
-    xs = [torch.randn(n, generator=g).to(dtype) for _ in range(world)]
-    residual = torch.randn(n, generator=g).to(dtype)
-    out, flags, payload, blocks = _one_shot_rank(rank, world, xs, residual)
-    total = torch.zeros(n)
-    for x in xs:  # fp32, rank by rank
-        total = total + x.float()
-    # the sum rounds to the dtype before the residual is added, as all-reduce-then-add does
-    assert torch.equal(out, (total.to(dtype).float() + residual.float()).to(dtype))
-    assert torch.equal(payload, xs[rank])  # what the peers read
-    # every flag this rank was given is taken, and it raised one per block, peer and barrier
-    assert int(flags[rank].sum()) == 0
-    assert sum(int(flags[p].sum()) for p in range(world) if p != rank) == 2 * blocks * (world - 1)
-    plain, *_ = _one_shot_rank(rank, world, xs, None)
-    assert torch.equal(plain, total.to(dtype))
+    calls = [([torch.randn(n, generator=g).to(dtype) for _ in range(world)],
+              torch.randn(n, generator=g).to(dtype) if number != 2 else None) for number in range(1, 4)]
+    blocks = ar.blocks_for(n, torch.device("cpu"))
+    for number, out, headers, slots in _all_reduce_calls(rank, world, calls):
+        xs, residual = calls[number - 1]
+        total = torch.zeros(n)
+        for x in xs:  # fp32, rank by rank
+            total = total + x.float()
+        # the sum rounds to the dtype before the residual is added, as all-reduce-then-add does
+        want = total.to(dtype) if residual is None else (total.to(dtype).float() + residual.float()).to(dtype)
+        assert torch.equal(out, want), number
+        for peer in range(world):
+            if peer != rank:  # x pushed into this call's parity of every peer, every block signalled
+                assert torch.equal(slots[peer][number % 2, rank, :n], xs[rank]), (number, peer)
+                assert [int(headers[peer][b * world + rank]) for b in range(blocks)] == [number] * blocks
+        # the call counter advanced once, and the count of finished blocks is back to zero
+        assert int(headers[rank][ar.CALL_INDEX]) == number and int(headers[rank][ar.DONE_INDEX]) == 0
 
 
-def test_one_shot_all_reduce_takes_only_what_its_workspace_holds():
+def test_custom_all_reduce_calls_of_any_grid_alternate_parities():
+    """A call's blocks share its parity whatever the grid of the calls before (one counter per
+    call, not per block): a small call between two large ones leaves the large ones' blocks in
+    step."""
+    from compiled_llm.kernels import triton_all_reduce as ar
+
+    g = torch.Generator().manual_seed(3)
+    sizes = [3 * ar.BLOCK, 10, 3 * ar.BLOCK, 5 * ar.BLOCK]
+    calls = [([torch.randn(n, generator=g) for _ in range(2)], None) for n in sizes]
+    for number, out, headers, slots in _all_reduce_calls(0, 2, calls):
+        xs, _ = calls[number - 1]
+        assert torch.equal(out, xs[0] + xs[1]), number
+        assert torch.equal(slots[1][number % 2, 0, :xs[0].numel()], xs[0]), number
+
+
+def test_custom_all_reduce_takes_only_what_its_workspace_holds():
     from compiled_llm.kernels import triton_all_reduce as ar
 
     x = torch.randn(64, 32)
     assert not ar.handles(x)  # no workspace on this device
-    buf = torch.zeros(ar.FLAG_BYTES + 4096, dtype=torch.uint8)
+    buf = torch.zeros(ar.buffer_bytes(2, 4096), dtype=torch.uint8)
     ar.install(ar.Workspace(0, 2, torch.tensor([buf.data_ptr()] * 2), 4096, 10**9, None, buf))
     try:
         assert ar.handles(torch.randn(32, 32)) and not ar.handles(torch.randn(33, 32))  # 4 KiB

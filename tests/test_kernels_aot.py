@@ -97,10 +97,11 @@ def _cases(dt):
     }, dict(NUM_HEADS=14, NUM_KV_HEADS=2, HAS_V=True, HEAD_DIM=64, HALF=32, BLOCK_HALF=32, HAS_NORM=True,
             HAS_ROPE=True, BLOCK_T=16)
     for residual in (True, False):  # the timer and trap as on a GPU
-        yield f"one-shot all-reduce residual={residual}", tar._one_shot_kernel, 8, {
-            **ptr("x_ptr", "r_ptr", "out_ptr"), "bases": "*i64", "rank": "i32", "n": "i32", "timeout_ns": "i64",
-        }, dict(WORLD=2, FLAGS=tar.FLAG_BYTES, MAXB=tar.MAX_BLOCKS, HAS_RESIDUAL=residual, BLOCK=tar.BLOCK,
-                TIMER=True, PDL=True)
+        yield f"custom all-reduce residual={residual}", tar._push_kernel, 8, {
+            **ptr("x_ptr", "r_ptr", "out_ptr"), "bases": "*i64", "rank": "i32", "n": "i32", "slot_elems": "i32",
+            "timeout_ns": "i64",
+        }, dict(WORLD=2, HEADER=tar.HEADER_BYTES, CALL=tar.CALL_INDEX, DONE=tar.DONE_INDEX, HAS_RESIDUAL=residual,
+                BLOCK=tar.BLOCK, TIMER=True, PDL=True)
 
 
 def _with_defaults(kernel, consts):

@@ -44,7 +44,7 @@ def test_cuda_provider_has_the_semantic_schema_and_ranks_below_triton(name):
 
 
 # these references are their implementation (torch.distributed, and the lookup beside it); the
-# all-reduce has a kernel (one-shot over symmetric memory), which falls back to its reference
+# all-reduce has a kernel (custom push kernel over symmetric memory), which falls back to its reference
 TORCH_DISTRIBUTED_ONLY = {"all_gather_columns", "vocab_shard_embedding"}
 
 

@@ -471,6 +471,6 @@ print("rank", rank, "agreed")
 
 
 @pytest.mark.parametrize("failing_step", ["allocation", "rendezvous"])
-def test_the_one_shot_workspace_opens_on_every_rank_or_on_none(tmp_path, failing_step):
+def test_the_custom_all_reduce_workspace_opens_on_every_rank_or_on_none(tmp_path, failing_step):
     for rank, (status, out) in enumerate(run_ranks(tmp_path, _WORKSPACE_RANK, failing_step)):
         assert status == 0 and f"rank {rank} agreed" in out, out[-2000:]

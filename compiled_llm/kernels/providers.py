@@ -117,7 +117,7 @@ TRITON_KERNELS = {  # op -> (kernel, handles)
     "fused_rms_norm_glu_mlp_wq": (triton_norm_mlp.fused_rms_norm_glu_mlp_wq, _quantized_decode_mlp),
     "fused_layer_norm_gelu_mlp_wq": (triton_norm_mlp.fused_layer_norm_gelu_mlp_wq, _quantized_decode_gelu_mlp),
     "fused_qkv_rope_wq": (triton_qkv_rope.fused_qkv_rope_wq, _quantized_decode_qkv),
-    # tensor parallelism: one-shot over symmetric memory where the ranks opened it, else NCCL
+    # tensor parallelism: custom push kernel over symmetric memory where the ranks opened it, else NCCL
     "all_reduce": (triton_all_reduce.all_reduce, triton_all_reduce.handles),
 }
 # the sampler's ops (serve/sampling.py picks them with registry.kernel_for)

@@ -1,29 +1,39 @@
-"""One-shot all-reduce over NVLink through symmetric memory, with the residual add fused:
-``out = residual + sum over ranks of x``, one launch at decode sizes.
+"""All-reduce over NVLink through symmetric memory, with the residual add fused:
+``out = residual + sum over ranks of x``, one launch and one cross-GPU wait per call.
 
-NCCL's all-reduce of a decode step's few kilobytes costs far more than moving them (a protocol
-built for bandwidth, plus a copy out of the graph's buffers); at 65 all-reduces a step it
-dominated a sharded decode. Here every rank holds one buffer that all ranks can read
-(torch's symmetric memory: the same allocation mapped into every rank's address space), and
-block ``b`` of each rank's kernel
+NCCL's all-reduce of a decode step's activations costs far more than moving them (a protocol
+built for bandwidth, plus copies in and out of the graph's buffers and a separate residual add);
+at 65 all-reduces a step it dominated a sharded decode. Here every rank holds one buffer that all
+ranks can write (torch's symmetric memory: the same allocation mapped into every rank's address
+space): a header of flags and counters, then two *parities* of one slot per rank. A call with
+number ``e`` (the header's call counter plus one) uses parity ``e % 2``, and block ``b`` of each
+rank's kernel
 
-  1. copies its chunks of ``x`` into its own buffer,
-  2. tells block ``b`` of every other rank so, and waits to hear the same from each (a flag per
-     (block, sender) in the receiver's buffer, set 0 -> 1 by the sender with release semantics,
-     taken 1 -> 0 by the receiver with acquire semantics, so a flag is never set twice unseen),
-  3. reads those chunks from every peer's buffer (past L1, which may hold an older call's),
-     sums them over the ranks in rank order (every rank gets the same bits), adds the residual,
-     and stores them,
-  4. meets the others once more, so that no rank overwrites its buffer in the next call while a
-     peer still reads it.
+  1. stores its chunks of ``x`` into slot ``rank`` of that parity in every peer's buffer (stores
+     over NVLink, which the GPU posts without waiting, where loads would each wait a round trip);
+  2. sets flag (b, rank) in every peer's buffer to ``e`` (release, system scope), and waits until
+     its own flags (b, peer) reach ``e`` (acquire);
+  3. sums ``x`` and the peers' slots of its own buffer in rank order (every rank gets the same
+     bits), adds the residual, and stores its chunks of ``out``.
 
-A block only ever waits on the same block of its peers, and the grid never exceeds the
-streaming multiprocessors, so every block of every rank is resident and the waits end. A wait
-that does not end within ``timeout_s`` (a dead peer) traps, which fails the step instead of
-hanging it.
+The last block to finish advances the call counter, which the next call reads once this kernel
+is complete: by stream order, or, launched with PDL, after its ``pdl_wait``. That holds because
+every kernel of ours that is launched with PDL waits on its predecessor before it finishes, so
+"complete" chains along the stream.
 
-The workspace is per process, like the process group it belongs to: ``open_workspace`` after
-the group starts, on every rank together; calls it cannot take (no workspace, too large) run
+Why one wait is enough: a rank writes parity ``p`` into a peer again only in call ``e + 2``. It
+gets there after its call ``e + 1`` is complete, so after every block of that call heard from the
+peer's call ``e + 1``, which the peer starts only once its call ``e`` (the last reader of parity
+``p``) is complete. Flags only grow, so a signal that arrives early, from a peer one call ahead,
+is still seen. Every rank makes the same calls in the same order with the same grids (the
+ranks' GPUs are alike: the grid follows the SM count), so the counters agree; a call that skips
+the kernel (empty, or larger than a slot: NCCL) skips it on every rank. A block only waits on
+the same block of its peers, and the grid never exceeds the streaming multiprocessors, so every
+block is resident and the waits end; one that does not end within ``timeout_s`` (a dead peer)
+traps, which fails the step instead of hanging it.
+
+The workspace is per process, like the process group it belongs to: ``open_workspace`` after the
+group starts, on every rank together; calls it cannot take (no workspace, larger than a slot) run
 the op's reference, NCCL.
 """
 
@@ -43,20 +53,28 @@ from compiled_llm.kernels.triton_common import pdl_launch, pdl_open, pdl_wait, s
 log = logging.getLogger(__name__)
 
 BLOCK = 2048  # elements a block moves per chunk
-MAX_BLOCKS = 64
+MAX_BLOCKS = 128
 MAX_WORLD = 8
-FLAG_BYTES = 2 * MAX_BLOCKS * MAX_WORLD * 4  # two barriers x blocks x senders, int32 flags
-# The largest x (bytes) a call takes: a decode step of a few sequences. One block per chunk
-# pulls each peer's chunk over NVLink at latency, so past some tens of rows NCCL's pipelined
-# rings move the bytes faster; those calls (larger decode batches, prefill) stay on NCCL.
-DEFAULT_CAPACITY = 128 << 10
+# int64 header: flags (block, sender), then the call counter and the count of finished blocks;
+# padded so the slots start 256-byte aligned. 64-bit so the counters never wrap.
+CALL_INDEX = MAX_BLOCKS * MAX_WORLD
+DONE_INDEX = CALL_INDEX + 1
+HEADER_BYTES = ((DONE_INDEX + 1) * 8 + 255) // 256 * 256
+# The largest x (bytes) a call takes: a decode step of 256 sequences at hidden size 4096 in
+# bf16. Larger calls (prefill chunks) stay on NCCL, whose rings are built for them.
+DEFAULT_CAPACITY = 2 << 20
 DEFAULT_TIMEOUT_S = 120.0
+
+
+def buffer_bytes(world: int, capacity: int) -> int:
+    """One rank's buffer: the header, then two parities of one ``capacity`` slot per rank."""
+    return HEADER_BYTES + 2 * world * capacity
 
 
 @dataclasses.dataclass(frozen=True)
 class Workspace:
     """This rank's view of the symmetric buffers: ``bases`` holds every rank's buffer address
-    (int64, on this rank's device), each buffer FLAG_BYTES of flags then ``capacity`` bytes."""
+    (int64, on this rank's device), each laid out as ``buffer_bytes`` says."""
 
     rank: int
     world: int
@@ -87,7 +105,7 @@ def open_workspace(device: torch.device, capacity: int = DEFAULT_CAPACITY,
     import torch.distributed as dist
 
     global _rendezvous_made
-    size = FLAG_BYTES + capacity
+    size = buffer_bytes(dist.get_world_size(), capacity)
     buffer = _attempt("allocation", lambda: _allocate(size, device, dist.get_world_size()))
     if not _on_every_rank(buffer is not None, device):
         return None
@@ -98,7 +116,7 @@ def open_workspace(device: torch.device, capacity: int = DEFAULT_CAPACITY,
     bases = torch.tensor([handle.get_buffer(r, (size,), torch.uint8).data_ptr() for r in range(handle.world_size)],
                          dtype=torch.int64, device=device)
     torch.cuda.synchronize(device)
-    dist.barrier()  # every rank's flags are zero before any rank signals
+    dist.barrier()  # every rank's header is zero before any rank signals
     return install(Workspace(handle.rank, handle.world_size, bases, capacity, int(timeout_s * 1e9), handle, buffer))
 
 
@@ -108,7 +126,7 @@ def _allocate(size: int, device: torch.device, world: int) -> torch.Tensor:
     if world > MAX_WORLD:
         raise ValueError(f"{world} ranks, more than the {MAX_WORLD} the flags hold")
     buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
-    buffer[:FLAG_BYTES].zero_()
+    buffer[:HEADER_BYTES].zero_()
     return buffer
 
 
@@ -124,7 +142,7 @@ def _attempt(step: str, fn):
     try:
         return fn()
     except Exception as e:  # noqa: BLE001
-        log.warning("one-shot all-reduce unavailable: %s failed (%s); tensor-parallel steps use NCCL's",
+        log.warning("custom all-reduce unavailable: %s failed (%s); tensor-parallel steps use NCCL's",
                     step, str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
 
@@ -156,7 +174,7 @@ def workspace_for(x: torch.Tensor) -> Optional[Workspace]:
 
 
 def handles(x: torch.Tensor) -> bool:
-    """A call the kernel takes: a workspace on x's device that holds x."""
+    """A call the kernel takes: a workspace on x's device whose slot holds x."""
     ws = workspace_for(x)
     return ws is not None and x.numel() * x.element_size() <= ws.capacity and x.is_contiguous()
 
@@ -177,50 +195,53 @@ def _trap(TIMER: tl.constexpr):
 
 
 @triton.jit
-def _cas_until(ptr, cmp, val, timeout_ns, SEM: tl.constexpr, TIMER: tl.constexpr):
-    """Swap ``cmp`` for ``val`` at ``ptr`` (system scope), retrying until the swap takes; trap
-    after ``timeout_ns``."""
+def _wait_at_least(ptr, value, timeout_ns, TIMER: tl.constexpr):
+    """Spin until the flag at ``ptr`` (this rank's memory, written by a peer) reaches ``value``,
+    with acquire semantics at system scope; trap after ``timeout_ns``."""
     start = _now_ns(TIMER)
-    seen = tl.atomic_cas(ptr, cmp, val, sem=SEM, scope="sys")
-    while seen != cmp:
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    while seen < value:
         if _now_ns(TIMER) - start > timeout_ns:
             _trap(TIMER)
-        seen = tl.atomic_cas(ptr, cmp, val, sem=SEM, scope="sys")
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
 
 
 @triton.jit
-def _barrier(bases, rank, slot0, timeout_ns, WORLD: tl.constexpr, TIMER: tl.constexpr):
-    """Signal flag ``slot0 + rank`` in every peer's buffer, then take flags ``slot0 + peer`` in
-    ours. Block-wide: every thread's earlier stores are visible to peers that take our flag."""
-    tl.debug_barrier()
-    own = tl.load(bases + rank).to(tl.pointer_type(tl.int32))
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            flags = tl.load(bases + peer).to(tl.pointer_type(tl.int32))
-            _cas_until(flags + slot0 + rank, 0, 1, timeout_ns, "release", TIMER)  # 0 -> 1: set
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            _cas_until(own + slot0 + peer, 1, 0, timeout_ns, "acquire", TIMER)  # 1 -> 0: taken
-    tl.debug_barrier()
-
-
-@triton.jit
-def _one_shot_kernel(
-    x_ptr, r_ptr, out_ptr, bases, rank, n, timeout_ns,
-    WORLD: tl.constexpr, FLAGS: tl.constexpr, MAXB: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr, TIMER: tl.constexpr, PDL: tl.constexpr,
+def _push_kernel(
+    x_ptr, r_ptr, out_ptr, bases, rank, n, slot_elems, timeout_ns,
+    WORLD: tl.constexpr, HEADER: tl.constexpr, CALL: tl.constexpr, DONE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TIMER: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     blocks = tl.num_programs(0)
     pdl_open(PDL)
     pdl_wait(PDL)
     dtype = x_ptr.dtype.element_ty
-    own = (tl.load(bases + rank) + FLAGS).to(tl.pointer_type(dtype))
-    for start in range(b * BLOCK, n, blocks * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        tl.store(own + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-    _barrier(bases, rank, b * WORLD, timeout_ns, WORLD, TIMER)
+    own = tl.load(bases + rank)
+    header = own.to(tl.pointer_type(tl.int64))
+    call = tl.load(header + CALL, cache_modifier=".cg") + 1  # the previous call's kernel is complete
+    parity = call % 2
+    # 1. x into our slot of every peer's buffer
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            slot = (tl.load(bases + peer) + HEADER).to(tl.pointer_type(dtype)) + (parity * WORLD + rank) * slot_elems
+            for start in range(b * BLOCK, n, blocks * BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < n
+                tl.store(slot + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+    # 2. tell every peer's block b, then hear from each (every thread's stores above are visible
+    #    to a peer that sees the flag: a block barrier, then a release at system scope)
+    tl.debug_barrier()
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            flags = tl.load(bases + peer).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(flags + b * WORLD + rank, call, sem="release", scope="sys")
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            _wait_at_least(header + b * WORLD + peer, call, timeout_ns, TIMER)
+    tl.debug_barrier()
+    # 3. the sum, rank by rank, from our own buffer (past L1: the peers wrote it)
+    data = (own + HEADER).to(tl.pointer_type(dtype)) + parity * WORLD * slot_elems
     for start in range(b * BLOCK, n, blocks * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
@@ -229,14 +250,17 @@ def _one_shot_kernel(
             if peer == rank:
                 v = tl.load(x_ptr + offs, mask=mask, other=0.0)
             else:
-                buf = (tl.load(bases + peer) + FLAGS).to(tl.pointer_type(dtype))
-                v = tl.load(buf + offs, mask=mask, other=0.0, cache_modifier=".cg")  # not L1: a peer wrote it
+                v = tl.load(data + peer * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg")
             acc += v.to(tl.float32)
         if HAS_RESIDUAL:
             # the sum rounds to x's dtype first, as the reference (all-reduce, then add) does
             acc = acc.to(dtype).to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
-    _barrier(bases, rank, (MAXB + b) * WORLD, timeout_ns, WORLD, TIMER)
+    # the last block out advances the call counter (every block has read it by then)
+    finished = tl.atomic_add(header + DONE, 1, sem="acq_rel", scope="gpu")
+    if finished == blocks - 1:
+        tl.store(header + DONE, 0)
+        tl.store(header + CALL, call)
 
 
 def blocks_for(n: int, device: torch.device) -> int:
@@ -246,7 +270,7 @@ def blocks_for(n: int, device: torch.device) -> int:
 def all_reduce(x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``cllm::all_reduce`` over the workspace of x's device (``handles(x)`` holds)."""
     if not handles(x):
-        raise ValueError(f"one-shot all-reduce: no workspace on {x.device} holds a contiguous {tuple(x.shape)} {x.dtype}")
+        raise ValueError(f"custom all-reduce: no workspace on {x.device} holds a contiguous {tuple(x.shape)} {x.dtype}")
     ws = workspace_for(x)
     out = torch.empty_like(x)
     n = x.numel()
@@ -255,9 +279,9 @@ def all_reduce(x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torc
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = use_pdl(x)
     r = residual.contiguous() if residual is not None else x
-    _one_shot_kernel[(blocks_for(n, x.device),)](
-        x, r, out, ws.bases, ws.rank, n, ws.timeout_ns,
-        WORLD=ws.world, FLAGS=FLAG_BYTES, MAXB=MAX_BLOCKS, HAS_RESIDUAL=residual is not None,
+    _push_kernel[(blocks_for(n, x.device),)](
+        x, r, out, ws.bases, ws.rank, n, ws.capacity // x.element_size(), ws.timeout_ns,
+        WORLD=ws.world, HEADER=HEADER_BYTES, CALL=CALL_INDEX, DONE=DONE_INDEX, HAS_RESIDUAL=residual is not None,
         BLOCK=BLOCK, TIMER=not interpret, PDL=pdl, num_warps=8, **pdl_launch(pdl),
     )
     return out

@@ -41,7 +41,7 @@ class EngineConfig:
     prefill_graph_max_tokens: int = _option(
         4096, "one-sequence prefills of up to this many tokens replay CUDA graphs (0: none)")
     disable_custom_all_reduce: bool = _option(
-        False, "tensor parallelism on GPUs: every all-reduce through NCCL, none through the one-shot kernel over NVLink")
+        False, "tensor parallelism on GPUs: every all-reduce through NCCL, none through the custom kernel over NVLink")
     speculative_config: str | None = _option(
         None, 'speculative decoding, as a JSON object (vLLM\'s): {"method": "ngram", "num_speculative_tokens": K, '
               '"prompt_lookup_max": N[, "prompt_lookup_min": M][, "disable_by_batch_size": B]}; unset: off')

@@ -4,7 +4,7 @@ is rank 0.
 Start-up: every worker process loads its rank's weights from the engine directory (only its
 own file) and says so; then all ranks join one torch.distributed group through a file store:
 NCCL on CUDA (rank r on cuda:r), gloo on CPU. A worker that fails to load is an error here,
-before anyone waits in a collective. On CUDA the ranks then open the one-shot all-reduce's
+before anyone waits in a collective. On CUDA the ranks then open the custom all-reduce's
 workspace together (kernels/triton_all_reduce.py), unless asked not to; all use it or none do.
 
 Failure: a monitor thread watches every worker. When one dies or reports an error, the others
@@ -65,7 +65,7 @@ def check_devices(device: torch.device, size: int) -> None:
 
 def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_s: float,
                custom_all_reduce: bool) -> bool:
-    """Join the group; on GPUs also open the one-shot all-reduce's workspace (a collective too),
+    """Join the group; on GPUs also open the custom all-reduce's workspace (a collective too),
     unless ``custom_all_reduce`` is off. True when it opened, which it does on every rank or on
     none (ranks that disagreed would wait in different collectives)."""
     if dist.is_initialized():
@@ -101,10 +101,10 @@ class MultiprocExecutor:
         self.size = size
         self._device = device
         if custom_all_reduce and device.type == "cuda" and not _symmetric_memory_fresh():
-            log.info("this process opened a one-shot all-reduce workspace before; this tensor-parallel engine's "
+            log.info("this process opened a custom all-reduce workspace before; this tensor-parallel engine's "
                      "all-reduces go through NCCL (torch counts symmetric-memory rendezvous per process: pytorch#196082)")
             custom_all_reduce = False
-        # whether the steps' small all-reduces run the one-shot kernel (else NCCL's)
+        # whether the steps' all-reduces that fit its slot run the custom kernel (else NCCL's)
         self.custom_all_reduce = False
         self.failure: str | None = None
         # run on rank 0 before the group ends (the runner drops its CUDA graphs: NCCL's
