@@ -817,7 +817,7 @@ def sweep(args) -> int:
                                       t0 + args.budget_s))
         launch_configs.use_configs(None)
     snippet = json.dumps(tables, indent=1, sort_keys=True)
-    print("\n# paste into DEFAULT_CONFIGS in compiled_llm/kernels/launch_configs.py:\n" + snippet)
+    print("\n# paste into DEFAULT_CONFIGS in compiled_llm/kernels/launch_configs.py (keeping each table's \"shapes\"):\n" + snippet)
     if args.json_out:
         args.json_out.write_text(snippet + "\n")
     print(f"\n{time.monotonic() - t0:.0f} s")
@@ -855,7 +855,9 @@ def recapture_decode_graphs(runner) -> bool:
 def tune(args) -> int:
     """Coordinate descent over the T = 1 bucket of each decode kernel's table, judged by the
     device time of the bucket-1 decode graph: programmatic dependent launch and the neighbouring
-    kernels count, which a kernel timed alone misses."""
+    kernels count, which a kernel timed alone misses. It starts from the general buckets (the
+    tables' per-shape buckets set aside); a winner that is not the default for the other models
+    belongs under the table's "shapes", keyed by this engine's weight shapes."""
     if not needs_cuda("tune"):
         return 2
     llm = engine(args.source, gpu_memory_utilization=0.5, max_graph_batch_size=1, prefill_graph_max_tokens=0)
@@ -868,6 +870,8 @@ def tune(args) -> int:
         return graph_time_us(lambda: runner.graphs.run(1, 1), capture=False, replays=40, rounds=3)
 
     best = launch_configs.current()
+    for table in args.tables:
+        best[table].pop(launch_configs.SHAPES, None)
     best_us = step_us(best)
     print(f"start: {best_us:.1f} us per batch-1 decode step", flush=True)
     for r in range(args.rounds):

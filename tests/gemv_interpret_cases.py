@@ -288,6 +288,43 @@ def test_qkv_decode_with_tiny_blocks(bias, qk_norm, rope, head_dim, T):
     _check_qkv(out, fused_ops.fused_qkv_rope_ref(*args, nw, 1e-5))
 
 
+def test_the_decode_kernels_take_their_weight_shapes_own_configs(monkeypatch):
+    """Each weight-streaming wrapper asks for the config of its weight's shape (rows x columns as
+    the model has them, int4's two columns a byte unpacked) and runs what the table holds for
+    that shape: here the tiny blocks, over general buckets of the defaults."""
+    from compiled_llm.graph import quantized_ops
+
+    given = []
+    table_get = launch_configs.get
+
+    def recording_get(kernel, num_tokens, shape=None):
+        given.append((kernel, shape, table_get(kernel, num_tokens, shape)))
+        return given[-1][2]
+
+    monkeypatch.setattr(launch_configs, "get", recording_get)
+    H, I, T, qkv_rows = 40, 56, 1, (6 + 2 * 2) * 24
+    defaults = launch_configs.DEFAULT_CONFIGS
+    launch_configs.use_configs({
+        "norm_mlp_decode": {"inf": defaults["norm_mlp_decode"]["inf"], "shapes": {f"{2 * I}x{H}": {"1": TINY_MLP}}},
+        "norm_mlp_down": {"inf": defaults["norm_mlp_down"]["inf"], "shapes": {f"{H}x{I}": {"1": TINY_GEMV}}},
+        "qkv_decode": {"inf": defaults["qkv_decode"]["inf"], "shapes": {f"{qkv_rows}x{H}": {"1": TINY_QKV}}},
+    })
+    x, nw, eps, gate_up, down = mlp_glu_inputs(T, H, I, F32, "cpu", seed=46)
+    r = _residual(T, H, 47)
+    out = triton_norm_mlp.fused_rms_norm_glu_mlp(x, nw, eps, gate_up, down, residual=r, form="decode")
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(x, nw, eps, gate_up, down, residual=r)) <= TOL
+    args = (x, nw, eps, *_int4(gate_up), *_int4(down), r)
+    out = triton_norm_mlp.fused_rms_norm_glu_mlp_wq(*args)
+    assert rel_err(out, quantized_ops.fused_rms_norm_glu_mlp_wq_ref(*args)) <= TOL
+    qkv_args, qkv_nw = _qkv_args(T, False, False, True, 24, seed=48)
+    assert qkv_args[1].shape == (qkv_rows, H)
+    out = triton_qkv_rope.fused_qkv_rope(*qkv_args, norm_weight=qkv_nw, norm_eps=1e-5, form="decode")
+    _check_qkv(out, fused_ops.fused_qkv_rope_ref(*qkv_args, qkv_nw, 1e-5))
+    streaming = [g for g in given if g[0] in ("norm_mlp_decode", "norm_mlp_down", "qkv_decode")]
+    assert streaming == [("norm_mlp_decode", (2 * I, H), TINY_MLP), ("norm_mlp_down", (H, I), TINY_GEMV)] * 2 + [
+        ("qkv_decode", (qkv_rows, H), TINY_QKV)]
+
+
 def test_qkv_positional_call_keeps_the_old_meaning():
     args, _ = _qkv_args(2, True, False, True, 24, seed=61)
     _check_qkv(triton_qkv_rope.fused_qkv_rope(*args), fused_ops.fused_qkv_rope_ref(*args))

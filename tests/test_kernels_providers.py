@@ -136,12 +136,39 @@ def fresh_configs():
 
 def test_launch_config_buckets_pick_the_smallest_bucket_holding_T(fresh_configs):
     table = launch_configs.DEFAULT_CONFIGS["norm_mlp_decode"]
-    assert set(table) == {"1", "2", "4", "8", "inf"}
+    assert set(table) == {"1", "2", "4", "8", "inf", "shapes"}
     assert launch_configs.get("norm_mlp_decode", 1) == table["1"]
     assert launch_configs.get("norm_mlp_decode", 3) == table["4"]
     assert launch_configs.get("norm_mlp_decode", 4) == table["4"]
     assert launch_configs.get("norm_mlp_decode", 5) == table["8"]
     assert launch_configs.get("norm_mlp_decode", 9) == table["inf"]
+
+
+def test_a_weight_shape_with_its_own_buckets_takes_them_where_they_hold_T(fresh_configs):
+    launch_configs.use_configs({"gemv": {
+        "1": {"BLOCK_K": 1024}, "inf": {"BLOCK_K": 512},
+        "shapes": {"4096x2048": {"1": {"BLOCK_K": 2048}}, "64x64": {"8": {"BLOCK_K": 64}}},
+    }})
+    assert launch_configs.get("gemv", 1, shape=(4096, 2048)) == {"BLOCK_K": 2048}
+    assert launch_configs.get("gemv", 2, shape=(4096, 2048)) == {"BLOCK_K": 512}  # no shape bucket holds 2
+    assert launch_configs.get("gemv", 1, shape=(2048, 4096)) == {"BLOCK_K": 1024}  # rows x columns, not swapped
+    assert launch_configs.get("gemv", 1) == {"BLOCK_K": 1024}  # no shape given
+    assert launch_configs.get("gemv", 5, shape=(64, 64)) == {"BLOCK_K": 64}
+    assert launch_configs.get("gemv", 9, shape=(64, 64)) == {"BLOCK_K": 512}
+
+
+def test_shipped_shape_buckets_leave_other_models_on_the_general_ones(fresh_configs):
+    """Llama-3.1-8B at TP=2 has its own batch-1 MLP configs; the same kernels at TP=1 and the
+    sub-2B shapes keep the general table's."""
+    table = launch_configs.DEFAULT_CONFIGS
+    tp2_gate_up, tp2_down = (2 * 7168, 4096), (4096, 7168)
+    assert launch_configs.get("norm_mlp_decode", 1, shape=tp2_gate_up) == table["norm_mlp_decode"]["shapes"]["14336x4096"]["1"]
+    assert launch_configs.get("norm_mlp_down", 1, shape=tp2_down) == table["norm_mlp_down"]["shapes"]["4096x7168"]["1"]
+    assert launch_configs.get("norm_mlp_decode", 1, shape=tp2_gate_up) != table["norm_mlp_decode"]["1"]
+    for gate_up, down in (((2 * 14336, 4096), (4096, 14336)), ((2 * 4864, 896), (896, 4864)),
+                          ((2 * 8192, 2048), (2048, 8192))):  # 8B at TP=1, Qwen2.5-0.5B, Llama-3.2-1B
+        assert launch_configs.get("norm_mlp_decode", 1, shape=gate_up) == table["norm_mlp_decode"]["1"]
+        assert launch_configs.get("norm_mlp_down", 1, shape=down) == table["norm_mlp_down"]["1"]
 
 
 def test_launch_configs_round_trip_through_json_and_override(fresh_configs):
@@ -160,6 +187,10 @@ def test_launch_configs_round_trip_through_json_and_override(fresh_configs):
     {"norm": {"16": {"MAX_WARPS": 4}}},  # no catch-all bucket
     {"norm": {"inf": {"MAX_WARPS": -1}}},
     {"norm": {"big": {"MAX_WARPS": 4}, "inf": {"MAX_WARPS": 4}}},
+    {"gemv": {"inf": {"BLOCK_K": 512}, "shapes": {"4096": {"1": {"BLOCK_K": 512}}}}},  # not NxK
+    {"gemv": {"inf": {"BLOCK_K": 512}, "shapes": {"8x8": {"one": {"BLOCK_K": 512}}}}},
+    {"gemv": {"inf": {"BLOCK_K": 512}, "shapes": {"8x8": {"1": {"BLOCK_K": 0}}}}},
+    {"gemv": {"inf": {"BLOCK_K": 512}, "shapes": [1, 2]}},
 ])
 def test_invalid_launch_configs_are_refused(bad, fresh_configs):
     with pytest.raises(CompiledLLMError):

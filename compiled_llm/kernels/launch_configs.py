@@ -8,6 +8,11 @@ autotunes at run time, so the first call inside a CUDA-graph capture never bench
 
 Buckets are upper bounds on the number of tokens T: the config under key "16" serves
 4 < T <= 16 when the keys are "1", "4", "16", "inf".
+
+A weight-streaming kernel's table may also hold, under "shapes", buckets for one weight shape
+("NxK": rows x columns as the kernel sees them, so one rank's share under tensor parallelism),
+where tuning at that shape beat the general choice. A call of that shape takes the shape's
+smallest bucket that holds its T, and the general buckets otherwise.
 """
 
 from __future__ import annotations
@@ -75,20 +80,29 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     # fused norm + MLP decode form, first kernel: norm + gate/up (or fc) + activation, a program
     # per BLOCK_I intermediate rows (gate rows and the matching up rows)
+    # Shapes: Llama-3.1-8B at tensor-parallel size 2 (one rank's gate + up rows, 2 x 7168, over
+    # H 4096), tuned on that engine's batch-1 decode (BENCHMARKS.md, fifteenth session).
     "norm_mlp_decode": {
         "1": {"BLOCK_T": 1, "BLOCK_I": 2, "BLOCK_H": 512, "num_warps": 1, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_I": 2, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
         "8": {"BLOCK_T": 8, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
         "inf": {"BLOCK_T": 8, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
+        "shapes": {
+            "14336x4096": {"1": {"BLOCK_T": 1, "BLOCK_I": 1, "BLOCK_H": 2048, "num_warps": 4, "num_stages": 1}},
+        },
     },
-    # ... and its second kernel: the down (or proj) GEMV with the residual epilogue (tall K)
+    # ... and its second kernel: the down (or proj) GEMV with the residual epilogue (tall K);
+    # shapes: Llama-3.1-8B's down at tensor-parallel size 2, as above
     "norm_mlp_down": {
         "1": {"BLOCK_T": 1, "BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
         "8": {"BLOCK_T": 8, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
         "inf": {"BLOCK_T": 8, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
+        "shapes": {
+            "4096x7168": {"1": {"BLOCK_T": 1, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 8, "num_stages": 1}},
+        },
     },
     # above this many tokens the MLP uses the prefill form (Triton norm + cuBLAS + Triton
     # activation + cuBLAS) instead of the two GEMV kernels
@@ -118,11 +132,23 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "kv_store": {"inf": {"num_warps": 1}},
 }
 
-_active: dict[str, dict[str, dict[str, int]]] = copy.deepcopy(DEFAULT_CONFIGS)
+SHAPES = "shapes"  # a kernel table's key for its per-weight-shape buckets
+
+_active: dict[str, dict[str, Any]] = copy.deepcopy(DEFAULT_CONFIGS)
 
 
 def _bucket_bound(key: str) -> float:
     return math.inf if key == "inf" else float(int(key))
+
+
+def _validate_buckets(where: str, buckets: Any) -> None:
+    if not isinstance(buckets, Mapping):
+        raise CompiledLLMError(f"launch configs of {where} must be an object of buckets")
+    for key, cfg in buckets.items():
+        if key != "inf" and not (isinstance(key, str) and key.isdigit()):
+            raise CompiledLLMError(f"launch config bucket {key!r} of {where} is not a token count")
+        if not isinstance(cfg, Mapping) or not all(isinstance(v, int) and v > 0 for v in cfg.values()):
+            raise CompiledLLMError(f"launch config {where}[{key!r}] must map names to positive ints")
 
 
 def validate(configs: Mapping[str, Any]) -> None:
@@ -134,34 +160,49 @@ def validate(configs: Mapping[str, Any]) -> None:
             raise CompiledLLMError(f"launch configs name unknown kernel {kernel!r}")
         if not isinstance(buckets, Mapping) or "inf" not in buckets:
             raise CompiledLLMError(f"launch configs of {kernel!r} need an 'inf' bucket")
-        for key, cfg in buckets.items():
-            if key != "inf" and not (isinstance(key, str) and key.isdigit()):
-                raise CompiledLLMError(f"launch config bucket {key!r} of {kernel!r} is not a token count")
-            if not isinstance(cfg, Mapping) or not all(isinstance(v, int) and v > 0 for v in cfg.values()):
-                raise CompiledLLMError(f"launch config {kernel!r}[{key!r}] must map names to positive ints")
+        _validate_buckets(repr(kernel), {k: v for k, v in buckets.items() if k != SHAPES})
+        shapes = buckets.get(SHAPES, {})
+        if not isinstance(shapes, Mapping):
+            raise CompiledLLMError(f"launch configs of {kernel!r}: {SHAPES!r} must map 'NxK' to buckets")
+        for shape, shape_buckets in shapes.items():
+            n, _, k = str(shape).partition("x")
+            if not (n.isdigit() and k.isdigit()):
+                raise CompiledLLMError(f"launch configs of {kernel!r}: shape {shape!r} is not 'NxK' (weight rows x columns)")
+            _validate_buckets(f"{kernel!r} at {shape}", shape_buckets)
 
 
-def get(kernel: str, num_tokens: int) -> dict[str, int]:
+def _smallest_holding(buckets: Mapping[str, Any], num_tokens: int) -> str | None:
+    keys = [k for k in buckets if k != SHAPES and num_tokens <= _bucket_bound(k)]
+    return min(keys, key=_bucket_bound) if keys else None
+
+
+def get(kernel: str, num_tokens: int, shape: tuple[int, int] | None = None) -> dict[str, int]:
     """The config of ``kernel`` for a call with ``num_tokens`` tokens (smallest bucket that
-    holds it)."""
+    holds it), over a weight of ``shape`` (rows, columns) where the kernel streams one: that
+    shape's own buckets first, if the table has them."""
     buckets = _active[kernel]
-    key = min((k for k in buckets if num_tokens <= _bucket_bound(k)), key=_bucket_bound)
-    return dict(buckets[key])
+    if shape is not None:
+        own = buckets.get(SHAPES, {}).get(f"{shape[0]}x{shape[1]}", {})
+        key = _smallest_holding(own, num_tokens)
+        if key is not None:
+            return dict(own[key])
+    return dict(buckets[_smallest_holding(buckets, num_tokens)])
 
 
-def current() -> dict[str, dict[str, dict[str, int]]]:
+def current() -> dict[str, dict[str, Any]]:
     """The active table (a deep copy, JSON-able) for a build to store in its artifact."""
     return copy.deepcopy(_active)
 
 
 def use_configs(configs: Mapping[str, Any] | None) -> None:
-    """Install a stored table (kernels it does not name keep their defaults); None resets."""
+    """Install a stored table (kernels it does not name keep their defaults, and a kernel it
+    names keeps nothing else, its shapes' buckets included); None resets."""
     global _active
     table = copy.deepcopy(DEFAULT_CONFIGS)
     if configs is not None:
         validate(configs)
         for kernel, buckets in configs.items():
-            table[kernel] = {k: dict(v) for k, v in buckets.items()}
+            table[kernel] = copy.deepcopy(dict(buckets))
     _active = table
 
 

@@ -513,7 +513,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     r2 = unit_stride_rows(residual) if residual is not None else x2
     o2 = out.view(T, N)
     itemsize = weight_itemsize(w)
-    tile = tile_config(per_weight_bytes(launch_configs.get(config, T), "BLOCK_K", x, w), T, N, K, itemsize)
+    tile = tile_config(per_weight_bytes(launch_configs.get(config, T, shape=(N, K)), "BLOCK_K", x, w), T, N, K, itemsize)
     pdl = use_pdl(x)
     s = scale if scale is not None else w
     int4 = {}

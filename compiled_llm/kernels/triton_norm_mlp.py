@@ -315,7 +315,7 @@ def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bo
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     w1 = w1 if w1.stride(-1) == 1 else w1.contiguous()
     itemsize = weight_itemsize(w1)
-    cfg = per_weight_bytes(launch_configs.get("norm_mlp_decode", T), "BLOCK_H", x2, w1)
+    cfg = per_weight_bytes(launch_configs.get("norm_mlp_decode", T, shape=(w1.shape[0], H)), "BLOCK_H", x2, w1)
     tile = tile_config(cfg, T, inter, H, itemsize, rows_key="BLOCK_I", k_key="BLOCK_H")
     pdl = use_pdl(x2)
     s1 = scale1 if scale1 is not None else w1

@@ -313,7 +313,7 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
     half = head_dim // 2
     has_qk_norm = q_norm_weight is not None
     has_rope = cos_sin is not None
-    cfg = per_weight_bytes(launch_configs.get("qkv_decode", T), "BLOCK_K", x, w)
+    cfg = per_weight_bytes(launch_configs.get("qkv_decode", T, shape=(w.shape[0], H)), "BLOCK_K", x, w)
     tile = tile_config(cfg, T, half, H, weight_itemsize(w), rows_key="BLOCK_P")
     int4 = {}
     if zero is not None:  # the INT4 form reads x and the input norm's weight two columns to a word
