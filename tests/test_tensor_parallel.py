@@ -474,3 +474,10 @@ print("rank", rank, "agreed")
 def test_the_custom_all_reduce_workspace_opens_on_every_rank_or_on_none(tmp_path, failing_step):
     for rank, (status, out) in enumerate(run_ranks(tmp_path, _WORKSPACE_RANK, failing_step)):
         assert status == 0 and f"rank {rank} agreed" in out, out[-2000:]
+
+
+def test_a_custom_all_reduce_slot_must_keep_vector_alignment():
+    from compiled_llm.kernels import triton_all_reduce as ar
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ar.open_workspace(torch.device("cpu"), capacity=(1 << 20) + 8)

@@ -61,8 +61,10 @@ CALL_INDEX = MAX_BLOCKS * MAX_WORLD
 DONE_INDEX = CALL_INDEX + 1
 HEADER_BYTES = ((DONE_INDEX + 1) * 8 + 255) // 256 * 256
 # The largest x (bytes) a call takes: a decode step of 256 sequences at hidden size 4096 in
-# bf16. Larger calls (prefill chunks) stay on NCCL, whose rings are built for them.
+# bf16. Larger calls (prefill chunks) stay on NCCL, whose rings are built for them. A multiple of
+# 16 bytes, like the header, so that every slot starts aligned for 16-byte vector accesses.
 DEFAULT_CAPACITY = 2 << 20
+SLOT_ALIGN = 16
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -105,6 +107,8 @@ def open_workspace(device: torch.device, capacity: int = DEFAULT_CAPACITY,
     import torch.distributed as dist
 
     global _rendezvous_made
+    if capacity % SLOT_ALIGN:
+        raise ValueError(f"all-reduce slot capacity {capacity} is not a multiple of {SLOT_ALIGN} bytes")
     size = buffer_bytes(dist.get_world_size(), capacity)
     buffer = _attempt("allocation", lambda: _allocate(size, device, dist.get_world_size()))
     if not _on_every_rank(buffer is not None, device):
@@ -134,7 +138,13 @@ def _rendezvous(buffer: torch.Tensor):
     import torch.distributed as dist
     from torch.distributed import _symmetric_memory as symm_mem
 
-    return symm_mem.rendezvous(buffer, dist.group.WORLD)
+    handle = symm_mem.rendezvous(buffer, dist.group.WORLD)
+    # the kernel's vector accesses take every mapping's start as 16-byte aligned
+    misaligned = [r for r in range(handle.world_size)
+                  if handle.get_buffer(r, tuple(buffer.shape), torch.uint8).data_ptr() % SLOT_ALIGN]
+    if misaligned:
+        raise ValueError(f"the buffers of ranks {misaligned} are not mapped {SLOT_ALIGN}-byte aligned")
+    return handle
 
 
 def _attempt(step: str, fn):
@@ -225,6 +235,7 @@ def _push_kernel(
     for peer in tl.static_range(WORLD):
         if peer != rank:
             slot = (tl.load(bases + peer) + HEADER).to(tl.pointer_type(dtype)) + (parity * WORLD + rank) * slot_elems
+            slot = tl.multiple_of(slot, 16)  # every slot starts 16-byte aligned: vector stores
             for start in range(b * BLOCK, n, blocks * BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < n
@@ -241,7 +252,7 @@ def _push_kernel(
             _wait_at_least(header + b * WORLD + peer, call, timeout_ns, TIMER)
     tl.debug_barrier()
     # 3. the sum, rank by rank, from our own buffer (past L1: the peers wrote it)
-    data = (own + HEADER).to(tl.pointer_type(dtype)) + parity * WORLD * slot_elems
+    data = tl.multiple_of((own + HEADER).to(tl.pointer_type(dtype)) + parity * WORLD * slot_elems, 16)
     for start in range(b * BLOCK, n, blocks * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
