@@ -833,7 +833,7 @@ TUNE_SPACE = {
     "norm_mlp_decode": {"BLOCK_I": [1, 2, 4, 8], "BLOCK_H": [256, 512, 1024, 2048], "num_warps": [1, 2, 4]},
     "norm_mlp_down": {"BLOCK_N": [1, 2, 4], "BLOCK_K": [1024, 2048, 4096], "num_warps": [4, 8]},
     "gemv": {"BLOCK_N": [1, 2, 4], "BLOCK_K": [512, 1024, 2048], "num_warps": [1, 2, 4]},
-    "qkv_decode": {"BLOCK_P": [1, 2, 4], "BLOCK_K": [512, 1024], "num_warps": [2, 4]},
+    "qkv_decode": {"BLOCK_P": [1, 2, 4], "BLOCK_K": [512, 1024, 2048, 4096], "num_warps": [2, 4, 8]},
     "paged_attention_decode": {"BLOCK_N": [32, 64], "MAX_SPLITS": [4, 8, 16, 32], "num_warps": [2, 4]},
 }
 

@@ -158,17 +158,22 @@ def test_a_weight_shape_with_its_own_buckets_takes_them_where_they_hold_T(fresh_
 
 
 def test_shipped_shape_buckets_leave_other_models_on_the_general_ones(fresh_configs):
-    """Llama-3.1-8B at TP=2 has its own batch-1 MLP configs; the same kernels at TP=1 and the
-    sub-2B shapes keep the general table's."""
+    """Llama-3.1-8B at TP=2 has its own batch-1 MLP and q/k/v configs; the same kernels at TP=1
+    and the sub-2B shapes keep the general table's."""
     table = launch_configs.DEFAULT_CONFIGS
-    tp2_gate_up, tp2_down = (2 * 7168, 4096), (4096, 7168)
+    tp2_gate_up, tp2_down, tp2_qkv = (2 * 7168, 4096), (4096, 7168), ((16 + 2 * 4) * 128, 4096)
     assert launch_configs.get("norm_mlp_decode", 1, shape=tp2_gate_up) == table["norm_mlp_decode"]["shapes"]["14336x4096"]["1"]
     assert launch_configs.get("norm_mlp_down", 1, shape=tp2_down) == table["norm_mlp_down"]["shapes"]["4096x7168"]["1"]
+    assert launch_configs.get("qkv_decode", 1, shape=tp2_qkv) == table["qkv_decode"]["shapes"]["3072x4096"]["1"]
     assert launch_configs.get("norm_mlp_decode", 1, shape=tp2_gate_up) != table["norm_mlp_decode"]["1"]
-    for gate_up, down in (((2 * 14336, 4096), (4096, 14336)), ((2 * 4864, 896), (896, 4864)),
-                          ((2 * 8192, 2048), (2048, 8192))):  # 8B at TP=1, Qwen2.5-0.5B, Llama-3.2-1B
+    assert launch_configs.get("qkv_decode", 1, shape=tp2_qkv) != table["qkv_decode"]["1"]
+    # 8B at TP=1, Qwen2.5-0.5B, Llama-3.2-1B: (gate + up, down, q + k + v) weight shapes
+    for gate_up, down, qkv in (((2 * 14336, 4096), (4096, 14336), ((32 + 2 * 8) * 128, 4096)),
+                               ((2 * 4864, 896), (896, 4864), ((14 + 2 * 2) * 64, 896)),
+                               ((2 * 8192, 2048), (2048, 8192), ((32 + 2 * 8) * 64, 2048))):
         assert launch_configs.get("norm_mlp_decode", 1, shape=gate_up) == table["norm_mlp_decode"]["1"]
         assert launch_configs.get("norm_mlp_down", 1, shape=down) == table["norm_mlp_down"]["1"]
+        assert launch_configs.get("qkv_decode", 1, shape=qkv) == table["qkv_decode"]["1"]
 
 
 def test_launch_configs_round_trip_through_json_and_override(fresh_configs):

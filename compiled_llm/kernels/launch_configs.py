@@ -111,13 +111,18 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     # fused (input RMSNorm +) q/k/v projection + q/k norm + RoPE, decode form: a program per
     # BLOCK_P rotation pairs (rows i and i + D/2) of one head; with q/k norm a program owns a whole
-    # head and walks it BLOCK_P pairs at a time
+    # head and walks it BLOCK_P pairs at a time. Shapes: Llama-3.1-8B at tensor-parallel size 2
+    # (one rank's 16 q + 4 k + 4 v heads of 128 over H 4096), where the grid is half TP=1's and
+    # fewer, wider K steps keep the weight stream going (BENCHMARKS.md, sixteenth session).
     "qkv_decode": {
         "1": {"BLOCK_T": 1, "BLOCK_P": 4, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_P": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_P": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
         "8": {"BLOCK_T": 8, "BLOCK_P": 1, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
         "inf": {"BLOCK_T": 8, "BLOCK_P": 1, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
+        "shapes": {
+            "3072x4096": {"1": {"BLOCK_T": 1, "BLOCK_P": 4, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}},
+        },
     },
     # rows up to which fused_qkv_rope uses the decode kernel (cuBLAS + epilogue above)
     "qkv_dispatch": {
