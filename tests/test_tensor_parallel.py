@@ -476,6 +476,38 @@ def test_the_custom_all_reduce_workspace_opens_on_every_rank_or_on_none(tmp_path
         assert status == 0 and f"rank {rank} agreed" in out, out[-2000:]
 
 
+# each rank: open_workspace on GPUs of different SM counts (rank 1's has 5, the CPU stand-in 8);
+# the grid's cap must be the same on both, or their blocks would wait on flags never raised
+_WORKSPACE_GRID = """
+import datetime, sys
+import torch, torch.distributed as dist
+from compiled_llm.kernels import triton_all_reduce as ar
+
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=20))
+
+class Mapped:  # what symm_mem.rendezvous returns, over this rank's buffer alone
+    def __init__(self, buffer):
+        self.rank, self.world_size, self.buffer = rank, 2, buffer
+    def get_buffer(self, peer, shape, dtype):
+        return self.buffer
+
+ar._allocate = lambda size, device, world: torch.zeros(size, dtype=torch.uint8)
+ar._rendezvous = Mapped
+if rank == 1:
+    ar.sm_count = lambda device: 5
+ws = ar.open_workspace(torch.device("cpu"))
+print("rank", rank, "max_blocks", ws.max_blocks, "blocks", ar.blocks_for(1 << 20, ws))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_with_unlike_gpus_agree_on_the_custom_all_reduce_grid(tmp_path):
+    for rank, (status, out) in enumerate(run_ranks(tmp_path, _WORKSPACE_GRID)):
+        assert status == 0 and f"rank {rank} max_blocks 5 blocks 5" in out, out[-2000:]
+
+
 def test_a_custom_all_reduce_slot_must_keep_vector_alignment():
     from compiled_llm.kernels import triton_all_reduce as ar
 

@@ -25,12 +25,12 @@ Why one wait is enough: a rank writes parity ``p`` into a peer again only in cal
 gets there after its call ``e + 1`` is complete, so after every block of that call heard from the
 peer's call ``e + 1``, which the peer starts only once its call ``e`` (the last reader of parity
 ``p``) is complete. Flags only grow, so a signal that arrives early, from a peer one call ahead,
-is still seen. Every rank makes the same calls in the same order with the same grids (the
-ranks' GPUs are alike: the grid follows the SM count), so the counters agree; a call that skips
-the kernel (empty, or larger than a slot: NCCL) skips it on every rank. A block only waits on
-the same block of its peers, and the grid never exceeds the streaming multiprocessors, so every
-block is resident and the waits end; one that does not end within ``timeout_s`` (a dead peer)
-traps, which fails the step instead of hanging it.
+is still seen. Every rank makes the same calls in the same order with the same grids (capped
+by the smallest SM count of the ranks, agreed when the workspace opens), so the counters agree;
+a call that skips the kernel (empty, or larger than a slot: NCCL) skips it on every rank. A
+block only waits on the same block of its peers, and the grid never exceeds any rank's
+streaming multiprocessors, so every block is resident and the waits end; one that does not end
+within ``timeout_s`` (a dead peer) traps, which fails the step instead of hanging it.
 
 The workspace is per process, like the process group it belongs to: ``open_workspace`` after the
 group starts, on every rank together; calls it cannot take (no workspace, larger than a slot) run
@@ -83,6 +83,7 @@ class Workspace:
     bases: torch.Tensor
     capacity: int
     timeout_ns: int
+    max_blocks: int  # the grid's cap, the same on every rank (their GPUs may differ)
     handle: object  # keeps the symmetric allocation alive
     buffer: torch.Tensor
 
@@ -111,17 +112,21 @@ def open_workspace(device: torch.device, capacity: int = DEFAULT_CAPACITY,
         raise ValueError(f"all-reduce slot capacity {capacity} is not a multiple of {SLOT_ALIGN} bytes")
     size = buffer_bytes(dist.get_world_size(), capacity)
     buffer = _attempt("allocation", lambda: _allocate(size, device, dist.get_world_size()))
-    if not _on_every_rank(buffer is not None, device):
+    # every block must be resident on every rank (a block waits on the same block of its peers)
+    allocated, max_blocks = _min_over_ranks([buffer is not None, min(MAX_BLOCKS, sm_count(device))], device)
+    if not allocated:
         return None
     _rendezvous_made += 1
     handle = _attempt("rendezvous", lambda: _rendezvous(buffer))
-    if not _on_every_rank(handle is not None, device):
+    if not _min_over_ranks([handle is not None], device)[0]:
         return None
     bases = torch.tensor([handle.get_buffer(r, (size,), torch.uint8).data_ptr() for r in range(handle.world_size)],
                          dtype=torch.int64, device=device)
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     dist.barrier()  # every rank's header is zero before any rank signals
-    return install(Workspace(handle.rank, handle.world_size, bases, capacity, int(timeout_s * 1e9), handle, buffer))
+    return install(Workspace(handle.rank, handle.world_size, bases, capacity, int(timeout_s * 1e9), max_blocks,
+                             handle, buffer))
 
 
 def _allocate(size: int, device: torch.device, world: int) -> torch.Tensor:
@@ -157,12 +162,14 @@ def _attempt(step: str, fn):
         return None
 
 
-def _on_every_rank(ok: bool, device: torch.device) -> bool:
+def _min_over_ranks(values: list[int], device: torch.device) -> list[int]:
+    """Each value's minimum over the ranks (a collective); for flags, whether it holds on every
+    rank."""
     import torch.distributed as dist
 
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()
 
 
 def install(ws: Workspace) -> Workspace:
@@ -274,8 +281,8 @@ def _push_kernel(
         tl.store(header + CALL, call)
 
 
-def blocks_for(n: int, device: torch.device) -> int:
-    return max(1, min(triton.cdiv(n, BLOCK), MAX_BLOCKS, sm_count(device)))
+def blocks_for(n: int, ws: Workspace) -> int:
+    return max(1, min(triton.cdiv(n, BLOCK), ws.max_blocks))
 
 
 def all_reduce(x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -290,7 +297,7 @@ def all_reduce(x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torc
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = use_pdl(x)
     r = residual.contiguous() if residual is not None else x
-    _push_kernel[(blocks_for(n, x.device),)](
+    _push_kernel[(blocks_for(n, ws),)](
         x, r, out, ws.bases, ws.rank, n, ws.capacity // x.element_size(), ws.timeout_ns,
         WORLD=ws.world, HEADER=HEADER_BYTES, CALL=CALL_INDEX, DONE=DONE_INDEX, HAS_RESIDUAL=residual is not None,
         BLOCK=BLOCK, TIMER=not interpret, PDL=pdl, num_warps=8, **pdl_launch(pdl),
