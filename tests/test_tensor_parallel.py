@@ -11,8 +11,8 @@
   logits.
 - ``compare`` checks a TP engine over both ranks.
 - A rank that dies fails the generation running and every later one with an ``EngineError``
-  naming it; a killed rank 0 takes its worker with it. Shutdown drops the CUDA graphs before
-  the group ends.
+  naming it, and the process can start a tensor-parallel engine again; a killed rank 0 takes
+  its worker with it. Shutdown drops the CUDA graphs before the group ends.
 - An engine directory is sharded at build time: asking it (``LLM``, ``bench``) for another size
   is refused.
 """
@@ -398,6 +398,15 @@ def test_a_killed_worker_fails_the_running_generate_and_every_later_one(qwen2):
         assert time.monotonic() - t0 < 5
     finally:
         llm.shutdown()
+    # the failed engine's group is gone with it: this process can run a tensor-parallel engine again
+    assert not torch.distributed.is_initialized()
+    again = LLM(str(qwen2.engine), device="cpu")
+    try:
+        (out,) = again.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0),
+                                use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        again.shutdown()
 
 
 CHILD = """

@@ -10,7 +10,9 @@ workspace together (kernels/triton_all_reduce.py), unless asked not to; all use 
 Failure: a monitor thread watches every worker. When one dies or reports an error, the others
 are killed at once: a collective rank 0 waits in then fails (gloo and NCCL see the closed
 connection; the group's timeout is the backstop), and every later call raises ``EngineError``
-naming the rank. Workers end with this process, even when it is killed: each watches its parent.
+naming the rank. Shutting the failed engine down ends a gloo group, so the process can start
+another engine; an NCCL group stays (its teardown would wait for the dead rank). Workers end
+with this process, even when it is killed: each watches its parent.
 """
 
 from __future__ import annotations
@@ -169,12 +171,15 @@ class MultiprocExecutor:
                 conn.send(None)
             except OSError:
                 pass
-        # every rank tears the group down together (NCCL's waits for the others); after a
-        # failure the group is left as it is, since the ranks it would wait for are gone
+        # every rank tears the group down together (NCCL's waits for the others). After a
+        # failure the ranks it would wait for are gone: gloo's teardown waits for no one, so this
+        # process can start another group; NCCL's could wait for ever, so its group is left
         if dist.is_initialized() and self.failure is None:
             for release in self.before_teardown:
                 release()
             end_group(self._device)
+        elif dist.is_initialized() and backend_for(self._device) == "gloo":
+            dist.destroy_process_group()
         deadline = time.monotonic() + _STOP_GRACE_S
         for proc in self._procs:
             try:
