@@ -644,5 +644,6 @@ def test_metrics_count_the_engine_and_log_a_stats_line_while_busy(engine, caplog
     assert value("compiled_llm:request_success_total", {**labels, "finished_reason": "length"}) == 2
     assert value("compiled_llm:e2e_request_latency_seconds_count", labels) == 2
     assert value("compiled_llm:num_requests_running", labels) == 0
+    assert value("compiled_llm:spec_decode_num_drafts_total", labels) is None  # no speculation, no counters
     lines = [r.getMessage() for r in caplog.records if r.name == "compiled_llm.serve.metrics"]
     assert any("Avg generation throughput" in line and "KV cache usage" in line for line in lines)

@@ -301,3 +301,47 @@ def test_the_server_speculates_and_streams_what_plain_decoding_gives(tiny_engine
     with serve_process(tiny_engine, "--served-model-name", "tiny", "--speculative-config", json.dumps(NGRAM),
                        log_path=tmp_path / "serve.log") as server:
         assert asyncio.run(all_of_them(server.api_url)) == want
+
+
+@pytest.mark.parametrize("family_engine", ["llama"], indirect=True)
+def test_the_servers_metrics_count_drafts_and_acceptance_under_vllms_names(family_engine, caplog):
+    import asyncio
+    import logging
+
+    from compiled_llm.serve.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_messages import EngineInfo, EngineSnapshot
+    from compiled_llm.serve.metrics import ServerMetrics
+
+    engine = LLM.from_loaded(family_engine, speculative_config=NGRAM).engine
+    caplog.set_level(logging.INFO, logger="compiled_llm.serve.metrics")
+    info = EngineInfo.of(engine)
+    assert info.num_speculative_tokens == NGRAM["num_speculative_tokens"]
+    metrics = ServerMetrics("m", EngineSnapshot.of(engine), 0.05, info.num_speculative_tokens)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    requests = [engine.validate({"prompt_token_ids": p}, params) for p in _prompts(family_engine.config.vocab_size)]
+
+    async def main():
+        front = AsyncEngine.in_thread(engine, metrics=metrics)
+        front.start()
+        try:
+            await front.submit(requests).results()
+            await asyncio.sleep(0.2)  # the idle thread still logs the busy interval's lines
+        finally:
+            await front.stop()
+
+    asyncio.run(main())
+    st = engine.speculator.stats
+
+    def value(name, **labels):
+        return metrics.registry.get_sample_value("compiled_llm:" + name, {"model_name": "m", **labels})
+
+    assert 0 < st.accepted_tokens < st.draft_tokens
+    assert value("spec_decode_num_drafts_total") == st.drafting_seqs
+    assert value("spec_decode_num_draft_tokens_total") == st.draft_tokens
+    assert value("spec_decode_num_accepted_tokens_total") == st.accepted_tokens
+    by_position = [value("spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+                   for i in range(NGRAM["num_speculative_tokens"])]
+    assert sum(by_position) == st.accepted_tokens
+    assert by_position == sorted(by_position, reverse=True)  # a token counts only after those before it
+    lines = [r.getMessage() for r in caplog.records if r.name == "compiled_llm.serve.metrics"]
+    assert any(line.startswith("SpecDecoding metrics: Mean acceptance length") for line in lines), lines

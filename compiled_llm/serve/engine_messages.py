@@ -48,6 +48,7 @@ class EngineInfo:
     max_num_seqs: int
     generation_defaults: dict
     device: str
+    num_speculative_tokens: int = 0  # 0: the engine does not speculate
 
     @classmethod
     def of(cls, engine) -> "EngineInfo":
@@ -61,6 +62,7 @@ class EngineInfo:
             max_num_seqs=engine.config.max_num_seqs,
             generation_defaults=dict(model.generation_defaults),
             device=str(engine.device),
+            num_speculative_tokens=engine.config.speculative.num_speculative_tokens if engine.config.speculative else 0,
         )
 
 
@@ -75,13 +77,22 @@ class EngineSnapshot(NamedTuple):
     preemptions: int
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int
+    # speculative decoding (all 0 without it): sequence-steps that verified drafts, the draft
+    # tokens they proposed, those accepted, and accepted drafts by position in the draft
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, engine) -> "EngineSnapshot":
         sched, bm, st = engine.scheduler, engine.block_manager, engine.stats
+        spec = engine.speculator.stats if engine.speculator is not None else None
         return cls(len(sched.running), len(sched.waiting), 1.0 - bm.num_free_blocks / bm.num_blocks,
                    st.prefill_tokens, st.generated_tokens, sched.num_preemptions,
-                   bm.stats.queried_tokens, bm.stats.hit_tokens)
+                   bm.stats.queried_tokens, bm.stats.hit_tokens,
+                   *((spec.drafting_seqs, spec.draft_tokens, spec.accepted_tokens, tuple(spec.accepted_per_position))
+                     if spec is not None else ()))
 
 
 # ---- outputs -------------------------------------------------------------------------------------------

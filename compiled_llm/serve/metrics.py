@@ -5,7 +5,8 @@ Every collector lives in the server's own ``CollectorRegistry``, so one process 
 several servers. Two kinds of updates, each where it is cheap:
 
 - the engine's gauges (running, waiting, KV-cache usage) and counters (prompt and generation
-  tokens, preemptions, prefix-cache queries and hits) come with each message of the engine core
+  tokens, preemptions, prefix-cache queries and hits; with speculative decoding, drafts, draft
+  tokens and accepted tokens, in all and by position) come with each message of the engine core
   (an ``EngineSnapshot``): the gauges show the latest, the counters advance by the differences;
 - the histograms and the finished-request counter take one observation per finished request,
   from the server's timestamps (HTTP arrival, first token handed to the client, finish).
@@ -34,16 +35,24 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
 
 
 _COUNTERS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries", "prefix_hits")
+_SPEC_COUNTERS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
 
 
-def _counts(snapshot: EngineSnapshot) -> tuple[int, ...]:
-    return tuple(getattr(snapshot, name) for name in _COUNTERS)
+def _counts(snapshot: EngineSnapshot, names=_COUNTERS) -> tuple[int, ...]:
+    return tuple(getattr(snapshot, name) for name in names)
+
+
+def _per_position(snapshot: EngineSnapshot, positions: int) -> tuple[int, ...]:
+    counts = snapshot.spec_accepted_per_position[:positions]
+    return (*counts, *(0,) * (positions - len(counts)))
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, start: EngineSnapshot, log_stats_interval: float = 10.0):
+    def __init__(self, model_name: str, start: EngineSnapshot, log_stats_interval: float = 10.0,
+                 num_speculative_tokens: int = 0):
         """``start``: the engine's snapshot when the server starts (what it counted loading and
-        warming up is not the server's)."""
+        warming up is not the server's). ``num_speculative_tokens``: the engine's draft length,
+        0 when it does not speculate (no speculation counters then, as in vLLM)."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.snapshot = start  # the engine's latest
@@ -69,6 +78,19 @@ class ServerMetrics:
             counter("prefix_cache_queries_total", "Prefix-cache queries, in prompt tokens."),
             counter("prefix_cache_hits_total", "Prefix-cache hits, in prompt tokens."),
         )
+        self._positions = num_speculative_tokens
+        self._spec_counters = self._accepted_by_position = ()
+        if num_speculative_tokens:
+            self._spec_counters = (
+                counter("spec_decode_num_drafts_total", "Sequence-steps that verified draft tokens."),
+                counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed."),
+                counter("spec_decode_num_accepted_tokens_total", "Draft tokens accepted."),
+            )
+            by_position = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
+                                  "Accepted draft tokens by their position in the draft.",
+                                  ["model_name", "position"], registry=reg)
+            self._accepted_by_position = tuple(by_position.labels(model_name, str(i))
+                                               for i in range(num_speculative_tokens))
         self._success = Counter(PREFIX + "request_success_total", "Count of finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=reg)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token sent.",
@@ -79,12 +101,16 @@ class ServerMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Time from entering the engine to first scheduled.",
                                     _REQUEST_BUCKETS)
         self._seen = start
-        self._log = StatsLog(log_stats_interval, start)
+        self._log = StatsLog(log_stats_interval, start, num_speculative_tokens)
 
     def on_snapshot(self, snapshot: EngineSnapshot) -> None:
         """The engine's state after a step: gauges now, counters advanced by what it counted
         since the previous snapshot."""
-        for counter, now, before in zip(self._counters, _counts(snapshot), _counts(self._seen)):
+        pairs = [*zip(self._counters, _counts(snapshot), _counts(self._seen)),
+                 *zip(self._spec_counters, _counts(snapshot, _SPEC_COUNTERS), _counts(self._seen, _SPEC_COUNTERS)),
+                 *zip(self._accepted_by_position, _per_position(snapshot, self._positions),
+                      _per_position(self._seen, self._positions))]
+        for counter, now, before in pairs:
             if now > before:
                 counter.inc(now - before)
         self._seen = self.snapshot = snapshot
@@ -124,10 +150,13 @@ class ServerMetrics:
 class StatsLog:
     """vLLM's periodic line: average prompt and generation throughput over the interval,
     running and waiting requests, KV-cache usage and the interval's prefix-cache hit rate.
-    Logged only for intervals in which the engine did something."""
+    Logged only for intervals in which the engine did something; with speculative decoding, a
+    second line for intervals that verified drafts: mean acceptance length, tokens drafted and
+    accepted, and the acceptance rate by position."""
 
-    def __init__(self, interval: float, start: EngineSnapshot):
+    def __init__(self, interval: float, start: EngineSnapshot, num_speculative_tokens: int = 0):
         self.interval = interval
+        self._positions = num_speculative_tokens
         self._last_time = time.monotonic()
         self._last = start
 
@@ -153,5 +182,16 @@ class StatsLog:
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                 d["prompt_tokens"] / elapsed, d["generation_tokens"] / elapsed, now.running, now.waiting,
                 100.0 * now.kv_cache_usage, 100.0 * hit_rate,
+            )
+        drafts, drafted, accepted = (a - b for a, b in zip(_counts(now, _SPEC_COUNTERS),
+                                                            _counts(self._last, _SPEC_COUNTERS)))
+        if drafts:
+            by_position = [a - b for a, b in zip(_per_position(now, self._positions),
+                                                  _per_position(self._last, self._positions))]
+            logger.info(
+                "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
+                "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                1.0 + accepted / drafts, accepted, drafted, ", ".join(f"{n / drafts:.3f}" for n in by_position),
+                100.0 * accepted / drafted if drafted else 0.0,
             )
         self._last_time, self._last = t, now

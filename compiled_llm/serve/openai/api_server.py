@@ -97,7 +97,7 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
     name."""
     info = core.info
     name = config.served_model_name or model_name or info.name
-    metrics = ServerMetrics(name, core.start_snapshot, config.log_stats_interval)
+    metrics = ServerMetrics(name, core.start_snapshot, config.log_stats_interval, info.num_speculative_tokens)
     async_engine = AsyncEngine(core, max_waiting_requests=config.max_waiting_requests,
                                max_waiting_prompt_tokens=config.max_waiting_prompt_tokens,
                                request_timeout=config.request_timeout, metrics=metrics)

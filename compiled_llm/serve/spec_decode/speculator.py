@@ -51,6 +51,8 @@ class SpeculationStats:
     accepted_tokens: int = 0  # of those, accepted
     emitted_tokens: int = 0  # tokens those steps produced (accepted + one per sequence)
     drafting_seqs: int = 0  # sequence-steps that verified drafts
+    # [i]: drafts whose token i (from 0) was accepted, the tokens before it being accepted too
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -154,6 +156,10 @@ class Speculator:
             st.accepted_tokens += accepted
             st.emitted_tokens += len(tokens)
             st.drafting_seqs += 1
+            if len(st.accepted_per_position) < len(draft):
+                st.accepted_per_position.extend([0] * (len(draft) - len(st.accepted_per_position)))
+            for position in range(accepted):
+                st.accepted_per_position[position] += 1
             state = self._state(seq)
             state.acceptance += ACCEPTANCE_EMA * (accepted / len(draft) - state.acceptance)
             if state.acceptance >= MIN_ACCEPTANCE:
