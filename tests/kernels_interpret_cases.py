@@ -353,6 +353,7 @@ def test_custom_all_reduce_sums_the_ranks_in_order_and_adds_the_residual(world, 
     blocks = min(-(-n // ar.BLOCK), max_blocks)
     for number, out, headers, slots in _all_reduce_calls(rank, world, calls, max_blocks=max_blocks):
         xs, residual = calls[number - 1]
+        assert ar.blocks_for(n, ar.workspace_for(out)) == blocks  # the grid the workspace's cap allows
         total = torch.zeros(n)
         for x in xs:  # fp32, rank by rank
             total = total + x.float()

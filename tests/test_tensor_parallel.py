@@ -343,6 +343,8 @@ def test_shutdown_drops_the_runners_graphs_while_the_group_still_stands(qwen2, m
     assert seen == [True]
     assert not torch.distributed.is_initialized()
     assert not llm.engine.runner.graphs.enabled
+    with pytest.raises(EngineError, match="shut down"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
 
 
 def test_bench_runs_a_tp_engine_and_holds_it_to_the_asked_size(qwen2, capsys):

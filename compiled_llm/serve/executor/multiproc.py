@@ -149,8 +149,10 @@ class MultiprocExecutor:
                 self.check()
 
     def check(self, wait_s: float = 0.0) -> None:
-        """Raise EngineError if a rank has failed; with ``wait_s``, give a rank that is ending
-        (a collective just failed) that long to be seen."""
+        """Raise EngineError if a rank has failed or the engine was shut down; with ``wait_s``,
+        give a rank that is ending (a collective just failed) that long to be seen."""
+        if self._stopping and self.failure is None:
+            raise EngineError("the tensor-parallel engine is shut down")
         deadline = time.monotonic() + wait_s
         while self.failure is None:
             dead = next((r for r, p in enumerate(self._procs, start=1) if p.poll() is not None), None)
