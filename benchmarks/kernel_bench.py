@@ -40,6 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -367,6 +368,46 @@ def attention_decode(args, rows: list) -> None:
         torch.cuda.empty_cache()
 
 
+# Large-batch decode at Llama-3.1-8B's heads, whole (TP=1) and one rank's share at TP=2, over
+# contexts drawn uniform in 100..1600 (the throughput workload's middle): the "inf" bucket's
+# (BLOCK_N, num_warps, num_stages) with 4 programs per SM, after the default.
+DECODE_SWEEP_SHAPES = [("8b TP=1", 32, 8), ("8b TP=2 rank", 16, 4)]  # (label, q heads, kv heads); head_dim 128
+DECODE_SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
+
+
+def attention_decode_sweep(args, rows: list) -> None:
+    """Time every (BLOCK_N, num_warps, num_stages) of DECODE_SWEEP on mixed-length decode batches
+    of 256 and 128 sequences; each output is checked against the default config's."""
+    default = launch_configs.get("paged_attention_decode", 1 << 20)
+    for S in (256, 128):
+        draw = random.Random(S)
+        ctx = [draw.randint(100, 1600) for _ in range(S)]
+        for label, heads, kv_heads in DECODE_SWEEP_SHAPES:
+            cfg = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=128)
+            batch, caches = paged_batch([(c - 1, 1) for c in ctx], cfg, seed=0, max_blocks=MAX_MODEL_LEN // BLOCK,
+                                        layers=args.layers)
+            kv_bytes = sum(ctx) * kv_heads * 128 * 2 * ITEMSIZE
+            ref = pa.paged_attention(*batch[:3], caches[0], *batch[4:]).float()
+            candidates = [dict(default, BLOCK_N=bn, num_warps=warps, num_stages=stages, PROGRAMS_PER_SM=4)
+                          for bn, warps, stages in DECODE_SWEEP]
+            for i, knobs in enumerate([default] + candidates):
+                use_config("paged_attention_decode", knobs)
+                what = ("default " if i == 0 else "") + (f"BLOCK_N={knobs['BLOCK_N']} w={knobs['num_warps']} "
+                                                         f"s={knobs['num_stages']} {knobs['PROGRAMS_PER_SM']}/SM")
+                try:
+                    err = rel_err(pa.paged_attention(*batch[:3], caches[0], *batch[4:]).float(), ref)
+                    us = graph_time_us(lambda c, b=batch: pa.paged_attention(*b[:3], c, *b[4:]),
+                                       [(c,) for c in caches], replays=args.reps)
+                except Exception as e:
+                    rows.append((f"decode {label} S={S}", what, failure(e)))
+                    continue
+                rows.append((f"decode {label} S={S}", what,
+                             f"{us:8.2f} us  {kv_bytes / us / 1e3:5.0f} GB/s of K/V  rel err {err:.1e}"))
+            launch_configs.use_configs(None)
+            del caches, batch
+            torch.cuda.empty_cache()
+
+
 def attention_prefill(args, rows: list) -> None:
     """The kernel alone (k/v stored first) per config, the whole op, and SDPA on contiguous
     [1, H, T, D] tensors (with enable_gqa and with K/V expanded to every query head)."""
@@ -415,7 +456,8 @@ def attention(args) -> int:
         return 2
     t0 = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
-    for name, fn in (("decode", attention_decode), ("prefill", attention_prefill)):
+    for name, fn in (("decode", attention_decode), ("decode-sweep", attention_decode_sweep),
+                     ("prefill", attention_prefill)):
         if name in args.cases:
             fn(args, rows)
     print(f"# paged attention on {torch.cuda.get_device_name()} ({DTYPE}), {time.perf_counter() - t0:.0f} s")
@@ -1092,7 +1134,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = command("attention", attention, "paged attention: decode at runtime-shaped batches over several layer "
                 "caches, and the prefill kernel's configs against SDPA")
-    p.add_argument("--cases", nargs="+", choices=["decode", "prefill"], default=["decode", "prefill"])
+    p.add_argument("--cases", nargs="+", choices=["decode", "decode-sweep", "prefill"], default=["decode", "prefill"],
+                   help="decode-sweep: the large-batch decode configs at Llama-3.1-8B's heads (TP=1 and a TP=2 rank)")
     p.add_argument("--layers", type=int, default=8, help="decode: calls (layer caches) per timed graph")
     p.add_argument("--reps", type=int, default=20, help="graph replays per timing")
     p.add_argument("--no-sweep", action="store_true", help="prefill: the default config only")

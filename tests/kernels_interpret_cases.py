@@ -337,23 +337,22 @@ def _all_reduce_calls(rank, world, calls, capacity=1 << 19, max_blocks=8):
         ar.close_workspace(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("world,rank,n,max_blocks", [
-    (2, 0, 5000, 8),  # a partial last chunk
-    (2, 1, 3 * 8 * 2048 + 37, 8),  # several chunks per block
-    (2, 1, 3 * 8 * 2048 + 37, 3),  # a grid capped lower (the ranks' smallest SM count)
-    (2, 1, 37, 8),
-    (3, 2, 4100, 8),  # the sum's order is the ranks', on every rank
+@pytest.mark.parametrize("world,rank,n,max_blocks,blocks", [
+    (2, 0, 5000, 8, 3),  # 2048-element chunks, the last one partial
+    (2, 1, 3 * 8 * 2048 + 37, 8, 7),  # 8192-element chunks, one per block (x held in registers)
+    (2, 1, 3 * 8 * 2048 + 37, 3, 3),  # a grid capped lower (the ranks' smallest SM count): blocks loop
+    (2, 1, 37, 8, 1),
+    (3, 2, 4100, 8, 3),  # the sum's order is the ranks', on every rank
 ])  # fp32 only: the interpreter truncates to bf16 where GPUs round (bf16 on 2 GPUs: test_tensor_parallel_gpu)
-def test_custom_all_reduce_sums_the_ranks_in_order_and_adds_the_residual(world, rank, n, max_blocks):
+def test_custom_all_reduce_sums_the_ranks_in_order_and_adds_the_residual(world, rank, n, max_blocks, blocks):
     from compiled_llm.kernels import triton_all_reduce as ar
 
     g = torch.Generator().manual_seed(world * 10 + rank)
     calls = [([torch.randn(n, generator=g) for _ in range(world)],
               torch.randn(n, generator=g) if number != 2 else None) for number in range(1, 4)]
-    blocks = min(-(-n // ar.BLOCK), max_blocks)
     for number, out, headers, slots in _all_reduce_calls(rank, world, calls, max_blocks=max_blocks):
         xs, residual = calls[number - 1]
-        assert ar.blocks_for(n, ar.workspace_for(out)) == blocks  # the grid the workspace's cap allows
+        assert ar.blocks_for(n, ar.workspace_for(out)) == blocks  # the grid it ran
         total = torch.zeros(n)
         for x in xs:  # fp32, rank by rank
             total = total + x.float()
@@ -374,7 +373,7 @@ def test_custom_all_reduce_calls_of_any_grid_alternate_parities():
     from compiled_llm.kernels import triton_all_reduce as ar
 
     g = torch.Generator().manual_seed(3)
-    sizes = [3 * ar.BLOCK, 10, 3 * ar.BLOCK, 5 * ar.BLOCK]
+    sizes = [3 * ar.MIN_CHUNK, 10, 3 * ar.MIN_CHUNK, 5 * ar.MAX_CHUNK]
     calls = [([torch.randn(n, generator=g) for _ in range(2)], None) for n in sizes]
     for number, out, headers, slots in _all_reduce_calls(0, 2, calls):
         xs, _ = calls[number - 1]

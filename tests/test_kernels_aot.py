@@ -9,6 +9,7 @@ IEEE-dot variants.
 """
 
 import inspect
+import itertools
 
 import pytest
 from interpret_child import import_triton, require_compiled_kernels
@@ -96,12 +97,12 @@ def _cases(dt):
                        "stride_vt", "stride_vh", "stride_vd", "stride_cs"),
     }, dict(NUM_HEADS=14, NUM_KV_HEADS=2, HAS_V=True, HEAD_DIM=64, HALF=32, BLOCK_HALF=32, HAS_NORM=True,
             HAS_ROPE=True, BLOCK_T=16)
-    for residual in (True, False):  # the timer and trap as on a GPU
-        yield f"custom all-reduce residual={residual}", tar._push_kernel, 8, {
+    for residual, one_pass in itertools.product((True, False), (True, False)):  # the timer and trap as on a GPU
+        yield f"custom all-reduce residual={residual} one_pass={one_pass}", tar._push_kernel, 8, {
             **ptr("x_ptr", "r_ptr", "out_ptr"), "bases": "*i64", "rank": "i32", "n": "i32", "slot_elems": "i32",
             "timeout_ns": "i64",
         }, dict(WORLD=2, HEADER=tar.HEADER_BYTES, CALL=tar.CALL_INDEX, DONE=tar.DONE_INDEX, HAS_RESIDUAL=residual,
-                BLOCK=tar.BLOCK, TIMER=True, PDL=True)
+                BLOCK=tar.MAX_CHUNK if one_pass else tar.MIN_CHUNK, ONE_PASS=one_pass, TIMER=True, PDL=True)
 
 
 def _with_defaults(kernel, consts):

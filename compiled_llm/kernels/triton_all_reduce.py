@@ -16,6 +16,11 @@ rank's kernel
   3. sums ``x`` and the peers' slots of its own buffer in rank order (every rank gets the same
      bits), adds the residual, and stores its chunks of ``out``.
 
+Chunks grow with the call (``chunk_for``) so that the grid covers ``x`` in one pass where it can:
+each block then keeps its chunk of ``x`` in registers from step 1 to step 3 and loads its
+residual before the wait, so a large call's HBM reads overlap the peers' stores instead of
+following them.
+
 The last block to finish advances the call counter, which the next call reads once this kernel
 is complete: by stream order, or, launched with PDL, after its ``pdl_wait``. That holds because
 every kernel of ours that is launched with PDL waits on its predecessor before it finishes, so
@@ -52,7 +57,11 @@ from compiled_llm.kernels.triton_common import pdl_launch, pdl_open, pdl_wait, s
 
 log = logging.getLogger(__name__)
 
-BLOCK = 2048  # elements a block moves per chunk
+# elements a block moves per chunk: at least MIN_CHUNK (a small call's latency is its flags', not
+# its bytes), at most MAX_CHUNK (x, the residual and the fp32 sum held in registers)
+MIN_CHUNK = 2048
+MAX_CHUNK = 8192
+NUM_WARPS = 8
 MAX_BLOCKS = 128
 MAX_WORLD = 8
 # int64 header: flags (block, sender), then the call counter and the count of finished blocks;
@@ -224,10 +233,43 @@ def _wait_at_least(ptr, value, timeout_ns, TIMER: tl.constexpr):
 
 
 @triton.jit
+def _peer_slot(bases, peer, rank, parity, slot_elems, dtype, WORLD: tl.constexpr, HEADER: tl.constexpr):
+    """Slot ``rank`` of parity ``parity`` in ``peer``'s buffer (16-byte aligned: vector stores)."""
+    slot = (tl.load(bases + peer) + HEADER).to(tl.pointer_type(dtype)) + (parity * WORLD + rank) * slot_elems
+    return tl.multiple_of(slot, 16)
+
+
+@triton.jit
+def _signal_and_wait(bases, header, b, rank, call, timeout_ns, WORLD: tl.constexpr, TIMER: tl.constexpr):
+    """Tell every peer's block b that this block's pushes are in, then hear from each (every
+    thread's stores are visible to a peer that sees the flag: a block barrier, then a release at
+    system scope)."""
+    tl.debug_barrier()
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            flags = tl.load(bases + peer).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(flags + b * WORLD + rank, call, sem="release", scope="sys")
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            _wait_at_least(header + b * WORLD + peer, call, timeout_ns, TIMER)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _store_sum(acc, r_ptr, out_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    dtype = out_ptr.dtype.element_ty
+    if HAS_RESIDUAL:
+        # the sum rounds to x's dtype first, as the reference (all-reduce, then add) does
+        acc = acc.to(dtype).to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
+
+
+@triton.jit
 def _push_kernel(
     x_ptr, r_ptr, out_ptr, bases, rank, n, slot_elems, timeout_ns,
     WORLD: tl.constexpr, HEADER: tl.constexpr, CALL: tl.constexpr, DONE: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TIMER: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, TIMER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     blocks = tl.num_programs(0)
@@ -238,42 +280,53 @@ def _push_kernel(
     header = own.to(tl.pointer_type(tl.int64))
     call = tl.load(header + CALL, cache_modifier=".cg") + 1  # the previous call's kernel is complete
     parity = call % 2
-    # 1. x into our slot of every peer's buffer
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            slot = (tl.load(bases + peer) + HEADER).to(tl.pointer_type(dtype)) + (parity * WORLD + rank) * slot_elems
-            slot = tl.multiple_of(slot, 16)  # every slot starts 16-byte aligned: vector stores
-            for start in range(b * BLOCK, n, blocks * BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < n
-                tl.store(slot + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-    # 2. tell every peer's block b, then hear from each (every thread's stores above are visible
-    #    to a peer that sees the flag: a block barrier, then a release at system scope)
-    tl.debug_barrier()
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            flags = tl.load(bases + peer).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(flags + b * WORLD + rank, call, sem="release", scope="sys")
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            _wait_at_least(header + b * WORLD + peer, call, timeout_ns, TIMER)
-    tl.debug_barrier()
-    # 3. the sum, rank by rank, from our own buffer (past L1: the peers wrote it)
+    # the peers' slots of this call in our own buffer (read past L1: the peers wrote them)
     data = tl.multiple_of((own + HEADER).to(tl.pointer_type(dtype)) + parity * WORLD * slot_elems, 16)
-    for start in range(b * BLOCK, n, blocks * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    if ONE_PASS:
+        # one chunk per block: x stays in registers from the push to the sum, and the residual,
+        # which needs nothing from the peers, is loaded before the wait
+        offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        acc = tl.zeros((BLOCK,), tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         for peer in tl.static_range(WORLD):
+            if peer != rank:
+                tl.store(_peer_slot(bases, peer, rank, parity, slot_elems, dtype, WORLD, HEADER) + offs, x, mask=mask)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+        _signal_and_wait(bases, header, b, rank, call, timeout_ns, WORLD, TIMER)
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for peer in tl.static_range(WORLD):  # rank by rank: every rank gets the same bits
             if peer == rank:
-                v = tl.load(x_ptr + offs, mask=mask, other=0.0)
+                v = x
             else:
                 v = tl.load(data + peer * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg")
             acc += v.to(tl.float32)
         if HAS_RESIDUAL:
-            # the sum rounds to x's dtype first, as the reference (all-reduce, then add) does
-            acc = acc.to(dtype).to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            acc = acc.to(dtype).to(tl.float32) + r.to(tl.float32)  # the sum rounds first, as the reference's
         tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
+    else:
+        # 1. x into our slot of every peer's buffer, chunk by chunk
+        for peer in tl.static_range(WORLD):
+            if peer != rank:
+                slot = _peer_slot(bases, peer, rank, parity, slot_elems, dtype, WORLD, HEADER)
+                for start in range(b * BLOCK, n, blocks * BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    mask = offs < n
+                    tl.store(slot + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+        # 2. tell every peer's block b, then hear from each
+        _signal_and_wait(bases, header, b, rank, call, timeout_ns, WORLD, TIMER)
+        # 3. the sum, rank by rank, plus the residual
+        for start in range(b * BLOCK, n, blocks * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            acc = tl.zeros((BLOCK,), tl.float32)
+            for peer in tl.static_range(WORLD):
+                if peer == rank:
+                    v = tl.load(x_ptr + offs, mask=mask, other=0.0)
+                else:
+                    v = tl.load(data + peer * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                acc += v.to(tl.float32)
+            _store_sum(acc, r_ptr, out_ptr, offs, mask, HAS_RESIDUAL)
     # the last block out advances the call counter (every block has read it by then)
     finished = tl.atomic_add(header + DONE, 1, sem="acq_rel", scope="gpu")
     if finished == blocks - 1:
@@ -281,8 +334,15 @@ def _push_kernel(
         tl.store(header + CALL, call)
 
 
+def chunk_for(n: int, ws: Workspace) -> int:
+    """Elements a block moves per chunk: enough that the grid covers x in one pass (each block
+    then holds its chunk in registers from push to sum) up to MAX_CHUNK; calls larger than
+    that over the grid loop."""
+    return min(max(MIN_CHUNK, triton.next_power_of_2(triton.cdiv(n, ws.max_blocks))), MAX_CHUNK)
+
+
 def blocks_for(n: int, ws: Workspace) -> int:
-    return max(1, min(triton.cdiv(n, BLOCK), ws.max_blocks))
+    return max(1, min(triton.cdiv(n, chunk_for(n, ws)), ws.max_blocks))
 
 
 def all_reduce(x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -297,9 +357,11 @@ def all_reduce(x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torc
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = use_pdl(x)
     r = residual.contiguous() if residual is not None else x
-    _push_kernel[(blocks_for(n, ws),)](
+    chunk, blocks = chunk_for(n, ws), blocks_for(n, ws)
+    _push_kernel[(blocks,)](
         x, r, out, ws.bases, ws.rank, n, ws.capacity // x.element_size(), ws.timeout_ns,
         WORLD=ws.world, HEADER=HEADER_BYTES, CALL=CALL_INDEX, DONE=DONE_INDEX, HAS_RESIDUAL=residual is not None,
-        BLOCK=BLOCK, TIMER=not interpret, PDL=pdl, num_warps=8, **pdl_launch(pdl),
+        BLOCK=chunk, ONE_PASS=blocks * chunk >= n, TIMER=not interpret, PDL=pdl, num_warps=NUM_WARPS,
+        **pdl_launch(pdl),
     )
     return out
