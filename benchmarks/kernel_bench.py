@@ -370,13 +370,13 @@ def attention_decode(args, rows: list) -> None:
 
 # Large-batch decode at Llama-3.1-8B's heads, whole (TP=1) and one rank's share at TP=2, over
 # contexts drawn uniform in 100..1600 (the throughput workload's middle): the "inf" bucket's
-# (BLOCK_N, num_warps, num_stages) with 4 programs per SM, after the default.
+# (BLOCK_N, num_warps, num_stages, PROGRAMS_PER_SM), after the default.
 DECODE_SWEEP_SHAPES = [("8b TP=1", 32, 8), ("8b TP=2 rank", 16, 4)]  # (label, q heads, kv heads); head_dim 128
-DECODE_SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
+DECODE_SWEEP = [(bn, w, st, pps) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3) for pps in (2, 4)]
 
 
 def attention_decode_sweep(args, rows: list) -> None:
-    """Time every (BLOCK_N, num_warps, num_stages) of DECODE_SWEEP on mixed-length decode batches
+    """Time every config of DECODE_SWEEP on mixed-length decode batches
     of 256 and 128 sequences; each output is checked against the default config's."""
     default = launch_configs.get("paged_attention_decode", 1 << 20)
     for S in (256, 128):
@@ -388,8 +388,8 @@ def attention_decode_sweep(args, rows: list) -> None:
                                         layers=args.layers)
             kv_bytes = sum(ctx) * kv_heads * 128 * 2 * ITEMSIZE
             ref = pa.paged_attention(*batch[:3], caches[0], *batch[4:]).float()
-            candidates = [dict(default, BLOCK_N=bn, num_warps=warps, num_stages=stages, PROGRAMS_PER_SM=4)
-                          for bn, warps, stages in DECODE_SWEEP]
+            candidates = [dict(default, BLOCK_N=bn, num_warps=warps, num_stages=stages, PROGRAMS_PER_SM=pps)
+                          for bn, warps, stages, pps in DECODE_SWEEP]
             for i, knobs in enumerate([default] + candidates):
                 use_config("paged_attention_decode", knobs)
                 what = ("default " if i == 0 else "") + (f"BLOCK_N={knobs['BLOCK_N']} w={knobs['num_warps']} "

@@ -337,14 +337,14 @@ def _all_reduce_calls(rank, world, calls, capacity=1 << 19, max_blocks=8):
         ar.close_workspace(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("world,rank,n,max_blocks,blocks", [
-    (2, 0, 5000, 8, 3),  # 2048-element chunks, the last one partial
-    (2, 1, 3 * 8 * 2048 + 37, 8, 7),  # 8192-element chunks, one per block (x held in registers)
-    (2, 1, 3 * 8 * 2048 + 37, 3, 3),  # a grid capped lower (the ranks' smallest SM count): blocks loop
-    (2, 1, 37, 8, 1),
-    (3, 2, 4100, 8, 3),  # the sum's order is the ranks', on every rank
+@pytest.mark.parametrize("world,rank,n,max_blocks,blocks,chunk", [
+    (2, 0, 5000, 8, 3, 2048),  # one pass, the last chunk partial
+    (2, 1, 3 * 8 * 2048 + 37, 8, 7, 8192),  # one pass at the largest chunk (x held in registers)
+    (2, 1, 3 * 8 * 2048 + 37, 3, 3, 2048),  # a grid capped lower (the ranks' smallest SM count): blocks loop
+    (2, 1, 37, 8, 1, 2048),
+    (3, 2, 4100, 8, 3, 2048),  # the sum's order is the ranks', on every rank
 ])  # fp32 only: the interpreter truncates to bf16 where GPUs round (bf16 on 2 GPUs: test_tensor_parallel_gpu)
-def test_custom_all_reduce_sums_the_ranks_in_order_and_adds_the_residual(world, rank, n, max_blocks, blocks):
+def test_custom_all_reduce_sums_the_ranks_in_order_and_adds_the_residual(world, rank, n, max_blocks, blocks, chunk):
     from compiled_llm.kernels import triton_all_reduce as ar
 
     g = torch.Generator().manual_seed(world * 10 + rank)
@@ -352,7 +352,8 @@ def test_custom_all_reduce_sums_the_ranks_in_order_and_adds_the_residual(world, 
               torch.randn(n, generator=g) if number != 2 else None) for number in range(1, 4)]
     for number, out, headers, slots in _all_reduce_calls(rank, world, calls, max_blocks=max_blocks):
         xs, residual = calls[number - 1]
-        assert ar.blocks_for(n, ar.workspace_for(out)) == blocks  # the grid it ran
+        ws = ar.workspace_for(out)
+        assert (ar.blocks_for(n, ws), ar.chunk_for(n, ws)) == (blocks, chunk)
         total = torch.zeros(n)
         for x in xs:  # fp32, rank by rank
             total = total + x.float()
@@ -361,7 +362,9 @@ def test_custom_all_reduce_sums_the_ranks_in_order_and_adds_the_residual(world, 
         for peer in range(world):
             if peer != rank:  # x pushed into this call's parity of every peer, every block signalled
                 assert torch.equal(slots[peer][number % 2, rank, :n], xs[rank]), (number, peer)
-                assert [int(headers[peer][b * world + rank]) for b in range(blocks)] == [number] * blocks
+                # the grid it ran: blocks 0..blocks-1 signalled, no block past them
+                assert [int(headers[peer][b * world + rank]) for b in range(max_blocks)] == \
+                    [number] * blocks + [0] * (max_blocks - blocks)
         # the call counter advanced once, and the count of finished blocks is back to zero
         assert int(headers[rank][ar.CALL_INDEX]) == number and int(headers[rank][ar.DONE_INDEX]) == 0
 

@@ -102,7 +102,13 @@ def _cases(dt):
             **ptr("x_ptr", "r_ptr", "out_ptr"), "bases": "*i64", "rank": "i32", "n": "i32", "slot_elems": "i32",
             "timeout_ns": "i64",
         }, dict(WORLD=2, HEADER=tar.HEADER_BYTES, CALL=tar.CALL_INDEX, DONE=tar.DONE_INDEX, HAS_RESIDUAL=residual,
-                BLOCK=tar.MAX_CHUNK if one_pass else tar.MIN_CHUNK, ONE_PASS=one_pass, TIMER=True, PDL=True)
+                BLOCK=tar.MIN_CHUNK, ONE_PASS=one_pass, TIMER=True, PDL=True)
+    # the largest one-pass chunk: x, the residual and the fp32 sum in registers
+    yield "custom all-reduce one_pass=True, largest chunk", tar._push_kernel, 8, {
+        **ptr("x_ptr", "r_ptr", "out_ptr"), "bases": "*i64", "rank": "i32", "n": "i32", "slot_elems": "i32",
+        "timeout_ns": "i64",
+    }, dict(WORLD=2, HEADER=tar.HEADER_BYTES, CALL=tar.CALL_INDEX, DONE=tar.DONE_INDEX, HAS_RESIDUAL=True,
+            BLOCK=tar.MAX_CHUNK, ONE_PASS=True, TIMER=True, PDL=True)
 
 
 def _with_defaults(kernel, consts):

@@ -336,9 +336,11 @@ def _push_kernel(
 
 def chunk_for(n: int, ws: Workspace) -> int:
     """Elements a block moves per chunk: enough that the grid covers x in one pass (each block
-    then holds its chunk in registers from push to sum) up to MAX_CHUNK; calls larger than
-    that over the grid loop."""
-    return min(max(MIN_CHUNK, triton.next_power_of_2(triton.cdiv(n, ws.max_blocks))), MAX_CHUNK)
+    then holds its chunk in registers from push to sum), if MAX_CHUNK allows; a call that needs
+    more loops over MIN_CHUNK chunks, which share out evenly over a grid capped below
+    MAX_BLOCKS (GPUs with fewer SMs)."""
+    one_pass = max(MIN_CHUNK, triton.next_power_of_2(triton.cdiv(n, ws.max_blocks)))
+    return one_pass if one_pass <= MAX_CHUNK else MIN_CHUNK
 
 
 def blocks_for(n: int, ws: Workspace) -> int:
