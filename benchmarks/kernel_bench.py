@@ -370,9 +370,12 @@ def attention_decode(args, rows: list) -> None:
 
 # Large-batch decode at Llama-3.1-8B's heads, whole (TP=1) and one rank's share at TP=2, over
 # contexts drawn uniform in 100..1600 (the throughput workload's middle): the "inf" bucket's
-# (BLOCK_N, num_warps, num_stages, PROGRAMS_PER_SM), after the default.
+# (BLOCK_N, num_warps, num_stages, PROGRAMS_PER_SM), after the default, and with one stage the
+# kernel's own prefetch of the next tile (PREFETCH).
 DECODE_SWEEP_SHAPES = [("8b TP=1", 32, 8), ("8b TP=2 rank", 16, 4)]  # (label, q heads, kv heads); head_dim 128
-DECODE_SWEEP = [(bn, w, st, pps) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3) for pps in (2, 4)]
+DECODE_SWEEP = [dict(BLOCK_N=bn, num_warps=w, num_stages=st, PROGRAMS_PER_SM=pps, **prefetch)
+                for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3) for pps in (2, 4)
+                for prefetch in ({}, {"PREFETCH": 1}) if st == 1 or not prefetch]
 
 
 def attention_decode_sweep(args, rows: list) -> None:
@@ -388,12 +391,12 @@ def attention_decode_sweep(args, rows: list) -> None:
                                         layers=args.layers)
             kv_bytes = sum(ctx) * kv_heads * 128 * 2 * ITEMSIZE
             ref = pa.paged_attention(*batch[:3], caches[0], *batch[4:]).float()
-            candidates = [dict(default, BLOCK_N=bn, num_warps=warps, num_stages=stages, PROGRAMS_PER_SM=pps)
-                          for bn, warps, stages, pps in DECODE_SWEEP]
+            candidates = [{**{k: v for k, v in default.items() if k != "PREFETCH"}, **knobs} for knobs in DECODE_SWEEP]
             for i, knobs in enumerate([default] + candidates):
                 use_config("paged_attention_decode", knobs)
                 what = ("default " if i == 0 else "") + (f"BLOCK_N={knobs['BLOCK_N']} w={knobs['num_warps']} "
-                                                         f"s={knobs['num_stages']} {knobs['PROGRAMS_PER_SM']}/SM")
+                                                         f"s={knobs['num_stages']} {knobs['PROGRAMS_PER_SM']}/SM"
+                                                         + (" prefetch" if knobs.get("PREFETCH") else ""))
                 try:
                     err = rel_err(pa.paged_attention(*batch[:3], caches[0], *batch[4:]).float(), ref)
                     us = graph_time_us(lambda c, b=batch: pa.paged_attention(*b[:3], c, *b[4:]),

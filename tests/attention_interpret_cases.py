@@ -43,12 +43,12 @@ def _default_configs():
     launch_configs.use_configs(None)
 
 
-def use_decode_config(block_n: int, max_splits: int, combine_splits: int = 16) -> None:
+def use_decode_config(block_n: int, max_splits: int, combine_splits: int = 16, prefetch: bool = False) -> None:
     """Decode knobs for the test; PROGRAMS_PER_SM is large so MAX_SPLITS (and the context)
     decide the number of splits, not the interpreter's stand-in SM count."""
     launch_configs.use_configs({"paged_attention_decode": {"inf": {
         "BLOCK_N": block_n, "MAX_SPLITS": max_splits, "PROGRAMS_PER_SM": 64,
-        "COMBINE_SPLITS": combine_splits, "num_warps": 4, "num_stages": 1}}})
+        "COMBINE_SPLITS": combine_splits, "num_warps": 4, "num_stages": 1, **({"PREFETCH": 1} if prefetch else {})}}})
 
 
 def use_prefill_config(block_m: int, block_n: int) -> None:
@@ -104,9 +104,10 @@ def decode_steps(case: AttnCase, steps: int, pad_rows: int = 0) -> list[AttnCase
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("prefetch", [False, True])  # True: the next tile's loads before this tile's math
 @pytest.mark.parametrize("max_splits", [1, 3, pytest.param(8, marks=SLOW)])
-def test_decode_matches_reference_for_every_split_count(max_splits):
-    use_decode_config(block_n=16, max_splits=max_splits)
+def test_decode_matches_reference_for_every_split_count(max_splits, prefetch):
+    use_decode_config(block_n=16, max_splits=max_splits, prefetch=prefetch)
     # contexts from 1 token to several splits' worth: a new token at a block start, mid-block,
     # at a block end; a wide block table like a runtime's
     case = decode_steps(attention_case([(0, 1), (16, 1), (40, 1), (70, 1), (7, 1)], num_heads=6, num_kv_heads=2,
@@ -122,9 +123,10 @@ def test_decode_matches_reference_for_every_split_count(max_splits):
     assert counters_are_zero()
 
 
-@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (7, 64), (3, 128), (7, 128)])
-def test_decode_gqa_groups_and_head_dims(group, head_dim):
-    use_decode_config(block_n=16, max_splits=4)
+@pytest.mark.parametrize("group,head_dim,prefetch", [(1, 64, False), (3, 64, False), (7, 64, False), (3, 128, False),
+                                                     (7, 128, False), (7, 128, True)])
+def test_decode_gqa_groups_and_head_dims(group, head_dim, prefetch):
+    use_decode_config(block_n=16, max_splits=4, prefetch=prefetch)
     case = decode_steps(attention_case([(37, 1), (5, 1), (0, 1)], num_heads=2 * group, num_kv_heads=2,
                                        head_dim=head_dim, block_size=16, dtype=F32, device="cpu", seed=group,
                                        max_blocks=4), steps=1, pad_rows=1)[0]

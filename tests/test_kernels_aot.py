@@ -47,8 +47,8 @@ def _cases(dt):
         **_stride_args("stride_kt", "stride_kh", "stride_kd", "stride_vt", "stride_vh", "stride_vd"),
     }, dict(NUM_KV_HEADS=2, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_HK=2, BLOCK_D=64)
     for head_dim, group, block_n in ((64, 7, 32), (128, 2, 64)):
-        for splits in (1, 16):  # the output written directly; the fused split reduce
-            yield f"decode D{head_dim} splits={splits}", pa._decode_kernel, 4, {
+        for splits, prefetch in ((1, False), (16, False), (1, True)):  # direct output; fused reduce; next tile early
+            yield f"decode D{head_dim} splits={splits} prefetch={prefetch}", pa._decode_kernel, 4, {
                 **ptr("q_ptr", "k_ptr", "v_ptr", "cache_ptr", "out_ptr"), **idx, "slot_ptr": "*i64",
                 "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "counter_ptr": "*i32", **cache_strides,
                 **_stride_args("stride_qt", "stride_qh", "stride_qd", "stride_kt", "stride_kh", "stride_kd",
@@ -57,7 +57,8 @@ def _cases(dt):
                                "stride_ml_s", "stride_ml_h"),
             }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, NUM_SPLITS=splits,
                     BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=head_dim,
-                    BLOCK_G=triton.next_power_of_2(group), BLOCK_P=16, IEEE=ieee, PDL=splits > 1)
+                    BLOCK_G=triton.next_power_of_2(group), BLOCK_P=16, IEEE=ieee, PDL=splits > 1,
+                    PREFETCH=prefetch)
         yield f"prefill D{head_dim}", pa._prefill_kernel, 4, {
             **ptr("q_ptr", "cache_ptr", "out_ptr"), **idx, **cache_strides,
             **_stride_args("stride_qt", "stride_qh", "stride_qd", "stride_bt_s", "stride_bt_b", "stride_ot",

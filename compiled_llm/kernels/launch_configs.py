@@ -32,7 +32,8 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # BLOCK_N keys per inner step; at most MAX_SPLITS splits per sequence, fewer when the batch
     # alone gives PROGRAMS_PER_SM programs per SM (see triton_paged_attention; splits past a
     # short context exit at once). COMBINE_SPLITS: splits the fused reduce combines per step
-    # (registers: group x COMBINE_SPLITS x head_dim fp32).
+    # (registers: group x COMBINE_SPLITS x head_dim fp32). PREFETCH (optional, 1): each program
+    # issues the next tile's loads before this tile's math, two tiles in flight in registers.
     # Batch 1 (contexts ~128-4096) gets up to 32 splits of >= 64 keys: at 4096 that is 64
     # programs on 2 kv heads, at 384 six live splits of one tile each.
     # Past 16 sequences, one stage (the paged loads are not pipelined across tiles, and a second

@@ -209,6 +209,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     # PDL: launched while the previous kernel (q/k/v) runs. The step inputs (lengths, block
     # table, slot mapping) and the cache rows of earlier steps need nothing from it, so the first
@@ -251,14 +252,26 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # the first tile (loaded before the wait) is peeled off; the loop loads the rest
-    m_i, l_i, acc = _attend_tile(q, k_first, v_first, start, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
-                                 BLOCK_N, IEEE)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
-        k, v = _cached_kv_tile(kv_base, bt_row, n0, end, new_pos, offs_d, mask_d, stride_bt_b,
-                               stride_c_kv, stride_c_blk, stride_c_off, stride_c_d, BLOCK_SIZE, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q, k, v, n0, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
-                                     BLOCK_N, IEEE)
+    if PREFETCH:
+        # the next tile's loads are issued before this tile's math, so two tiles are in flight
+        # per program (in registers; a pipelining stage would take shared memory). The last
+        # trip loads a tile past ``end``: fully masked, it moves no bytes.
+        k, v, n_cur = k_first, v_first, start
+        for n0 in range(start + BLOCK_N, end + BLOCK_N, BLOCK_N):
+            k_next, v_next = _cached_kv_tile(kv_base, bt_row, n0, end, new_pos, offs_d, mask_d, stride_bt_b,
+                                             stride_c_kv, stride_c_blk, stride_c_off, stride_c_d, BLOCK_SIZE, BLOCK_N)
+            m_i, l_i, acc = _attend_tile(q, k, v, n_cur, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
+                                         BLOCK_N, IEEE)
+            k, v, n_cur = k_next, v_next, n0
+    else:
+        # the first tile (loaded before the wait) is peeled off; the loop loads the rest
+        m_i, l_i, acc = _attend_tile(q, k_first, v_first, start, end, m_i, l_i, acc, new_pos, new_k, new_v,
+                                     qk_scale, BLOCK_N, IEEE)
+        for n0 in range(start + BLOCK_N, end, BLOCK_N):
+            k, v = _cached_kv_tile(kv_base, bt_row, n0, end, new_pos, offs_d, mask_d, stride_bt_b,
+                                   stride_c_kv, stride_c_blk, stride_c_off, stride_c_d, BLOCK_SIZE, BLOCK_N)
+            m_i, l_i, acc = _attend_tile(q, k, v, n0, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
+                                         BLOCK_N, IEEE)
 
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
@@ -525,7 +538,8 @@ def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_N=plan["BLOCK_N"], BLOCK_D=block_d,
         BLOCK_G=block_g, BLOCK_P=min(next_pow2(splits), next_pow2(plan.get("COMBINE_SPLITS", 16))),
-        IEEE=is_fp32(q), PDL=pdl, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_launch(pdl),
+        IEEE=is_fp32(q), PDL=pdl, PREFETCH=bool(plan.get("PREFETCH", 0)), num_warps=plan["num_warps"],
+        num_stages=plan["num_stages"], **pdl_launch(pdl),
     )
     return out
 
