@@ -27,6 +27,7 @@ import copy
 import cProfile
 import functools
 import io
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -379,20 +380,24 @@ DECODE_SWEEP = [dict(BLOCK_N=bn, num_warps=w, num_stages=st, PROGRAMS_PER_SM=pps
 
 
 def attention_decode_sweep(args, rows: list) -> None:
-    """Time every config of DECODE_SWEEP on mixed-length decode batches
-    of 256 and 128 sequences; each output is checked against the default config's."""
+    """Time every config of DECODE_SWEEP on mixed-length decode batches of 256 and 128
+    sequences, in the scheduler's row order (longest context first); each output is checked
+    against the default config's. The default also runs on the rows in arrival (random) order,
+    which shows what the order buys."""
     default = launch_configs.get("paged_attention_decode", 1 << 20)
     for S in (256, 128):
         draw = random.Random(S)
-        ctx = [draw.randint(100, 1600) for _ in range(S)]
-        for label, heads, kv_heads in DECODE_SWEEP_SHAPES:
+        arrival = [draw.randint(100, 1600) for _ in range(S)]
+        for (label, heads, kv_heads), order in itertools.product(DECODE_SWEEP_SHAPES, ("longest first", "arrival")):
+            ctx = sorted(arrival, reverse=True) if order == "longest first" else arrival
+            label = f"{label} {order}"
             cfg = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=128)
             batch, caches = paged_batch([(c - 1, 1) for c in ctx], cfg, seed=0, max_blocks=MAX_MODEL_LEN // BLOCK,
                                         layers=args.layers)
             kv_bytes = sum(ctx) * kv_heads * 128 * 2 * ITEMSIZE
             ref = pa.paged_attention(*batch[:3], caches[0], *batch[4:]).float()
             candidates = [{**{k: v for k, v in default.items() if k != "PREFETCH"}, **knobs} for knobs in DECODE_SWEEP]
-            for i, knobs in enumerate([default] + candidates):
+            for i, knobs in enumerate([default] + (candidates if order == "longest first" else [])):
                 use_config("paged_attention_decode", knobs)
                 what = ("default " if i == 0 else "") + (f"BLOCK_N={knobs['BLOCK_N']} w={knobs['num_warps']} "
                                                          f"s={knobs['num_stages']} {knobs['PROGRAMS_PER_SM']}/SM"

@@ -79,12 +79,19 @@ def _stack_bytes(compiled) -> int | None:
 
 
 def _decode_variants():
-    for group, head_dim in ((7, 64), (4, 64), (2, 128), (1, 64)):
-        for splits in (1, 32):
-            yield f"decode G{group} D{head_dim} splits={splits}", dict(
-                GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, NUM_SPLITS=splits,
-                BLOCK_H=16, BLOCK_N=64, BLOCK_D=head_dim,
-                BLOCK_G=triton.next_power_of_2(group), BLOCK_P=16, IEEE=False)
+    """Every decode bucket's config, at one split and at its most, over the GQA groups and head
+    sizes of the supported families (every constexpr given: one left out would compile as a
+    runtime argument, both sides of its branches)."""
+    from compiled_llm.kernels import launch_configs
+
+    for bucket, cfg in launch_configs.DEFAULT_CONFIGS["paged_attention_decode"].items():
+        for group, head_dim in ((7, 64), (4, 64), (4, 128), (2, 128), (1, 64)):
+            for splits in (1, cfg["MAX_SPLITS"]):
+                yield f"decode[{bucket}] G{group} D{head_dim} splits={splits}", cfg, dict(
+                    GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, NUM_SPLITS=splits,
+                    BLOCK_H=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_dim, BLOCK_G=triton.next_power_of_2(group),
+                    BLOCK_P=min(triton.next_power_of_2(splits), triton.next_power_of_2(cfg["COMBINE_SPLITS"])),
+                    IEEE=False, PDL=False, PREFETCH=bool(cfg.get("PREFETCH", 0)))
 
 
 def test_attention_kernels_compile_for_sm90_with_default_configs():
@@ -93,8 +100,7 @@ def test_attention_kernels_compile_for_sm90_with_default_configs():
     from compiled_llm.kernels import triton_paged_attention as pa
 
     failures = []
-    for label, consts in _decode_variants():
-        cfg = launch_configs.DEFAULT_CONFIGS["paged_attention_decode"]["1"]
+    for label, cfg, consts in _decode_variants():
         try:
             c = _compile(pa._decode_kernel, consts, "bf16", cfg["num_warps"], cfg["num_stages"])
         except Exception as e:
@@ -103,7 +109,9 @@ def test_attention_kernels_compile_for_sm90_with_default_configs():
         ptx = c.asm["ptx"]
         if c.metadata.shared > MAX_SHARED:
             failures.append(f"{label}: {c.metadata.shared} bytes of shared memory")
-        if _stack_bytes(c):
+        # the prefetch holds two K/V tiles in registers: at head_dim 128 a few spill (24 bytes
+        # with triton 3.9), and it is still faster on an H200 (benchmarks/NOTES.md)
+        if (_stack_bytes(c) or 0) > (32 if consts["PREFETCH"] else 0):
             failures.append(f"{label}: registers spill ({_stack_bytes(c)} bytes of stack)")
         if consts["NUM_SPLITS"] > 1:
             # the ticket publishes this CTA's partials and acquires the others' (gpu scope);

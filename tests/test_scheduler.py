@@ -46,6 +46,29 @@ def test_prefill_then_decode_one_token_per_step():
     assert a.num_computed_tokens == 7 and a.num_tokens == 8
 
 
+def test_a_decode_step_lists_its_rows_longest_context_first_and_a_step_ahead_keeps_them():
+    s = make(budget=64)
+    a, b, c, d = seq(3), seq(9), seq(6), seq(9)
+    for x in (a, b, c, d):
+        s.add(x)
+    step(s)  # all four prompts in one step
+    batch = step(s)
+    # the decode attention kernel starts its programs row by row: the longest first, ties in
+    # arrival order
+    assert batch.is_decode and plan(batch) == [(b.request_id, 1), (d.request_id, 1), (c.request_id, 1),
+                                               (a.request_id, 1)]
+    ahead, rows = s.schedule_ahead(batch)
+    assert [x.request_id for x in ahead.seqs] == [b.request_id, d.request_id, c.request_id, a.request_id]
+    assert rows is None  # every row of ``batch`` feeds the step ahead, in order
+    # a step with a prompt in it is not a decode step: its rows stay in scheduling order
+    s.update(batch, [5] * 4)
+    e = seq(5, first=100)
+    s.add(e)
+    mixed = s.schedule()
+    assert not mixed.is_decode and plan(mixed) == [(a.request_id, 1), (b.request_id, 1), (c.request_id, 1),
+                                                   (d.request_id, 1), (e.request_id, 5)]
+
+
 def test_long_prompt_is_chunked_and_samples_only_at_its_end():
     s = make(budget=10)
     a = seq(25)

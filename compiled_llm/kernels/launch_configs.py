@@ -37,15 +37,16 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # Batch 1 (contexts ~128-4096) gets up to 32 splits of >= 64 keys: at 4096 that is 64
     # programs on 2 kv heads, at 384 six live splits of one tile each.
     # Past 16 sequences, one stage (the paged loads are not pipelined across tiles, and a second
-    # stage's shared memory costs resident programs) and 4 programs per SM: at Llama-3.1-8B's
-    # shapes, 128-256 sequences of 100-1600 tokens, 7-17% faster at TP=1 and TP=2 (NOTES.md).
+    # stage's shared memory costs resident programs), 4 programs per SM and the prefetch: at
+    # Llama-3.1-8B's shapes, 128-256 sequences of 100-1600 tokens, 7-17% faster at TP=1 and TP=2
+    # for stages and programs per SM, and 5-8% more for the prefetch (NOTES.md).
     "paged_attention_decode": {
         "1": {"BLOCK_N": 32, "MAX_SPLITS": 32, "PROGRAMS_PER_SM": 2, "COMBINE_SPLITS": 16,
               "num_warps": 4, "num_stages": 2},
         "16": {"BLOCK_N": 32, "MAX_SPLITS": 16, "PROGRAMS_PER_SM": 2, "COMBINE_SPLITS": 16,
                "num_warps": 4, "num_stages": 2},
         "inf": {"BLOCK_N": 64, "MAX_SPLITS": 8, "PROGRAMS_PER_SM": 4, "COMBINE_SPLITS": 8,
-                "num_warps": 4, "num_stages": 1},
+                "num_warps": 4, "num_stages": 1, "PREFETCH": 1},
     },
     # varlen causal prefill over the paged cache. BLOCK_M: rows of the q tile, which stacks the
     # GQA group's heads (BLOCK_M // group query tokens per program; each K/V tile is loaded once

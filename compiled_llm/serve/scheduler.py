@@ -8,6 +8,9 @@ sequence is preempted by recompute: its blocks are freed and it goes back to the
 queue, to re-prefill its prompt and the tokens it had generated (prefix caching often makes that
 cheap).
 
+A decode step lists its rows longest context first: the decode attention kernel starts its
+programs row by row, and the long ones must not be left for the tail.
+
 One exception to "decodes first": with a prefill CUDA graph available
 (``solo_prefill_max_tokens``), a trickle of new prompts (at most that many tokens waiting in all)
 runs one prompt per step on its own, ahead of the decodes. A prompt mixed into the decode batch
@@ -203,6 +206,8 @@ class Scheduler:
             self._start(batch, seq, n, cached, shared=source is not None)
             extra_rows += n - 1 if seq.wants_prompt_logprobs else 0
             budget -= n
+        if batch.is_decode:
+            _longest_first(batch)
         if self.speculator is not None and batch.is_decode and not batch.preempted:
             self._add_drafts(batch, budget)
         return batch
@@ -374,3 +379,11 @@ class Scheduler:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
         return None
+
+
+def _longest_first(batch: ScheduledBatch) -> None:
+    """Put a decode step's rows in order of context length, longest first (ties in their order).
+    The decode attention kernel starts its programs row by row, so the longest start first and
+    the short ones fill the tail (see triton_paged_attention). Steps scheduled ahead keep the
+    order: every row grows by one token."""
+    batch.seqs.sort(key=lambda s: -s.num_tokens)
