@@ -140,3 +140,16 @@ def test_attention_kernels_compile_for_sm90_with_default_configs():
             if cfg["num_stages"] > 1 and "cp.async" not in c.asm["ptx"]:
                 failures.append(f"{label}: K/V loads not pipelined (no cp.async)")
     assert not failures, "\n".join(failures)
+
+
+def test_only_batches_the_decode_grid_holds_take_the_decode_kernel():
+    import torch
+
+    from compiled_llm.kernels import triton_paged_attention as pa
+
+    def decode_shaped(num_seqs):  # one query row per sequence
+        return pa.is_decode_batch(torch.empty(num_seqs, 1, 1), torch.empty(num_seqs + 1))
+
+    assert decode_shaped(1) and decode_shaped(pa.MAX_DECODE_SEQS)
+    assert not decode_shaped(pa.MAX_DECODE_SEQS + 1)  # CUDA's grid y: such a batch takes the prefill kernel
+    assert not pa.is_decode_batch(torch.empty(5, 1, 1), torch.empty(3))  # two sequences, five rows
