@@ -307,6 +307,19 @@ def test_gumbel_sampling_does_not_depend_on_the_split_count():
     assert one[1].item() == int(logits[1].argmax())
 
 
+def test_gumbel_sampling_reads_each_rows_temperature_from_a_strided_view():
+    """A row's temperature is its own even when the temperatures are a column of a wider table
+    (a view with a stride): greedy rows take their argmax, the rest sample."""
+    from compiled_llm.kernels.triton_sampling import gumbel_sample
+
+    logits = torch.randn(6, 2000, generator=torch.Generator().manual_seed(8))
+    table = torch.tensor([[0.0, 5000.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 2.0], [1.0, 0.0]])
+    strided = table[:, 0]  # stride 2: reading it as contiguous would give row 1 temperature 5000
+    ids = gumbel_sample(logits, strided, torch.Generator().manual_seed(3))
+    assert ids.tolist() == gumbel_sample(logits, strided.contiguous(), torch.Generator().manual_seed(3)).tolist()
+    assert ids[[0, 2, 4]].tolist() == logits[[0, 2, 4]].argmax(-1).tolist()
+
+
 # ---------------------------------------------------------------------------------------------
 # custom all-reduce: one rank's kernel over buffers laid out as symmetric memory would be
 # ---------------------------------------------------------------------------------------------

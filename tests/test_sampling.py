@@ -114,6 +114,18 @@ def test_rows_keep_their_own_parameters():
         assert ids[0] == 0 and ids[1] == V - 1
 
 
+def test_each_parameter_is_a_contiguous_row_of_values_per_request():
+    """The kernels index a parameter by row (``temp_ptr + row``): each must be contiguous."""
+    params = [SamplingParams(temperature=t, top_p=p, min_p=m, presence_penalty=0.5)
+              for t, p, m in ((0.0, 1.0, 0.0), (0.7, 0.9, 0.05), (1.3, 0.5, 0.0))]
+    st = SamplingTensors.from_params(params, V, "cpu")
+    for name, want in (("temperature", [0.0, 0.7, 1.3]), ("top_p", [1.0, 0.9, 0.5]), ("min_p", [0.0, 0.05, 0.0]),
+                       ("presence_penalty", [0.5] * 3), ("top_k", [V] * 3)):
+        t = getattr(st, name)
+        assert t.is_contiguous(), name
+        assert t.tolist() == pytest.approx(want), name
+
+
 def test_seeded_rows_reproduce_and_ignore_their_neighbours():
     def run(batch_params, seed_row):
         gens = [make_generator(p.seed, "cpu") for p in batch_params]

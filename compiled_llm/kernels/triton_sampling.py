@@ -119,6 +119,7 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, generator: t
         return out
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     greedy = temperature is None
+    temperature = None if greedy else temperature.contiguous()  # the kernel reads row r at temp_ptr + r
     splits = min(splits or num_splits(S, V, logits.device), MAX_SPLITS)
     chunk = triton.cdiv(triton.cdiv(V, splits), BLOCK_V) * BLOCK_V
     splits = triton.cdiv(V, chunk)  # no empty chunk

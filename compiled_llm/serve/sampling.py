@@ -179,14 +179,16 @@ class SamplingTensors:
     @classmethod
     def from_table(cls, table: np.ndarray, vocab_size: int, device) -> "SamplingTensors":
         """From the rows' parameter table [S, len(SAMPLING_COLUMNS)] float32: one host tensor
-        and one copy for all of it (top_k rides as float32: exact below 2**24)."""
+        and one copy for all of it (top_k rides as float32: exact below 2**24). Each per-row
+        tensor is contiguous."""
         sampled = table[:, 0] > 0
         top_k = table[:, 1]
         truncates = ((top_k > 0) & (top_k < vocab_size)) | (table[:, 2] < 1.0) | (table[:, 3] > 0.0)
-        host = torch.from_numpy(table[:, :7])
+        # [7, S]: each parameter's row contiguous, as the kernels index them
+        host = torch.from_numpy(np.ascontiguousarray(table[:, :7].T))
         if torch.device(device).type == "cuda":
             host = host.pin_memory()
-        dev = host.to(device, non_blocking=True).t()
+        dev = host.to(device, non_blocking=True)
         k = dev[1].long()
         return cls(
             temperature=dev[0],
