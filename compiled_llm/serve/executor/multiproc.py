@@ -109,6 +109,9 @@ class MultiprocExecutor:
         # whether the steps' all-reduces that fit its slot run the custom kernel (else NCCL's)
         self.custom_all_reduce = False
         self.failure: str | None = None
+        # orders a failure the monitor thread sees against shutdown: a shutdown that finds no
+        # failure tears the group down with every rank, which waits for ranks a later _fail kills
+        self._state_lock = threading.Lock()
         # run on rank 0 before the group ends (the runner drops its CUDA graphs: NCCL's
         # teardown waits for graphs that captured its collectives)
         self.before_teardown: list[Callable[[], None]] = []
@@ -165,9 +168,11 @@ class MultiprocExecutor:
         raise EngineError(self.failure)
 
     def shutdown(self) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
+        with self._state_lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            failed = self.failure is not None
         for conn in self._conns:
             try:
                 conn.send(None)
@@ -176,7 +181,7 @@ class MultiprocExecutor:
         # every rank tears the group down together (NCCL's waits for the others). After a
         # failure the ranks it would wait for are gone: gloo's teardown waits for no one, so this
         # process can start another group; NCCL's could wait for ever, so its group is left
-        if dist.is_initialized() and self.failure is None:
+        if dist.is_initialized() and not failed:
             for release in self.before_teardown:
                 release()
             end_group(self._device)
@@ -235,10 +240,12 @@ class MultiprocExecutor:
                 self._fail(self._describe(rank, self._receive(rank)))
 
     def _fail(self, why: str) -> None:
-        if self.failure is None and not self._stopping:
+        with self._state_lock:
+            if self.failure is not None or self._stopping:
+                return
             self.failure = why
-            log.error("%s; stopping the other ranks", why)
-            self._kill_workers()
+        log.error("%s; stopping the other ranks", why)
+        self._kill_workers()
 
     def _kill_workers(self) -> None:
         for proc in self._procs:
