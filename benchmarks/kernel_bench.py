@@ -885,7 +885,13 @@ TUNE_SPACE = {
     "gemv": {"BLOCK_N": [1, 2, 4], "BLOCK_K": [512, 1024, 2048], "num_warps": [1, 2, 4]},
     "qkv_decode": {"BLOCK_P": [1, 2, 4], "BLOCK_K": [512, 1024, 2048, 4096], "num_warps": [2, 4, 8]},
     "paged_attention_decode": {"BLOCK_N": [32, 64], "MAX_SPLITS": [4, 8, 16, 32], "num_warps": [2, 4]},
+    # the INT4 forms' tables (an int4 engine's --source; K blocks in columns)
+    "gemv_int4": {"BLOCK_N": [1, 2, 4, 8, 16], "BLOCK_K": [512, 1024, 2048, 4096], "num_warps": [1, 2, 4]},
+    "norm_mlp_decode_int4": {"BLOCK_I": [1, 2, 4, 8], "BLOCK_H": [512, 1024, 2048, 4096, 8192], "num_warps": [1, 2, 4]},
+    "norm_mlp_down_int4": {"BLOCK_N": [1, 2, 4, 8], "BLOCK_K": [1024, 2048, 4096, 8192], "num_warps": [2, 4, 8]},
+    "qkv_decode_int4": {"BLOCK_P": [1, 2, 4], "BLOCK_K": [1024, 2048, 4096, 8192], "num_warps": [1, 2, 4, 8]},
 }
+BF16_TUNE_TABLES = [t for t in TUNE_SPACE if not t.endswith("_int4")]
 
 
 def engine(source: str, **options) -> LLM:
@@ -1168,8 +1174,8 @@ def parser() -> argparse.ArgumentParser:
                 "decode graph; prints the winning table as JSON")
     p.add_argument("--source", default=QWEN, help=f"model source or engine directory (default {QWEN})")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--tables", nargs="+", choices=list(TUNE_SPACE), default=list(TUNE_SPACE),
-                   help="tune only these tables (default: all)")
+    p.add_argument("--tables", nargs="+", choices=list(TUNE_SPACE), default=BF16_TUNE_TABLES,
+                   help="tune only these tables (default: the bf16 kernels'; the *_int4 tables need an int4 engine)")
 
     p = command("profile", profile_steps, "where a step's time goes on the GPU")
     p.add_argument("--source", default=QWEN, help=f"model source or engine directory (default {QWEN})")

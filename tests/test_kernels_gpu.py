@@ -158,6 +158,51 @@ def test_fused_qkv_rope(family, T, dtype, folded_norm):
         assert rel_err(o, r) <= TOL
 
 
+# ---------------------------------------------------------------------------------------------
+# weight-only int8 / int4 decode kernels: equal the ops' dequantizing references
+# ---------------------------------------------------------------------------------------------
+
+QUANT_SHAPES = {**MODELS, "llama-3.1-8b": dict(H=4096, I=14336, Hq=32, Hkv=8, D=128)}
+
+
+def _quantized(w, scheme):
+    from compiled_llm.graph.quantized_ops import quantize
+
+    return tuple(t.to(DEV) if t is not None else None for t in quantize(w, scheme))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("model", list(QUANT_SHAPES))
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_quantized_decode_kernels(model, T, scheme):
+    """The compiled INT4 forms read each code as a denormal float (triton_gemv.int4_codes): a
+    kernel built with denormals flushed would zero every product. The o projection + residual,
+    the lm_head-shaped linear, the norm + MLP and q/k/v + RoPE, bf16, at real shapes."""
+    from compiled_llm.graph import quantized_ops as qo
+
+    m = QUANT_SHAPES[model]
+    dtype = torch.bfloat16
+    x, w, _, r = linear_residual_inputs(T, m["Hq"] * m["D"], m["H"], dtype, seed=T)
+    q = _quantized(w, scheme)
+    out = _poisoned_call(triton_op("fused_linear_residual_wq"), x, *q, None, r)
+    ref = qo.fused_linear_residual_wq_ref(x, *q, None, r)
+    assert projection_err(out, ref, r) <= TOL
+    x, w, _, _ = linear_residual_inputs(T, m["H"], 32_000, dtype, seed=T + 1)
+    q = _quantized(w, scheme)
+    assert rel_err(_poisoned_call(triton_op("linear_wq"), x, *q), qo.linear_wq_ref(x, *q)) <= TOL
+    x, nw, eps, gate_up, down = mlp_glu_inputs(T, m["H"], m["I"], dtype, DEV, seed=T + 2)
+    r = residual_like((x,), seed=T + 3)
+    args = (x, nw, eps, *_quantized(gate_up, scheme), *_quantized(down, scheme), r)
+    out = _poisoned_call(triton_op("fused_rms_norm_glu_mlp_wq"), *args)
+    _check_mlp(out, qo.fused_rms_norm_glu_mlp_wq_ref(*args), r)
+    args = qkv_inputs(T, m["H"], m["Hq"], m["Hkv"], m["D"], dtype, DEV, seed=T + 4, bias=model.startswith("qwen"),
+                      qk_norm=False, rope=True)
+    qargs = (args[0], *_quantized(args[1], scheme), *args[2:], *input_norm(args, seed=T + 5))
+    out = _poisoned_call(triton_op("fused_qkv_rope_wq"), *qargs)
+    for o, ref in zip(out, qo.fused_qkv_rope_wq_ref(*qargs)):
+        assert rel_err(o, ref) <= TOL
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_embedding(dtype):
     g = torch.Generator().manual_seed(4)

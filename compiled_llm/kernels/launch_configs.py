@@ -67,11 +67,10 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # The T = 1 buckets of gemv, norm_mlp_down, norm_mlp_decode and qkv_decode serve the one-row
     # forms (one fp32 accumulator per weight row and thread; see triton_gemv) and come from
     # `kernel_bench.py tune`, on the whole batch-1 decode graph: a kernel timed alone misses what
-    # programmatic dependent launch overlaps with its neighbours. Weight-only quantized weights use
-    # the same tables, the K block widened so that a step streams as many bytes (x's itemsize over
-    # a weight's: 2x for int8, 4x for int4 under bf16; triton_gemv.per_weight_bytes); int4 runs the
-    # general kernels (INT4 forms) at every T, so its T = 1 buckets serve those, not the one-row
-    # kernels they were tuned on.
+    # programmatic dependent launch overlaps with its neighbours. Weight-only int8 weights use the
+    # same tables, the K block widened so that a step streams as many bytes (x's itemsize over a
+    # weight's: 2x under bf16; triton_gemv.per_weight_bytes); int4 weights run the general
+    # kernels' INT4 forms at every T, with the *_int4 tables below.
     "gemv": {
         "1": {"BLOCK_T": 1, "BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 1, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
@@ -128,6 +127,38 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "shapes": {
             "3072x4096": {"1": {"BLOCK_T": 1, "BLOCK_P": 4, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}},
         },
+    },
+    # The INT4 forms' own tables (int4 weights: triton_gemv.weight_config), K blocks in columns.
+    # A step decodes its codes into fp32 registers, so the forms are bound by instruction issue
+    # as much as by bytes, and their best blocks differ from the bf16 kernels'; int4_constants
+    # still caps a K block by the registers its codes take. T = 1 buckets: `kernel_bench.py tune
+    # --source INT4_ENGINE --tables gemv_int4 ...` on the batch-1 decode graphs of int4
+    # Llama-3.2-1B (the general buckets) and Qwen2.5-0.5B (its shapes) engines (NOTES.md).
+    "gemv_int4": {
+        "1": {"BLOCK_T": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 1, "num_stages": 1},
+        "2": {"BLOCK_T": 2, "BLOCK_N": 2, "BLOCK_K": 4096, "num_warps": 4, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 2, "num_stages": 1},
+        "inf": {"BLOCK_T": 8, "BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 2, "num_stages": 1},
+        "shapes": {  # Qwen2.5-0.5B's o projection and lm_head
+            "896x896": {"1": {"BLOCK_T": 1, "BLOCK_N": 4, "BLOCK_K": 4096, "num_warps": 1, "num_stages": 1}},
+            "151936x896": {"1": {"BLOCK_T": 1, "BLOCK_N": 4, "BLOCK_K": 4096, "num_warps": 1, "num_stages": 1}},
+        },
+    },
+    "norm_mlp_decode_int4": {
+        "1": {"BLOCK_T": 1, "BLOCK_I": 2, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1},
+        "2": {"BLOCK_T": 2, "BLOCK_I": 1, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_I": 2, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1},
+        "inf": {"BLOCK_T": 8, "BLOCK_I": 1, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1},
+    },
+    "norm_mlp_down_int4": {
+        "1": {"BLOCK_T": 1, "BLOCK_N": 2, "BLOCK_K": 8192, "num_warps": 8, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_N": 2, "BLOCK_K": 4096, "num_warps": 4, "num_stages": 1},
+        "inf": {"BLOCK_T": 8, "BLOCK_N": 1, "BLOCK_K": 4096, "num_warps": 4, "num_stages": 1},
+    },
+    "qkv_decode_int4": {
+        "1": {"BLOCK_T": 1, "BLOCK_P": 1, "BLOCK_K": 4096, "num_warps": 2, "num_stages": 1},
+        "4": {"BLOCK_T": 4, "BLOCK_P": 2, "BLOCK_K": 2048, "num_warps": 2, "num_stages": 1},
+        "inf": {"BLOCK_T": 8, "BLOCK_P": 1, "BLOCK_K": 2048, "num_warps": 2, "num_stages": 1},
     },
     # rows up to which fused_qkv_rope uses the decode kernel (cuBLAS + epilogue above)
     "qkv_dispatch": {

@@ -40,10 +40,11 @@ Weight-only int8 weights stream through the same loops (SCALED: the row's scale 
 Int4 weights (graph/quantized_ops.py) run the general kernels' INT4 form at every T (``int4_step``
 and the helpers around it): a thread streams 16 bytes (32 columns) of a weight row, all in one
 group of the scale and zero point, and reads x as pairs of columns, one word a pair, so that its
-x tile has the byte tile's shape and register layout. The codes become floats by bit operations,
-1 + q / 16, not by int -> float conversions (a fraction of the FMA rate); each chunk's codes are
-decoded once for all the rows of x; and a thread applies its group's terms once a chunk:
-sum x (q - z) s = s (16 sum x (1 + q / 16) - (16 + z) sum x).
+x tile has the byte tile's shape and register layout. A code becomes a float by one AND, read as
+a denormal (int4_codes), not by an int -> float conversion (a fraction of the FMA rate); x is
+scaled once a chunk to match; each chunk's codes are decoded once for all the rows of x; and a
+thread applies its group's terms once a chunk: sum x (q - z) s = s (sum x q - z sum x). The INT4
+forms have launch-config tables of their own (weight_config).
 """
 
 from __future__ import annotations
@@ -154,26 +155,38 @@ def int4_chunk(w_rows, s_rows, z_rows, mask_r, kb, KB, GROUP: tl.constexpr, BLOC
     return w, s, z
 
 
+# int4_codes builds each code as the denormal float whose mantissa holds the nibble where it lies
+# in the byte (no shift, no offset: one AND a weight), so a code is q * 2^-149 (low nibble) or
+# q * 2^-145 (high); int4_step scales x by 2^(149 - CODE_SHIFT) and 2^(145 - CODE_SHIFT) to match,
+# and a product is then x * q * 2^-CODE_SHIFT, exact. 64 keeps x * 2^85 finite for |x| < 2^43 and
+# the products normal for |x| > 2^-62. FP32 FMAs take denormal inputs at full rate (no flush: the
+# kernels are compiled without ftz).
+CODE_SHIFT = 64
+X_SCALE_LO = tl.constexpr(2.0 ** (149 - CODE_SHIFT))
+X_SCALE_HI = tl.constexpr(2.0 ** (145 - CODE_SHIFT))
+CODE_UNSCALE = tl.constexpr(2.0 ** CODE_SHIFT)
+
+
 @triton.jit
 def int4_codes(w):
-    """fp32 (lo, hi) of an int4 byte tile: 1 + q / 16 for the code q of each byte's low (even
-    column) and high (odd column) nibble, built by moving q into the mantissa of 1.0: the GPU
-    converts int to float at a fraction of its FMA rate, and this takes two integer ops. An offset
-    of 1 (not 2^23, the usual trick) keeps the codes' own bits in an fp32 sum; int4_dot removes it."""
+    """fp32 (lo, hi) of an int4 byte tile: the code q of each byte's low (even column) and high
+    (odd column) nibble as q * 2^-149 and q * 2^-145, the nibble masked in place and read as a
+    denormal float (the GPU converts int to float at a fraction of its FMA rate; this is one AND)."""
     b = w.to(tl.int32)
-    lo = (((b & 0xF) << 19) | 0x3F800000).to(tl.float32, bitcast=True)
-    hi = (((b & 0xF0) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
+    lo = (b & 0xF).to(tl.float32, bitcast=True)
+    hi = (b & 0xF0).to(tl.float32, bitcast=True)
     return lo, hi
 
 
 @triton.jit
 def int4_dot(x_lo, x_hi, sx, v_lo, v_hi, s, z):
     """[R, KC, 1] fp32: each thread's share of one chunk's dot products, x . W with W = (q - z) s.
-    With codes v = 1 + q / 16 (int4_codes) and sx the sum of the thread's x:
-    sum x (q - z) = 16 sum x v - (16 + z) sx, so the inner loop multiplies x by raw codes and the
-    group's zero point and scale cost a few ops per thread and chunk."""
+    x_lo/x_hi are x on the codes' scale (times X_SCALE_LO, X_SCALE_HI), v_lo/v_hi the codes (int4_codes) and sx
+    the plain sum of the thread's x: sum x (q - z) = 2^CODE_SHIFT sum x' v - z sx, so the inner
+    loop multiplies x by raw codes and the group's zero point and scale cost a few ops per thread
+    and chunk."""
     p = tl.sum(x_lo * v_lo, 2, keep_dims=True) + tl.sum(x_hi * v_hi, 2, keep_dims=True)
-    return s * (16.0 * p - (16.0 + z) * sx)
+    return s * (p * CODE_UNSCALE - z * sx)
 
 
 @triton.jit
@@ -263,6 +276,8 @@ def int4_step(x_ptr, stride_x, t0, T, kb, KB, w1, s1, z1, w2, s2, z2, nw_ptr, nb
         x_lo, x_hi = input_pairs(x_ptr + (t0 + t).to(tl.int64) * stride_x, x_mask, offs, mask,
                                  nw_ptr, nb_ptr, mean_t, rstd_t, HAS_NORM, IS_RMS)
         sx = tl.sum(x_lo, 2, keep_dims=True) + tl.sum(x_hi, 2, keep_dims=True)
+        x_lo *= X_SCALE_LO  # onto the codes' scale (int4_codes)
+        x_hi *= X_SCALE_HI
         acc1 = tl.where(rows == t, int4_dot(x_lo, x_hi, sx, v1_lo, v1_hi, s1, z1), acc1)
         if TWO:
             acc2 = tl.where(rows == t, int4_dot(x_lo, x_hi, sx, v2_lo, v2_hi, s2, z2), acc2)
@@ -308,11 +323,21 @@ def weight_itemsize(weight: torch.Tensor) -> float:
 
 def per_weight_bytes(cfg: Mapping[str, int], k_key: str, x: torch.Tensor, weight: torch.Tensor) -> Mapping[str, int]:
     """A launch config tuned for weights of x's dtype, its K block widened so that narrower
-    (int8, int4) weights stream as many bytes per step."""
+    (int8) weights stream as many bytes per step."""
     itemsize = weight_itemsize(weight)
     if itemsize == x.element_size():
         return cfg
     return {**cfg, k_key: int(cfg[k_key] * x.element_size() / itemsize)}
+
+
+def weight_config(kernel: str, T: int, shape: tuple[int, int], x: torch.Tensor, weight: torch.Tensor,
+                  k_key: str) -> Mapping[str, int]:
+    """The launch config of ``kernel`` for T rows of x over ``weight`` (rows x columns ``shape``):
+    int4 weights run the INT4 forms, which have tables of their own (``<kernel>_int4``); others
+    the kernel's table, its K block widened for int8 (per_weight_bytes)."""
+    if weight.dtype == torch.uint8:
+        return launch_configs.get(f"{kernel}_int4", T, shape=shape)
+    return per_weight_bytes(launch_configs.get(kernel, T, shape=shape), k_key, x, weight)
 
 
 INT4_VECTORS = 4  # weight vectors a thread decodes per step, over all its rows (more spill registers)
@@ -513,7 +538,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     r2 = unit_stride_rows(residual) if residual is not None else x2
     o2 = out.view(T, N)
     itemsize = weight_itemsize(w)
-    tile = tile_config(per_weight_bytes(launch_configs.get(config, T, shape=(N, K)), "BLOCK_K", x, w), T, N, K, itemsize)
+    tile = tile_config(weight_config(config, T, (N, K), x, w, "BLOCK_K"), T, N, K, itemsize)
     pdl = use_pdl(x)
     s = scale if scale is not None else w
     int4 = {}

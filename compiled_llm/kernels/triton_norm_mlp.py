@@ -39,7 +39,7 @@ from compiled_llm.kernels.triton_common import pdl_launch, pdl_open, pdl_wait, u
 from compiled_llm.kernels.triton_common import next_pow2
 from compiled_llm.kernels.triton_gemv import (
     VECTOR_BYTES, dense_linear, gemv, input_chunk, int4_chunk, int4_constants, int4_step, norm_stats, pair_aligned,
-    per_weight_bytes, row_stats, streams_quantized, tile_config, weight_itemsize, weight_tile,
+    row_stats, streams_quantized, tile_config, weight_config, weight_itemsize, weight_tile,
 )
 from compiled_llm.kernels.triton_norm import layer_norm as tr_layer_norm
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
@@ -315,7 +315,7 @@ def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bo
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     w1 = w1 if w1.stride(-1) == 1 else w1.contiguous()
     itemsize = weight_itemsize(w1)
-    cfg = per_weight_bytes(launch_configs.get("norm_mlp_decode", T, shape=(w1.shape[0], H)), "BLOCK_H", x2, w1)
+    cfg = weight_config("norm_mlp_decode", T, (w1.shape[0], H), x2, w1, "BLOCK_H")
     tile = tile_config(cfg, T, inter, H, itemsize, rows_key="BLOCK_I", k_key="BLOCK_H")
     pdl = use_pdl(x2)
     s1 = scale1 if scale1 is not None else w1

@@ -37,7 +37,7 @@ import triton.language as tl
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import next_pow2, pdl_launch, pdl_open, pdl_wait, use_pdl
 from compiled_llm.kernels.triton_gemv import (
-    input_chunk, int4_chunk, int4_constants, int4_step, norm_stats, pair_aligned, per_weight_bytes, row_stats,
+    input_chunk, int4_chunk, int4_constants, int4_step, norm_stats, pair_aligned, row_stats, weight_config,
     tile_config, weight_itemsize, weight_tile,
 )
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
@@ -313,7 +313,7 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
     half = head_dim // 2
     has_qk_norm = q_norm_weight is not None
     has_rope = cos_sin is not None
-    cfg = per_weight_bytes(launch_configs.get("qkv_decode", T, shape=(w.shape[0], H)), "BLOCK_K", x, w)
+    cfg = weight_config("qkv_decode", T, (w.shape[0], H), x, w, "BLOCK_K")
     tile = tile_config(cfg, T, half, H, weight_itemsize(w), rows_key="BLOCK_P")
     int4 = {}
     if zero is not None:  # the INT4 form reads x and the input norm's weight two columns to a word
