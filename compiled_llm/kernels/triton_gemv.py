@@ -181,10 +181,10 @@ def int4_codes(w):
 @triton.jit
 def int4_dot(x_lo, x_hi, sx, v_lo, v_hi, s, z):
     """[R, KC, 1] fp32: each thread's share of one chunk's dot products, x . W with W = (q - z) s.
-    x_lo/x_hi are x on the codes' scale (times X_SCALE_LO, X_SCALE_HI), v_lo/v_hi the codes (int4_codes) and sx
-    the plain sum of the thread's x: sum x (q - z) = 2^CODE_SHIFT sum x' v - z sx, so the inner
-    loop multiplies x by raw codes and the group's zero point and scale cost a few ops per thread
-    and chunk."""
+    x_lo/x_hi are x on the codes' scale (times X_SCALE_LO, X_SCALE_HI), v_lo/v_hi the codes
+    (int4_codes) and sx the plain sum of the thread's x: sum x (q - z) = 2^CODE_SHIFT sum x' v -
+    z sx, so the inner loop multiplies x by raw codes and the group's zero point and scale cost a
+    few ops per thread and chunk."""
     p = tl.sum(x_lo * v_lo, 2, keep_dims=True) + tl.sum(x_hi * v_hi, 2, keep_dims=True)
     return s * (p * CODE_UNSCALE - z * sx)
 
