@@ -7,6 +7,8 @@
     python benchmarks/kernel_bench.py sweep      launch configs of the weight-streaming GEMV kernels, printed
                                                  as a launch_configs.py snippet with the dispatch limits
     python benchmarks/kernel_bench.py tune       batch-1 decode launch configs, tuned on the whole decode graph
+    python benchmarks/kernel_bench.py gemm-wq    launch configs of the weight-only quantized GEMM (prefill sizes)
+                                                 against cuBLAS on bf16 weights and the dequantizing reference
     python benchmarks/kernel_bench.py profile    decode graph time against the step's wall time, PDL on and
                                                  off, device time per kernel of decode and prefill steps
     python benchmarks/kernel_bench.py agree      fused kernels + CUDA graphs against the eager spec (greedy
@@ -55,6 +57,7 @@ from compiled_llm.kernels import (
     cuda_norm_mlp,
     launch_configs,
     triton_common,
+    triton_gemm_wq,
     triton_gemv,
     triton_kv_store,
     triton_norm,
@@ -953,6 +956,77 @@ def tune(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# gemm-wq: the weight-only quantized GEMM's launch configs
+# ---------------------------------------------------------------------------------------------
+
+GEMM_WQ_MODELS = ("llama-3.1-8b", LLAMA, QWEN)
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); int4 caps BLOCK_K at its group
+GEMM_WQ_CANDIDATES = (
+    (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 64, 64, 1, 2, 4),
+    (32, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (64, 128, 64, 4, 4, 4), (64, 128, 128, 4, 8, 3),
+    (128, 128, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 64, 128, 8, 4, 4),
+)
+
+
+def gemm_wq_config(c: tuple) -> dict:
+    return dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"), c))
+
+
+def gemm_wq(args) -> int:
+    """For each row count (a bucket of the table: the smallest holding it), every candidate config
+    is timed on every shape of the models (q/k/v, o, gate/up, down, lm_head) with weights of the
+    scheme; the config with the least summed time wins its bucket. Each row also shows cuBLAS on
+    the bf16 weight (the unquantized engine's prefill), the other path of matmul_wq (the weight
+    dequantized by triton_gemm_wq.dequantize, then cuBLAS) and the op's reference (dequantize in
+    torch, then cuBLAS). The tool prints the winning table and the dispatch limit (the last row
+    count of an unbroken run, from the first, where the GEMM beats dequantize + cuBLAS) as JSON."""
+    from compiled_llm.graph.quantized_ops import linear_wq_ref, quantize
+
+    if not needs_cuda("gemm-wq"):
+        return 2
+    gen = torch.Generator().manual_seed(0)
+    shapes = [role_shape(m, r) for m in args.models for r in ROLES]
+    weights = {}
+    for sh in shapes:
+        w = randn(gen, sh.N, sh.K, scale=sh.K ** -0.5).to("cuda", DTYPE)
+        weights[sh.name] = (w, tuple(t.cuda() if t is not None else None for t in quantize(w, args.scheme)))
+    totals: dict[int, dict[tuple, float]] = {}
+    dequantized: dict[int, float] = {}
+    print(f"{'shape':42} {'M':>5} {'cuBLAS bf16':>12} {'deq+cuBLAS':>11} {'reference':>10} {'best GEMM':>10}  config",
+          flush=True)
+    for M in args.tokens:
+        totals[M] = {}
+        for sh in shapes:
+            w, q = weights[sh.name]
+            x = randn(gen, M, sh.K).to("cuda", DTYPE)
+            t_bf16 = graph_time_us(lambda: F.linear(x, w))
+            t_deq = graph_time_us(lambda: F.linear(x, triton_gemm_wq.dequantize(*q, DTYPE)))
+            dequantized[M] = dequantized.get(M, 0.0) + t_deq
+            t_ref = graph_time_us(lambda: linear_wq_ref(x, *q)) if args.reference else float("nan")
+            best = (float("inf"), None)
+            for c in GEMM_WQ_CANDIDATES:
+                use_config("gemm_wq", gemm_wq_config(c))
+                try:
+                    t = graph_time_us(lambda: triton_gemm_wq.gemm_wq(x, *q))
+                except Exception as e:  # a config the GPU cannot run (shared memory): out of the race
+                    print(f"  {c}: {failure(e)}")
+                    t = float("inf")
+                totals[M][c] = totals[M].get(c, 0.0) + t
+                best = min(best, (t, c))
+            launch_configs.use_configs(None)
+            print(f"{sh.name:42} {M:>5} {t_bf16:>10.1f}µs {t_deq:>9.1f}µs {t_ref:>8.1f}µs {best[0]:>8.1f}µs  {best[1]}",
+                  flush=True)
+    table, wins = {}, []
+    for M in sorted(totals):
+        c, t = min(totals[M].items(), key=lambda kv: kv[1])
+        table[str(M) if M != max(totals) else "inf"] = gemm_wq_config(c)
+        wins.append((M, t, dequantized[M]))
+        print(f"M = {M}: GEMM {t:.1f} µs summed with {c}, dequantize + cuBLAS {dequantized[M]:.1f} µs")
+    print(json.dumps({"gemm_wq": table, "gemm_wq_dispatch": {"inf": {"MAX_TOKENS": decode_limit(wins)}}}, indent=1))
+    return 0
+
+
 def random_prompt(vocab_size: int, length: int = 128, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(min(vocab_size, 10_001)) for _ in range(length)]
@@ -1176,6 +1250,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--tables", nargs="+", choices=list(TUNE_SPACE), default=BF16_TUNE_TABLES,
                    help="tune only these tables (default: the bf16 kernels'; the *_int4 tables need an int4 engine)")
+
+    p = command("gemm-wq", gemm_wq, "launch configs of the weight-only quantized GEMM (triton_gemm_wq) at prefill "
+                "sizes, against cuBLAS on bf16 weights and the op's dequantizing reference")
+    p.add_argument("--models", nargs="+", default=list(GEMM_WQ_MODELS))
+    p.add_argument("--scheme", choices=["int8", "int4"], default="int4")
+    p.add_argument("--tokens", nargs="+", type=int, default=[16, 64, 256, 1024],
+                   help="row counts; each is a bucket of the printed table, the largest 'inf'")
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="skip timing the dequantizing reference")
 
     p = command("profile", profile_steps, "where a step's time goes on the GPU")
     p.add_argument("--source", default=QWEN, help=f"model source or engine directory (default {QWEN})")

@@ -492,3 +492,104 @@ def test_int4_qkv_rope_equals_its_dequantizing_reference(T, tiny, kind):
     qargs = [args[0], *_int4(args[1]), *args[2:]]
     ref = quantized_ops.fused_qkv_rope_wq_ref(*qargs, norm_weight=nw, norm_eps=1e-6)
     _check_qkv(triton_qkv_rope.fused_qkv_rope_wq(*qargs, norm_weight=nw, norm_eps=1e-6), ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# weight-only int8 and int4 past the decode forms: the quantized GEMM (triton_gemm_wq), which
+# dequantizes weight tiles in registers for tl.dot, alone and inside the ops' prefill forms
+# ---------------------------------------------------------------------------------------------
+
+# 16 x 16 output tiles, 16 columns a step, row tiles ordered in pairs: at the shapes below every
+# edge tile is partial, an int4 group spans several steps and the row groups are uneven
+TINY_GEMM_WQ = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 1, "num_stages": 1}
+GEMM_ROWS = MAX_TOKENS + 37
+
+
+def _quantized(scheme):
+    from compiled_llm.graph.quantized_ops import quantize
+
+    return lambda w: quantize(w, scheme)
+
+
+@pytest.mark.parametrize("path", ["gemm", "gemm with tiny tiles", "dequantize + matmul"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_matmul_equals_the_linear_of_the_dequantized_weight(scheme, path):
+    """K = 96: int4 groups of 32 columns; rows past the GEMV's MAX_TOKENS, through the GEMM or
+    (past the GEMM's own MAX_TOKENS) the dequantized scratch weight and a dense matmul."""
+    from compiled_llm.graph.quantized_ops import dequantize
+
+    if path == "gemm with tiny tiles":
+        launch_configs.use_configs({"gemm_wq": {"inf": TINY_GEMM_WQ}})
+    if path == "dequantize + matmul":
+        launch_configs.use_configs({"gemm_wq_dispatch": {"inf": {"MAX_TOKENS": 8}}})
+    x, w, b, r = _linear_case(GEMM_ROWS, 37, 96, True, seed=50)
+    q, scale, zero = _quantized(scheme)(w)
+    deq = dequantize(q, scale, zero, F32)
+    assert rel_err(triton_gemv.linear_residual_wq(x, q, scale, zero, b, r), r + F.linear(x, deq, b)) <= TOL
+    assert rel_err(triton_gemv.linear_wq(x, q, scale, zero), F.linear(x, deq)) <= TOL
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.float16])
+@pytest.mark.parametrize("scheme,K", [("int8", 40), ("int4", 96), ("int4", 40), ("int4", 6)])
+def test_dequantize_kernel_writes_exactly_the_reference_weight(scheme, K, dtype):
+    """int4 groups of 32, 8 and 2 columns; K = 6 is narrower than a block. Bit for bit. Not bf16
+    here: the interpreter truncates fp32 to bf16 where GPUs round to nearest (test_kernels_gpu.py
+    checks bf16)."""
+    from compiled_llm.graph.quantized_ops import dequantize
+    from compiled_llm.kernels import triton_gemm_wq
+
+    q, scale, zero = _quantized(scheme)(_rand(torch.Generator().manual_seed(K), 37, K))
+    out = triton_gemm_wq.dequantize(q, scale, zero, dtype)
+    assert out.dtype == dtype and torch.equal(out, dequantize(q, scale, zero, dtype))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_norm_mlps_at_prefill_sizes_equal_their_dequantizing_references(scheme):
+    """H = 96, I = 64: int4 groups of 32 (gate/up, fc) and 64 (down, proj)."""
+    from compiled_llm.graph import quantized_ops
+
+    launch_configs.use_configs({"gemm_wq": {"inf": TINY_GEMM_WQ}})
+    quant = _quantized(scheme)
+    T = GEMM_ROWS
+    x, nw, eps, gate_up, down = mlp_glu_inputs(T, 96, 64, F32, "cpu", seed=140)
+    r = torch.randn(T, 96, generator=torch.Generator().manual_seed(141))
+    args = (x, nw, eps, *quant(gate_up), *quant(down), r)
+    ref = quantized_ops.fused_rms_norm_glu_mlp_wq_ref(*args)
+    assert rel_err(triton_norm_mlp.fused_rms_norm_glu_mlp_wq(*args), ref) <= TOL
+    x, nw, nb, eps, fc, fb, proj, pb = mlp_gelu_inputs(T, 96, 64, F32, "cpu", seed=142)
+    args = (x, nw, nb, eps, *quant(fc), fb, *quant(proj), pb, r)
+    ref = quantized_ops.fused_layer_norm_gelu_mlp_wq_ref(*args)
+    assert rel_err(triton_norm_mlp.fused_layer_norm_gelu_mlp_wq(*args), ref) <= TOL
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("kind", QKV_KINDS[:3])
+def test_quantized_qkv_rope_at_prefill_sizes_equals_its_dequantizing_reference(scheme, kind):
+    """H = 64 (int4 groups of 64), the input norm, then the epilogue's q/k norm and rotation."""
+    from compiled_llm.graph import quantized_ops
+
+    launch_configs.use_configs({"gemm_wq": {"inf": TINY_GEMM_WQ}})
+    bias, qk_norm, rope, head_dim = kind
+    T = GEMM_ROWS
+    args = list(qkv_inputs(T, 64, 6, 2, head_dim, F32, "cpu", seed=150, bias=bias, qk_norm=qk_norm, rope=rope,
+                           max_pos=64))
+    args[5] = torch.arange(T) % 64
+    nw = torch.randn(64, generator=torch.Generator().manual_seed(151)) * 0.1 + 1.0
+    qargs = [args[0], *_quantized(scheme)(args[1]), *args[2:]]
+    ref = quantized_ops.fused_qkv_rope_wq_ref(*qargs, norm_weight=nw, norm_eps=1e-6)
+    _check_qkv(triton_qkv_rope.fused_qkv_rope_wq(*qargs, norm_weight=nw, norm_eps=1e-6), ref)
+
+
+def test_quantized_gemm_multiplies_the_weights_the_reference_rounds_to_16_bits():
+    """16-bit x: the tile is dequantized in fp32 and rounded to x's dtype, as the reference's
+    weight is; only the accumulation order differs. fp16 only: the interpreter's tl.dot reads
+    bf16 operands as integers (triton 3.9); test_kernels_gpu.py covers bf16."""
+    dtype = torch.float16
+    from compiled_llm.graph import quantized_ops
+
+    launch_configs.use_configs({"gemm_wq": {"inf": TINY_GEMM_WQ}})
+    x, w, b, r = (t.to(dtype) for t in _linear_case(GEMM_ROWS, 37, 96, True, seed=52))
+    for scheme in ("int8", "int4"):
+        q, scale, zero = _quantized(scheme)(w.float())
+        ref = quantized_ops.fused_linear_residual_wq_ref(x.float(), q, scale, zero, b.float(), r.float())
+        assert rel_err(triton_gemv.linear_residual_wq(x, q, scale, zero, b, r).float(), ref) <= 1e-2

@@ -20,6 +20,7 @@ SUBCOMMANDS = {  # subcommand -> options its help must list
     "attention": ["--cases", "--layers", "--no-sweep", "--prefill-tokens"],
     "sweep": ["--models", "--roles", "--tokens", "--budget-s", "--dry-run", "--json-out"],
     "tune": ["--source", "--rounds", "--tables"],
+    "gemm-wq": ["--models", "--scheme", "--tokens", "--no-reference"],
     "profile": ["--source", "--top", "--prefill"],
     "agree": ["--source", "--dtype", "--prompts-file", "--tokens"],
 }
@@ -59,7 +60,7 @@ def test_a_command_is_required(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gets")
-@pytest.mark.parametrize("args", [["micro"], ["attention"], ["sweep"], ["tune"], ["profile"]])
+@pytest.mark.parametrize("args", [["micro"], ["attention"], ["sweep"], ["tune"], ["gemm-wq"], ["profile"]])
 def test_gpu_commands_say_they_need_a_gpu(args, capsys):
     assert kb.main(args) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -19,8 +19,10 @@ triton = import_triton()
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from compiled_llm.kernels import launch_configs  # noqa: E402
 from compiled_llm.kernels import (  # noqa: E402
     triton_all_reduce as tar,
+    triton_gemm_wq as gq,
     triton_kv_store as kvs,
     triton_norm as tn,
     triton_norm_mlp as tm,
@@ -85,6 +87,21 @@ def _cases(dt):
         yield f"act glu={rms}", tm._act_kernel, 4, {
             **ptr("in_ptr", "out_ptr"), **_stride_args("I", "stride_in", "stride_out"),
         }, dict(IS_GLU=rms, BLOCK=1024)
+    # weight-only int8/int4 past the decode forms: the GEMM at every bucket of its default table,
+    # and the dequantizing kernel
+    for (bucket, cfg), (scheme, wt) in itertools.product(launch_configs.DEFAULT_CONFIGS["gemm_wq"].items(),
+                                                         (("int8", "*i8"), ("int4", "*u8"))):
+        int4 = scheme == "int4"
+        yield f"gemm_wq {scheme} bucket {bucket}", gq._gemm_wq_kernel, cfg["num_warps"], {
+            **ptr("x_ptr", "b_ptr", "r_ptr", "out_ptr"), "w_ptr": wt, "s_ptr": "*fp32", "z_ptr": "*fp32",
+            **_stride_args("M", "N", "K", "stride_x", "stride_w", "stride_r", "stride_o"),
+        }, dict(HAS_BIAS=True, HAS_RESIDUAL=True, INT4=int4, GROUP=128, IEEE=ieee, BLOCK_M=cfg["BLOCK_M"],
+                BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"])
+    for int4, wt in ((False, "*i8"), (True, "*u8")):
+        yield f"dequantize int4={int4}", gq._dequantize_kernel, 4, {
+            "w_ptr": wt, "s_ptr": "*fp32", "z_ptr": "*fp32", **ptr("out_ptr"),
+            **_stride_args("N", "K", "stride_w"),
+        }, dict(INT4=int4, GROUP=128 if int4 else 1, BLOCK_N=8, BLOCK_K=1024)
     for greedy in (True, False):
         yield f"sample greedy={greedy}", ts._sample_kernel, 4, {
             **ptr("logits_ptr"), "temp_ptr": "*fp32", "seed_ptr": "*i32", "part_val_ptr": "*fp32",

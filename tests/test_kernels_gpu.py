@@ -159,7 +159,8 @@ def test_fused_qkv_rope(family, T, dtype, folded_norm):
 
 
 # ---------------------------------------------------------------------------------------------
-# weight-only int8 / int4 decode kernels: equal the ops' dequantizing references
+# weight-only int8 / int4 kernels (decode forms, and the quantized GEMM past them): equal the
+# ops' dequantizing references
 # ---------------------------------------------------------------------------------------------
 
 QUANT_SHAPES = {**MODELS, "llama-3.1-8b": dict(H=4096, I=14336, Hq=32, Hkv=8, D=128)}
@@ -173,11 +174,13 @@ def _quantized(w, scheme):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("model", list(QUANT_SHAPES))
-@pytest.mark.parametrize("T", [1, 2, 4])
-def test_quantized_decode_kernels(model, T, scheme):
-    """The compiled INT4 forms read each code as a denormal float (triton_gemv.int4_codes): a
-    kernel built with denormals flushed would zero every product. The o projection + residual,
-    the lm_head-shaped linear, the norm + MLP and q/k/v + RoPE, bf16, at real shapes."""
+@pytest.mark.parametrize("T", [1, 2, 4, 16, 300])
+def test_quantized_kernels(model, T, scheme):
+    """The o projection + residual, the lm_head-shaped linear, the norm + MLP and q/k/v + RoPE,
+    bf16, at real shapes: the decode forms at a few rows (the compiled INT4 forms read each code
+    as a denormal float, triton_gemv.int4_codes: a kernel built with denormals flushed would zero
+    every product), the quantized GEMM at 16 rows (triton_gemm_wq, tensor cores) and the
+    dequantized scratch weight with cuBLAS at 300."""
     from compiled_llm.graph import quantized_ops as qo
 
     m = QUANT_SHAPES[model]
@@ -201,6 +204,18 @@ def test_quantized_decode_kernels(model, T, scheme):
     out = _poisoned_call(triton_op("fused_qkv_rope_wq"), *qargs)
     for o, ref in zip(out, qo.fused_qkv_rope_wq_ref(*qargs)):
         assert rel_err(o, ref) <= TOL
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_dequantize_kernel_writes_exactly_the_reference_weight(scheme):
+    """The scratch weight that prefill-sized quantized matmuls hand cuBLAS (triton_gemm_wq):
+    bit for bit the reference's bf16 weight, at Llama-3.1-8B's down projection."""
+    from compiled_llm.graph.quantized_ops import dequantize
+    from compiled_llm.kernels import triton_gemm_wq
+
+    w = torch.randn(4096, 14336, generator=torch.Generator().manual_seed(9)).to(DEV) * 0.02
+    q = _quantized(w, scheme)
+    assert torch.equal(triton_gemm_wq.dequantize(*q, torch.bfloat16), dequantize(*q, torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -260,17 +260,19 @@ def _reference_cases():
     }
 
 
-def _quantized_cases(scheme=None, T=3):
+def _quantized_cases(scheme=None, T=3, I=24):
     """The weight-only quantized ops with ``scheme``'s weights, or int8 weights for some and int4
-    for others (both encodings must pass through the schema and the fake)."""
+    for others (both encodings must pass through the schema and the fake); hidden size 32 (int4
+    groups of 32 columns), I the linear's outputs and the MLPs' intermediate size (the down
+    projections' int4 groups: 8 columns at I = 24, 16 at 48)."""
     from compiled_llm.graph.quantized_ops import quantize
 
     f32 = torch.float32
     s8, s4 = ("int8", "int4") if scheme is None else (scheme, scheme)
-    x, w, b, r = _linear_residual_inputs(T, 32, 24, bias=True, seed=13)
+    x, w, b, r = _linear_residual_inputs(T, 32, I, bias=True, seed=13)
     qkv = qkv_inputs(T, 32, 4, 2, 16, f32, "cpu", 14, bias=True, qk_norm=True, rope=True, max_pos=8)
-    glu = mlp_glu_inputs(T, 32, 24, f32, "cpu", 15)
-    gelu = mlp_gelu_inputs(T, 32, 24, f32, "cpu", 16)
+    glu = mlp_glu_inputs(T, 32, I, f32, "cpu", 15)
+    gelu = mlp_gelu_inputs(T, 32, I, f32, "cpu", 16)
     return {
         "linear_wq": (x, *quantize(w, s8), b),
         "fused_linear_residual_wq": (x, *quantize(w, s4), b, r),
@@ -390,13 +392,21 @@ def _handles_args(name, args):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("name", QUANTIZED_OPS)
-def test_triton_quantized_providers_take_both_schemes_at_decode_sizes_only(name, scheme):
-    """An int8 or int4 engine's decode steps run the kernels, never the dequantizing reference;
-    prefill sizes do run it (dequantize, then cuBLAS)."""
-    decode = _quantized_cases(scheme, T=1)[name]
-    prefill = _quantized_cases(scheme, T=64)[name]
-    assert _handles(name)(**_handles_args(name, decode))
-    assert not _handles(name)(**_handles_args(name, prefill))
+def test_triton_quantized_providers_take_both_schemes_at_every_size(name, scheme):
+    """An int8 or int4 engine never runs the dequantizing reference: decode steps run the decode
+    forms, prefill sizes the quantized GEMM (int4 groups of 16 columns and more)."""
+    for T in (1, 64):
+        args = _quantized_cases(scheme, T=T, I=48)[name]
+        assert _handles(name)(**_handles_args(name, args)), T
+
+
+def test_quantized_gemm_leaves_int4_groups_narrower_than_a_dot_to_the_reference():
+    """At prefill sizes an int4 weight in groups of 8 columns (K = 24) has no tl.dot-sized K step
+    in one group: the call runs the reference; the decode form still streams it."""
+    name = "fused_rms_norm_glu_mlp_wq"
+    assert not _handles(name)(**_handles_args(name, _quantized_cases("int4", T=64, I=24)[name]))
+    assert _handles(name)(**_handles_args(name, _quantized_cases("int4", T=1, I=24)[name]))
+    assert _handles(name)(**_handles_args(name, _quantized_cases("int8", T=64, I=24)[name]))
 
 
 def test_triton_int4_providers_refuse_groups_their_kernels_do_not_tile():

@@ -78,6 +78,19 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "8": {"BLOCK_T": 8, "BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
         "inf": {"BLOCK_T": 8, "BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
     },
+    # weight-only int8/int4 GEMM past the decode forms (triton_gemm_wq): [BLOCK_M, BLOCK_N] output
+    # tiles (capped at the problem), BLOCK_K columns a step (int4: at most a group), GROUP_M row
+    # tiles ordered together. `kernel_bench.py gemm-wq` (NOTES.md, twenty-first session).
+    "gemm_wq": {
+        "16": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
+        "inf": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+    },
+    # rows of x up to which weight-only quantized matmuls run the GEMM above; more rows dequantize
+    # the weight into a scratch and run cuBLAS (triton_gemv.matmul_wq). Summed over Llama-3.1-8B's
+    # and Llama-3.2-1B's shapes the two tie at 128 rows; the GEMM wins below, the scratch above.
+    "gemm_wq_dispatch": {
+        "inf": {"MAX_TOKENS": 128},
+    },
     # rows of x up to which fused_linear_residual streams W with the GEMV (cuBLAS above)
     "gemv_dispatch": {
         "inf": {"MAX_TOKENS": 4},
@@ -149,6 +162,9 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "2": {"BLOCK_T": 2, "BLOCK_I": 1, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_I": 2, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1},
         "inf": {"BLOCK_T": 8, "BLOCK_I": 1, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1},
+        "shapes": {  # Llama-3.1-8B's gate + up (tuned on its int4 engine, twenty-first session)
+            "28672x4096": {"1": {"BLOCK_T": 1, "BLOCK_I": 4, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1}},
+        },
     },
     "norm_mlp_down_int4": {
         "1": {"BLOCK_T": 1, "BLOCK_N": 2, "BLOCK_K": 8192, "num_warps": 8, "num_stages": 1},
@@ -159,6 +175,9 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "1": {"BLOCK_T": 1, "BLOCK_P": 1, "BLOCK_K": 4096, "num_warps": 2, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_P": 2, "BLOCK_K": 2048, "num_warps": 2, "num_stages": 1},
         "inf": {"BLOCK_T": 8, "BLOCK_P": 1, "BLOCK_K": 2048, "num_warps": 2, "num_stages": 1},
+        "shapes": {  # Llama-3.1-8B's q/k/v (as above)
+            "6144x4096": {"1": {"BLOCK_T": 1, "BLOCK_P": 1, "BLOCK_K": 4096, "num_warps": 1, "num_stages": 1}},
+        },
     },
     # rows up to which fused_qkv_rope uses the decode kernel (cuBLAS + epilogue above)
     "qkv_dispatch": {

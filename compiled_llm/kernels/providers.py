@@ -20,8 +20,8 @@ import torch
 
 from compiled_llm.graph import fused_ops, ops
 from compiled_llm.kernels import (
-    cuda_norm_mlp, triton_all_reduce, triton_gemv, triton_norm, triton_norm_mlp, triton_paged_attention,
-    triton_qkv_rope, triton_sampling,
+    cuda_norm_mlp, triton_all_reduce, triton_gemm_wq, triton_gemv, triton_norm, triton_norm_mlp,
+    triton_paged_attention, triton_qkv_rope, triton_sampling,
 )
 from compiled_llm.kernels.registry import register_kernel
 
@@ -71,32 +71,36 @@ def _residual_is_output_shaped(x, weight, residual) -> bool:
     return residual.shape == (*x.shape[:-1], weight.shape[0])
 
 
-def _quantized_decode(x, qweight, scale, zero) -> bool:
-    """Weight-only quantized calls the decode kernels take: weights they stream (int8, or int4 in
-    groups they tile: triton_gemv.streams_quantized) and decode-sized steps; prefill sizes run the
-    op's reference (dequantize, then cuBLAS)."""
-    T = x.numel() // x.shape[-1]
-    return triton_gemv.streams_quantized(qweight, scale, zero) and triton_gemv.use_gemv(T)
+def _quantized(x, qweight, scale, zero) -> bool:
+    """Weight-only quantized calls the kernels take: at decode sizes, weights the GEMV streams
+    (int8, or int4 in groups it tiles: triton_gemv.streams_quantized); above, weights the
+    quantized GEMM takes (triton_gemm_wq.supports). Others run the op's reference (dequantize,
+    then cuBLAS)."""
+    if triton_gemv.use_gemv(x.numel() // x.shape[-1]):
+        return triton_gemv.streams_quantized(qweight, scale, zero)
+    return triton_gemm_wq.supports(qweight, scale, zero)
 
 
-def _quantized_decode_residual(x, qweight, scale, zero, residual) -> bool:
-    return _quantized_decode(x, qweight, scale, zero) and residual.shape == (*x.shape[:-1], qweight.shape[0])
+def _quantized_residual(x, qweight, scale, zero, residual) -> bool:
+    return _quantized(x, qweight, scale, zero) and residual.shape == (*x.shape[:-1], qweight.shape[0])
 
 
-def _quantized_decode_mlp(x, gate_up_qweight, gate_up_scale, gate_up_zero, down_qweight, down_scale,
-                          down_zero) -> bool:
-    return triton_norm_mlp.quantized_decode((gate_up_qweight, down_qweight), (gate_up_scale, down_scale),
-                                            (gate_up_zero, down_zero), x.numel() // x.shape[-1])
+def _quantized_mlp(x, gate_up_qweight, gate_up_scale, gate_up_zero, down_qweight, down_scale, down_zero) -> bool:
+    return triton_norm_mlp.takes_quantized((gate_up_qweight, down_qweight), (gate_up_scale, down_scale),
+                                           (gate_up_zero, down_zero), x.numel() // x.shape[-1])
 
 
-def _quantized_decode_gelu_mlp(x, fc_qweight, fc_scale, fc_zero, proj_qweight, proj_scale, proj_zero) -> bool:
-    return triton_norm_mlp.quantized_decode((fc_qweight, proj_qweight), (fc_scale, proj_scale), (fc_zero, proj_zero),
-                                            x.numel() // x.shape[-1])
+def _quantized_gelu_mlp(x, fc_qweight, fc_scale, fc_zero, proj_qweight, proj_scale, proj_zero) -> bool:
+    return triton_norm_mlp.takes_quantized((fc_qweight, proj_qweight), (fc_scale, proj_scale), (fc_zero, proj_zero),
+                                           x.numel() // x.shape[-1])
 
 
-def _quantized_decode_qkv(x, qkv_qweight, qkv_scale, qkv_zero, q_norm_weight, k_norm_weight, head_dim) -> bool:
-    return (triton_gemv.streams_quantized(qkv_qweight, qkv_scale, qkv_zero)
-            and triton_qkv_rope.use_decode_form(x.shape[0]) and _qkv_rope_fits(q_norm_weight, k_norm_weight, head_dim))
+def _quantized_qkv(x, qkv_qweight, qkv_scale, qkv_zero, q_norm_weight, k_norm_weight, head_dim) -> bool:
+    if not _qkv_rope_fits(q_norm_weight, k_norm_weight, head_dim):
+        return False
+    if triton_qkv_rope.use_decode_form(x.shape[0]):
+        return triton_gemv.streams_quantized(qkv_qweight, qkv_scale, qkv_zero)
+    return triton_gemm_wq.supports(qkv_qweight, qkv_scale, qkv_zero)
 
 
 TRITON_KERNELS = {  # op -> (kernel, handles)
@@ -111,12 +115,12 @@ TRITON_KERNELS = {  # op -> (kernel, handles)
     "fused_linear_residual": (triton_gemv.linear_residual, _residual_is_output_shaped),
     "fused_rms_norm_glu_mlp": (triton_norm_mlp.fused_rms_norm_glu_mlp, None),
     "fused_layer_norm_gelu_mlp": (triton_norm_mlp.fused_layer_norm_gelu_mlp, None),
-    # weight-only quantized variants: int8 and int4 at decode sizes (the weight-bound steps)
-    "linear_wq": (triton_gemv.linear_wq, _quantized_decode),
-    "fused_linear_residual_wq": (triton_gemv.linear_residual_wq, _quantized_decode_residual),
-    "fused_rms_norm_glu_mlp_wq": (triton_norm_mlp.fused_rms_norm_glu_mlp_wq, _quantized_decode_mlp),
-    "fused_layer_norm_gelu_mlp_wq": (triton_norm_mlp.fused_layer_norm_gelu_mlp_wq, _quantized_decode_gelu_mlp),
-    "fused_qkv_rope_wq": (triton_qkv_rope.fused_qkv_rope_wq, _quantized_decode_qkv),
+    # weight-only quantized variants, int8 and int4: the decode forms, the quantized GEMM above
+    "linear_wq": (triton_gemv.linear_wq, _quantized),
+    "fused_linear_residual_wq": (triton_gemv.linear_residual_wq, _quantized_residual),
+    "fused_rms_norm_glu_mlp_wq": (triton_norm_mlp.fused_rms_norm_glu_mlp_wq, _quantized_mlp),
+    "fused_layer_norm_gelu_mlp_wq": (triton_norm_mlp.fused_layer_norm_gelu_mlp_wq, _quantized_gelu_mlp),
+    "fused_qkv_rope_wq": (triton_qkv_rope.fused_qkv_rope_wq, _quantized_qkv),
     # tensor parallelism: custom push kernel over symmetric memory where the ranks opened it, else NCCL
     "all_reduce": (triton_all_reduce.all_reduce, triton_all_reduce.handles),
 }

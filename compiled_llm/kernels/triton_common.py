@@ -21,6 +21,22 @@ def dot(a, b, IEEE: tl.constexpr):
     return r
 
 
+@triton.jit
+def store_linear_output(y, offs_t, offs_n, mask_t, mask_n, b_ptr, r_ptr, out_ptr, stride_r, stride_o,
+                        HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Store a linear's fp32 sums ``y`` [rows, N] (rows ``offs_t``, columns ``offs_n``) with the
+    unfused graph's roundings: + bias, rounded to out's dtype (what F.linear returns), then
+    + residual in fp32, rounded again (what aten.add returns)."""
+    dtype = out_ptr.dtype.element_ty
+    mask = mask_t[:, None] & mask_n[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + offs_t.to(tl.int64)[:, None] * stride_r + offs_n[None, :], mask=mask, other=0.0)
+        y = y.to(dtype).to(tl.float32) + r.to(tl.float32)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + offs_n[None, :], y.to(dtype), mask=mask)
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 

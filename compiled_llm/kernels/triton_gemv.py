@@ -58,7 +58,10 @@ import triton
 import triton.language as tl
 
 from compiled_llm.kernels import launch_configs
-from compiled_llm.kernels.triton_common import next_pow2, pdl_launch, pdl_open, pdl_wait, use_pdl
+from compiled_llm.kernels.triton_common import (
+    next_pow2, pdl_launch, pdl_open, pdl_wait, store_linear_output, use_pdl,
+)
+from compiled_llm.kernels.triton_gemm_wq import dequantize, gemm_wq, use_gemm
 
 VECTOR_BYTES = 16  # one 128-bit load per thread and step along K
 
@@ -458,15 +461,8 @@ def _gemv_kernel(
     if SCALED:  # int8 weights: the output channel's scale, once, after the K loop
         y *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
 
-    dtype = out_ptr.dtype.element_ty
-    mask = mask_t[:, None] & mask_n[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if HAS_RESIDUAL:
-        # the linear output is rounded before the add, as the unfused graph rounds it
-        r = tl.load(r_ptr + offs_t.to(tl.int64)[:, None] * stride_r + offs_n[None, :], mask=mask, other=0.0)
-        y = y.to(dtype).to(tl.float32) + r.to(tl.float32)
-    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + offs_n[None, :], y.to(dtype), mask=mask)
+    store_linear_output(y, offs_t, offs_n, mask_t, mask_n, b_ptr, r_ptr, out_ptr, stride_r, stride_o,
+                        HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit
@@ -605,18 +601,39 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 # ---------------------------------------------------------------------------------------------
 # weight-only int8 and int4 (graph/quantized_ops.py): int8 weights streamed with the scale applied
-# per output, int4 weights with the group terms applied per thread and step
+# per output, int4 weights with the group terms applied per thread and step; many rows go to the
+# quantized GEMM or to dequantize + cuBLAS (matmul_wq)
 # ---------------------------------------------------------------------------------------------
 
 
 def linear_wq(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``linear_wq`` (the lm_head) with an int8 or int4 weight, decode-sized x (the provider
-    sends other calls to the op's reference)."""
-    return gemv(x, qweight, bias, scale=scale, zero=zero)
+    """``linear_wq`` (the lm_head) with an int8 or int4 weight: the GEMV for up to MAX_TOKENS
+    rows, ``matmul_wq`` above."""
+    if use_gemv(math.prod(x.shape[:-1])):
+        return gemv(x, qweight, bias, scale=scale, zero=zero)
+    return matmul_wq(x, qweight, scale, zero, bias)
 
 
 def linear_residual_wq(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
                        bias: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
-    """``fused_linear_residual_wq`` with an int8 or int4 weight, decode-sized x."""
-    return gemv(x, qweight, bias, residual, scale=scale, zero=zero)
+    """``fused_linear_residual_wq`` with an int8 or int4 weight: the GEMV for up to MAX_TOKENS
+    rows, ``matmul_wq`` above."""
+    if use_gemv(math.prod(x.shape[:-1])):
+        return gemv(x, qweight, bias, residual, scale=scale, zero=zero)
+    return matmul_wq(x, qweight, scale, zero, bias, residual)
+
+
+def matmul_wq(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
+              bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ W^T (+ bias) (+ residual)`` for many rows of x and an int8 or int4 weight
+    (triton_gemm_wq.supports): the quantized GEMM, or past its MAX_TOKENS the weight dequantized
+    into a scratch of x's dtype and cuBLAS (``dense_linear``, the unquantized prefill's GEMM)."""
+    T = math.prod(x.shape[:-1])
+    if use_gemm(T):
+        return gemm_wq(x, qweight, scale, zero, bias, residual)
+    N = qweight.shape[0]
+    x2 = x.reshape(T, x.shape[-1])
+    r2 = residual.reshape(T, N) if residual is not None else None
+    out = dense_linear(x2, dequantize(qweight, scale, zero, x.dtype), bias, r2)
+    return out.view(*x.shape[:-1], N)

@@ -13,14 +13,16 @@ Decode form (T <= MAX_DECODE_TOKENS): two weight-streaming launches (see triton_
   At one row (batch-1 decode) both launches use the one-row forms (``_norm_mlp_one_row_kernel``
   and triton_gemv's): one fp32 accumulator per weight row and thread instead of a whole tile.
   Weight-only quantized weights (``*_wq``): int8 in either form, int4 in the general kernels' INT4
-  forms at every T (triton_gemv.int4_step).
+  forms (triton_gemv.int4_step).
 Deterministic: no atomics, so greedy decoding repeats exactly.
 
 Prefill form (large T): Triton norm -> cuBLAS matmul -> Triton activation -> cuBLAS matmul, the
 residual folded into the last one (addmm) when there is no bias. When the residual is the MLP's
 own input (``h + mlp(norm(h))``, every Llama/Qwen layer) the norm launch also writes the copy of h
 that the last matmul accumulates into in place, which saves addmm's memcpy launch. At large T the matmuls are
-compute-bound and cuBLAS beats a hand-written Triton GEMM.
+compute-bound and cuBLAS beats a hand-written Triton GEMM. Weight-only quantized weights run
+their two matmuls through triton_gemv.matmul_wq (the quantized GEMM, or dequantize + cuBLAS),
+the residual in the second one's epilogue.
 
 Both round intermediates (the gate/up outputs, silu, the product, the MLP output before the
 residual) to the input dtype where the unfused graph does, so they agree with the references to
@@ -37,7 +39,9 @@ import triton.language as tl
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import pdl_launch, pdl_open, pdl_wait, use_pdl
 from compiled_llm.kernels.triton_common import next_pow2
+from compiled_llm.kernels.triton_gemm_wq import supports as gemm_supports
 from compiled_llm.kernels.triton_gemv import (
+    matmul_wq,
     VECTOR_BYTES, dense_linear, gemv, input_chunk, int4_chunk, int4_constants, int4_step, norm_stats, pair_aligned,
     row_stats, streams_quantized, tile_config, weight_config, weight_itemsize, weight_tile,
 )
@@ -420,34 +424,46 @@ def fused_layer_norm_gelu_mlp(x, norm_weight, norm_bias, eps: float, fc_weight, 
 
 
 # ---------------------------------------------------------------------------------------------
-# weight-only int8 and int4 (graph/quantized_ops.py): the decode form with quantized weights
+# weight-only int8 and int4 (graph/quantized_ops.py): both forms with quantized weights
 # ---------------------------------------------------------------------------------------------
 
 
-def quantized_decode(qweights: tuple, scales: tuple, zeros: tuple, T: int) -> bool:
-    """Whether the decode kernels take a quantized MLP call: weights they stream (int8, or int4
-    in groups they tile; see triton_gemv.streams_quantized) and a decode-sized step; others run
-    the op's reference (dequantize, then cuBLAS)."""
-    return all(map(streams_quantized, qweights, scales, zeros)) and use_decode_form(T)
+def takes_quantized(qweights: tuple, scales: tuple, zeros: tuple, T: int) -> bool:
+    """Whether the kernels take a quantized MLP call: at decode sizes, weights the decode form
+    streams (int8, or int4 in groups they tile; see triton_gemv.streams_quantized), at prefill
+    sizes weights the quantized GEMM takes (triton_gemm_wq.supports); others run the op's
+    reference (dequantize, then cuBLAS)."""
+    takes = streams_quantized if use_decode_form(T) else gemm_supports
+    return all(map(takes, qweights, scales, zeros))
 
 
 def fused_rms_norm_glu_mlp_wq(x, norm_weight, eps: float, gate_up_qweight, gate_up_scale, gate_up_zero,
                               down_qweight, down_scale, down_zero, residual=None):
-    """``fused_rms_norm_glu_mlp`` with int8 or int4 weights, decode form (``quantized_decode``
-    says when)."""
+    """``fused_rms_norm_glu_mlp`` with int8 or int4 weights (``takes_quantized`` says which
+    calls): the decode form, or at prefill sizes the norm kernel and two quantized GEMMs."""
     x2 = _flat(x)
     r2 = _flat(residual) if residual is not None else None
-    out = _decode(x2, norm_weight, None, eps, gate_up_qweight, None, down_qweight, None, r2, True, True,
-                  gate_up_scale, down_scale, gate_up_zero, down_zero)
+    if use_decode_form(x2.shape[0]):
+        out = _decode(x2, norm_weight, None, eps, gate_up_qweight, None, down_qweight, None, r2, True, True,
+                      gate_up_scale, down_scale, gate_up_zero, down_zero)
+    else:
+        n = tr_rms_norm(x2, norm_weight, eps)
+        act = silu_mul(matmul_wq(n, gate_up_qweight, gate_up_scale, gate_up_zero))
+        out = matmul_wq(act, down_qweight, down_scale, down_zero, None, r2)
     return out.view(*x.shape[:-1], down_qweight.shape[0])
 
 
 def fused_layer_norm_gelu_mlp_wq(x, norm_weight, norm_bias, eps: float, fc_qweight, fc_scale, fc_zero, fc_bias,
                                  proj_qweight, proj_scale, proj_zero, proj_bias, residual=None):
-    """``fused_layer_norm_gelu_mlp`` with int8 or int4 weights, decode form (``quantized_decode``
-    says when)."""
+    """``fused_layer_norm_gelu_mlp`` with int8 or int4 weights (``takes_quantized`` says which
+    calls): the decode form, or at prefill sizes the norm kernel and two quantized GEMMs."""
     x2 = _flat(x)
     r2 = _flat(residual) if residual is not None else None
-    out = _decode(x2, norm_weight, norm_bias, eps, fc_qweight, fc_bias, proj_qweight, proj_bias, r2, False, False,
-                  fc_scale, proj_scale, fc_zero, proj_zero)
+    if use_decode_form(x2.shape[0]):
+        out = _decode(x2, norm_weight, norm_bias, eps, fc_qweight, fc_bias, proj_qweight, proj_bias, r2, False,
+                      False, fc_scale, proj_scale, fc_zero, proj_zero)
+    else:
+        n = tr_layer_norm(x2, norm_weight, norm_bias, eps)
+        act = gelu_tanh(matmul_wq(n, fc_qweight, fc_scale, fc_zero, fc_bias))
+        out = matmul_wq(act, proj_qweight, proj_scale, proj_zero, proj_bias, r2)
     return out.view(*x.shape[:-1], proj_qweight.shape[0])

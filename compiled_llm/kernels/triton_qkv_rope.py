@@ -15,13 +15,15 @@ enough programs to fill the GPU (Qwen2.5-0.5B has 18 heads). With q/k norm the s
 whole head, so a program owns a whole head (SPLITS = 1): it walks the head BLOCK_P pairs at a time,
 stores the rounded projection, and once its head is complete (a CTA barrier makes its own stores
 visible to all its threads) normalises and rotates it in place. Weight-only quantized weights:
-int8 (SCALED) in either form, int4 in the INT4 form at every T (triton_gemv.int4_step; no
-one-block-ahead pipeline).
+int8 (SCALED) in either form, int4 in the INT4 form (triton_gemv.int4_step; no one-block-ahead
+pipeline).
 
 Prefill form (large T): Triton rms_norm when there is an input norm, the projection in cuBLAS
 (which adds the bias in its own epilogue with one rounding, as the reference does), then
 ``_qkv_epilogue_kernel``, grid (T / BLOCK_T, Hq + 2 Hkv): one head of BLOCK_T tokens per program, normalised,
-rotated and written to its own contiguous q/k/v output; v heads are copied.
+rotated and written to its own contiguous q/k/v output; v heads are copied. Weight-only
+quantized weights project through triton_gemv.matmul_wq (the quantized GEMM, or dequantize +
+cuBLAS).
 
 The epilogue kernel also serves ``cllm::rotary_embedding`` (q and k given as separate tensors,
 no v).
@@ -37,6 +39,7 @@ import triton.language as tl
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import next_pow2, pdl_launch, pdl_open, pdl_wait, use_pdl
 from compiled_llm.kernels.triton_gemv import (
+    matmul_wq,
     input_chunk, int4_chunk, int4_constants, int4_step, norm_stats, pair_aligned, row_stats, weight_config,
     tile_config, weight_itemsize, weight_tile,
 )
@@ -480,6 +483,12 @@ def fused_qkv_rope(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positi
     if norm_weight is not None:
         x = tr_rms_norm(x, norm_weight, norm_eps)
     qkv = F.linear(x, qkv_weight, qkv_bias)
+    return _split_heads(qkv, q_norm_weight, k_norm_weight, positions, cos_sin, num_heads, num_kv_heads, head_dim, eps)
+
+
+def _split_heads(qkv, q_norm_weight, k_norm_weight, positions, cos_sin, num_heads, num_kv_heads, head_dim, eps):
+    """The prefill form's epilogue over the projection's output [T, (Hq + 2 Hkv) D]."""
+    T = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q_src = qkv[:, :q_size].view(T, num_heads, head_dim)
     k_src = qkv[:, q_size:q_size + kv_size].view(T, num_kv_heads, head_dim)
@@ -495,7 +504,13 @@ def rotary_embedding(q, k, positions, cos_sin):
 def fused_qkv_rope_wq(x, qkv_qweight, qkv_scale, qkv_zero, qkv_bias, q_norm_weight, k_norm_weight, positions,
                       cos_sin, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                       norm_weight=None, norm_eps: float = 0.0):
-    """``fused_qkv_rope`` with an int8 or int4 weight (weight-only quantized), the one-launch
-    decode form; the provider sends other calls (prefill sizes) to the op's reference."""
-    return _decode(x, qkv_qweight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
-                   num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps, qkv_scale, qkv_zero)
+    """``fused_qkv_rope`` with an int8 or int4 weight (weight-only quantized): the one-launch
+    decode form, or at prefill sizes the projection (matmul_wq) and the epilogue."""
+    T = x.shape[0]
+    if use_decode_form(T):
+        return _decode(x, qkv_qweight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
+                       num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps, qkv_scale, qkv_zero)
+    if norm_weight is not None:
+        x = tr_rms_norm(x, norm_weight, norm_eps)
+    qkv = matmul_wq(x, qkv_qweight, qkv_scale, qkv_zero, qkv_bias)
+    return _split_heads(qkv, q_norm_weight, k_norm_weight, positions, cos_sin, num_heads, num_kv_heads, head_dim, eps)
