@@ -41,9 +41,8 @@ from compiled_llm.kernels.triton_common import pdl_launch, pdl_open, pdl_wait, u
 from compiled_llm.kernels.triton_common import next_pow2
 from compiled_llm.kernels.triton_gemm_wq import supports as gemm_supports
 from compiled_llm.kernels.triton_gemv import (
-    matmul_wq,
-    VECTOR_BYTES, dense_linear, gemv, input_chunk, int4_chunk, int4_constants, int4_step, norm_stats, pair_aligned,
-    row_stats, streams_quantized, tile_config, weight_config, weight_itemsize, weight_tile,
+    VECTOR_BYTES, dense_linear, gemv, input_chunk, int4_chunk, int4_constants, int4_step, matmul_wq, norm_stats,
+    pair_aligned, row_stats, streams_quantized, tile_config, weight_config, weight_itemsize, weight_tile,
 )
 from compiled_llm.kernels.triton_norm import layer_norm as tr_layer_norm
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
@@ -440,7 +439,8 @@ def takes_quantized(qweights: tuple, scales: tuple, zeros: tuple, T: int) -> boo
 def fused_rms_norm_glu_mlp_wq(x, norm_weight, eps: float, gate_up_qweight, gate_up_scale, gate_up_zero,
                               down_qweight, down_scale, down_zero, residual=None):
     """``fused_rms_norm_glu_mlp`` with int8 or int4 weights (``takes_quantized`` says which
-    calls): the decode form, or at prefill sizes the norm kernel and two quantized GEMMs."""
+    calls): the decode form, or at prefill sizes the norm kernel and two quantized matmuls
+    (triton_gemv.matmul_wq)."""
     x2 = _flat(x)
     r2 = _flat(residual) if residual is not None else None
     if use_decode_form(x2.shape[0]):
@@ -456,7 +456,8 @@ def fused_rms_norm_glu_mlp_wq(x, norm_weight, eps: float, gate_up_qweight, gate_
 def fused_layer_norm_gelu_mlp_wq(x, norm_weight, norm_bias, eps: float, fc_qweight, fc_scale, fc_zero, fc_bias,
                                  proj_qweight, proj_scale, proj_zero, proj_bias, residual=None):
     """``fused_layer_norm_gelu_mlp`` with int8 or int4 weights (``takes_quantized`` says which
-    calls): the decode form, or at prefill sizes the norm kernel and two quantized GEMMs."""
+    calls): the decode form, or at prefill sizes the norm kernel and two quantized matmuls
+    (triton_gemv.matmul_wq)."""
     x2 = _flat(x)
     r2 = _flat(residual) if residual is not None else None
     if use_decode_form(x2.shape[0]):

@@ -39,9 +39,8 @@ import triton.language as tl
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import next_pow2, pdl_launch, pdl_open, pdl_wait, use_pdl
 from compiled_llm.kernels.triton_gemv import (
-    matmul_wq,
-    input_chunk, int4_chunk, int4_constants, int4_step, norm_stats, pair_aligned, row_stats, weight_config,
-    tile_config, weight_itemsize, weight_tile,
+    input_chunk, int4_chunk, int4_constants, int4_step, matmul_wq, norm_stats, pair_aligned, row_stats,
+    weight_config, tile_config, weight_itemsize, weight_tile,
 )
 from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
 
