@@ -55,8 +55,12 @@ def _syncs_raise():
 
 class StepGraphs:
     """Graphs by bucket, each captured the first time its bucket runs, so a load captures
-    nothing before the first token. ``run(bucket, rows)`` replays (capturing first if needed);
-    if a capture fails the graphs switch off with a warning and every bucket runs eagerly."""
+    nothing before the first token. ``run(bucket, rows)`` replays (capturing first if needed).
+    A capture that runs out of GPU memory leaves the bucket and every larger one to run eagerly
+    (a larger step needs at least as much), with a warning, while the graphs of smaller buckets
+    keep replaying: batch-1 decode, which graphs speed up most, never loses its graph to a
+    large bucket. Any other capture failure switches the graphs off, with a warning, and every
+    bucket runs eagerly."""
 
     def __init__(self):
         self.buckets: list[int] = []
@@ -68,6 +72,7 @@ class StepGraphs:
         self._max_rows = 0
         self._device = None
         self.failed = False  # a capture failed: every bucket runs eagerly from then on
+        self.eager_from: int | None = None  # smallest bucket whose capture ran out of memory
         self._stream = None  # side stream captures run on
 
     @property
@@ -89,19 +94,24 @@ class StepGraphs:
         """The first ``rows`` logits of ``bucket``'s step on the inputs staged for it."""
         if self._forward is None:
             raise RuntimeError("StepGraphs.run before prepare")
-        if self.failed or (bucket not in self.graphs and not self._capture(bucket)):
+        if not self.capture(bucket):
             return self._forward(bucket)[:rows]
         self.graphs[bucket].replay()
         return self.logits[:rows]
 
     def capture(self, bucket: int) -> bool:
-        """Capture ``bucket`` now unless it is; False when graphs are off or a capture failed."""
-        return self.enabled and not self.failed and (bucket in self.graphs or self._capture(bucket))
+        """Capture ``bucket`` now unless it is; False when graphs are off, a capture failed, or
+        the bucket is too large to capture (``eager_from``)."""
+        if not self.enabled or self.failed:
+            return False
+        if bucket in self.graphs:
+            return True
+        return not self._too_large(bucket) and self._capture(bucket)
 
     def capture_all(self) -> bool:
         """Capture every bucket now (benchmarks do before they time). False when graphs are off
-        or a capture failed."""
-        return self.enabled and all(self.capture(b) for b in self.buckets)
+        or some bucket runs eagerly."""
+        return self.enabled and all([self.capture(b) for b in self.buckets])
 
     def release(self) -> None:
         """Drop every captured graph; nothing runs through these graphs afterwards. A graph that
@@ -145,12 +155,26 @@ class StepGraphs:
                     g.capture_end()
             current.wait_stream(stream)
             self.graphs[bucket] = g
-        except Exception as e:  # any capture failure: run eagerly from now on
+        except torch.cuda.OutOfMemoryError as e:  # this bucket and larger ones run eagerly
+            current.wait_stream(self._stream)  # the eager run's work (KV writes) comes first
+            self._cap(bucket, e)
+            return False
+        except Exception as e:  # any other capture failure: run eagerly from now on
             self._disable(e)
             return False
         finally:
             self.capture_s += time.perf_counter() - t0
         return True
+
+    def _too_large(self, bucket: int) -> bool:
+        return self.eager_from is not None and bucket >= self.eager_from
+
+    def _cap(self, bucket: int, error: Exception) -> None:
+        """``bucket``'s capture ran out of memory: it and larger uncaptured buckets run eagerly."""
+        self.eager_from = bucket if self.eager_from is None else min(self.eager_from, bucket)
+        warnings.warn(f"CUDA graph capture of bucket {bucket} ran out of GPU memory: steps padded to "
+                      f"{bucket} rows or more run eagerly, smaller ones keep their graphs ({_first_line(error)})",
+                      RuntimeWarning, stacklevel=4)
 
     def _disable(self, error: Exception) -> None:
         self.failed = True
@@ -160,5 +184,9 @@ class StepGraphs:
             torch.cuda.synchronize(self._device)
         except Exception:
             pass
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        warnings.warn(f"CUDA graph capture failed, steps run eagerly: {first}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"CUDA graph capture failed, steps run eagerly: {_first_line(error)}", RuntimeWarning,
+                      stacklevel=3)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
