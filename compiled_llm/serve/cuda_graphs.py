@@ -111,7 +111,7 @@ class StepGraphs:
     def capture_all(self) -> bool:
         """Capture every bucket now (benchmarks do before they time). False when graphs are off
         or some bucket runs eagerly."""
-        return self.enabled and all([self.capture(b) for b in self.buckets])
+        return self.enabled and all(self.capture(b) for b in self.buckets)
 
     def release(self) -> None:
         """Drop every captured graph; nothing runs through these graphs afterwards. A graph that
