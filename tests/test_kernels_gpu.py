@@ -206,6 +206,52 @@ def test_quantized_kernels(model, T, scheme):
         assert rel_err(o, ref) <= TOL
 
 
+@pytest.mark.parametrize("model", list(QUANT_SHAPES))
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_cuda_int4_gemv_equals_the_references(model, T):
+    """The tensor-core int4 GEMV (cuda_gemv_int4) at real shapes and a few rows: down + residual
+    (the longest K; Triton where x does not fit a block's shared memory), an lm_head-shaped linear
+    with a bias and a column count no tile divides, and RMSNorm + gate/up + silu * up, then down +
+    residual. It must build here and take the calls that fit."""
+    from compiled_llm.graph import quantized_ops as qo
+    from compiled_llm.kernels import cuda_gemv_int4
+
+    if not cuda_gemv_int4.cuda_extension_ok():
+        pytest.fail(f"CUDA int4 GEMV did not build: {cuda_gemv_int4.build_error()}")
+    cuda = lambda name: providers.provider_op(name, providers.CUDA)  # noqa: E731
+    m = QUANT_SHAPES[model]
+    dtype = torch.bfloat16
+    x, w, _, r = linear_residual_inputs(T, m["I"], m["H"], dtype, seed=T)  # down: the longest K
+    q = _quantized(w, "int4")
+    fits = cuda_gemv_int4.shared_memory_bytes(T, m["I"], m["H"], glu=False) <= 227 * 1024
+    assert cuda_gemv_int4.takes(x, *q, r) == fits  # Llama-3.1-8B's 8 rows of 14,336 do not: Triton
+    out = _poisoned_call(cuda("fused_linear_residual_wq"), x, *q, None, r)
+    assert projection_err(out, qo.fused_linear_residual_wq_ref(x, *q, None, r), r) <= TOL
+    x, w, b, _ = linear_residual_inputs(T, m["H"], 32_008, dtype, seed=T + 1, bias=True)
+    q = _quantized(w, "int4")
+    assert cuda_gemv_int4.takes(x, *q, b)
+    assert rel_err(_poisoned_call(cuda("linear_wq"), x, *q, b), qo.linear_wq_ref(x, *q, b)) <= TOL
+    x, nw, eps, gate_up, down = mlp_glu_inputs(T, m["H"], m["I"], dtype, DEV, seed=T + 2)
+    r = residual_like((x,), seed=T + 3)
+    args = (x, nw, eps, *_quantized(gate_up, "int4"), *_quantized(down, "int4"), r)
+    assert cuda_gemv_int4.takes(x, *args[3:6], nw, r, glu=True)
+    _check_mlp(_poisoned_call(cuda("fused_rms_norm_glu_mlp_wq"), *args), qo.fused_rms_norm_glu_mlp_wq_ref(*args), r)
+
+
+def test_cuda_int4_provider_hands_other_calls_to_triton():
+    """int8 weights, more rows than the mma's 8 and fp16 x run the Triton kernels, correctly."""
+    from compiled_llm.graph import quantized_ops as qo
+    from compiled_llm.kernels import cuda_gemv_int4
+
+    op = providers.provider_op("fused_linear_residual_wq", providers.CUDA)
+    for T, scheme, dtype in ((1, "int8", torch.bfloat16), (16, "int4", torch.bfloat16), (1, "int4", torch.float16)):
+        x, w, _, r = linear_residual_inputs(T, 2048, 2048, dtype, seed=T)
+        q = _quantized(w, scheme)
+        assert not cuda_gemv_int4.takes(x, *q, r)
+        out = _poisoned_call(op, x, *q, None, r)
+        assert projection_err(out, qo.fused_linear_residual_wq_ref(x, *q, None, r), r) <= TOL
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_dequantize_kernel_writes_exactly_the_reference_weight(scheme):
     """The scratch weight that prefill-sized quantized matmuls hand cuBLAS (triton_gemm_wq):

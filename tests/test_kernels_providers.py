@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph import fused_ops, ops
-from compiled_llm.kernels import cuda_norm_mlp, launch_configs, registry
+from compiled_llm.kernels import cuda_build, cuda_gemv_int4, cuda_norm_mlp, launch_configs, registry
 from kernel_inputs import attention_case, mlp_gelu_inputs, mlp_glu_inputs, qkv_inputs
 
 triton = pytest.importorskip("triton")
@@ -54,8 +54,11 @@ def test_every_op_but_the_gather_and_the_lookup_has_a_triton_provider():
 
 
 def test_default_choice_is_triton_on_cuda_and_reference_on_cpu():
+    """...but the int4 decode GEMV's three ops get its CUDA provider where it can be built."""
     cuda = registry.choose_providers("cuda", torch.bfloat16)
-    assert {p for op, p in cuda.items() if op not in TORCH_DISTRIBUTED_ONLY} == {"triton"}
+    int4_ops = set(providers.CUDA_INT4_KERNELS)
+    assert {p for op, p in cuda.items() if op not in TORCH_DISTRIBUTED_ONLY | int4_ops} == {"triton"}
+    assert {cuda[op] for op in int4_ops} == {"cuda" if cuda_build.toolchain_available() else "triton"}
     assert {cuda[op] for op in TORCH_DISTRIBUTED_ONLY} == {"reference"}
     assert set(registry.choose_providers("cpu", torch.float32).values()) == {"reference"}
 
@@ -114,12 +117,29 @@ def test_register_kernel_sends_what_the_kernel_does_not_handle_to_the_reference(
         registry.register_kernel("no_such_op", "test_bad", kernel, supports=lambda d, t: False)
 
 
-def test_cuda_extension_reports_why_it_cannot_build_on_a_cpu_torch():
+def test_cuda_extensions_report_why_they_cannot_build_on_a_cpu_torch():
     if torch.version.cuda is not None:
-        pytest.skip("CUDA torch: the GPU tests build the extension")
-    assert not cuda_norm_mlp.toolchain_available()
-    assert cuda_norm_mlp.extension() is None and not cuda_norm_mlp.cuda_extension_ok()
-    assert "toolchain" in cuda_norm_mlp.build_error()
+        pytest.skip("CUDA torch: the GPU tests build the extensions")
+    assert not cuda_build.toolchain_available()
+    for ext in (cuda_norm_mlp, cuda_gemv_int4):
+        assert ext.extension() is None and not ext.cuda_extension_ok()
+        assert "toolchain" in ext.build_error()
+
+
+def test_cuda_int4_gemv_takes_only_bf16_int4_calls_of_a_few_rows():
+    """What the tensor-core GEMV takes is decided on the arguments alone, before any build; the
+    rest run Triton. (On a CPU torch it takes nothing: no extension.)"""
+    from compiled_llm.graph.quantized_ops import quantize
+
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(3))
+    int4, int8 = quantize(w, "int4"), quantize(w, "int8")
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    assert not cuda_gemv_int4.takes(x, *int8)
+    assert not cuda_gemv_int4.takes(x, *int4)  # on the CPU
+    assert cuda_gemv_int4.launch_shape(128256, 2048, glu=False) == (1, 2)  # the 1B's lm_head: 16 groups
+    assert cuda_gemv_int4.launch_shape(128256, 4096, glu=False) == (1, 4)
+    assert cuda_gemv_int4.launch_shape(4096, 14336, glu=False) == (2, 8)
+    assert cuda_gemv_int4.launch_shape(2 * 8192, 2048, glu=True) == (1, 4)
 
 
 # ---------------------------------------------------------------------------------------------

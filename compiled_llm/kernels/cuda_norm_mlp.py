@@ -1,11 +1,8 @@
 """CUDA C++ provider of the fused norm + MLP ops (csrc/norm_mlp.cu), built just in time.
 
-The extension is compiled with ``torch.utils.cpp_extension.load_inline`` on the machine that runs
-it, into ``~/.cache/compiled_llm/cuda_norm_mlp/<hash of source, torch and CUDA versions>``, so a
-second process (or a runtime after a build) only loads the cached library. Building needs nvcc;
-when it is missing or the compile fails, ``extension()`` returns None once, with the reason in
-``build_error()``, and the provider functions below run the Triton kernels instead (the build
-records that through ``cuda_extension_ok()``).
+The extension is built by cuda_build (once per machine, cached). When it cannot be built,
+``extension()`` returns None, with the reason in ``build_error()``, and the provider functions
+below run the Triton kernels instead (the build records that through ``cuda_extension_ok()``).
 
 Shape policy: the CUDA kernels are decode GEMVs for T <= 8 rows of bf16/fp16 with H and I
 multiples of 8 (16-byte vector loads); other shapes take matmul-based math inside the provider
@@ -14,89 +11,36 @@ multiples of 8 (16-byte vector loads); other shapes take matmul-based math insid
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import shutil
-import warnings
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
 from compiled_llm.graph.ops import layer_norm_ref, rms_norm_ref
 from compiled_llm.kernels import triton_norm_mlp
+from compiled_llm.kernels.cuda_build import CudaSource, build, toolchain_available
 
-SOURCE = Path(__file__).parent / "csrc" / "norm_mlp.cu"
-CPP_DECLS = """
+SOURCE = CudaSource(
+    name="cuda_norm_mlp",
+    file="norm_mlp.cu",
+    declarations="""
 #include <torch/extension.h>
 #include <optional>
 torch::Tensor cllm_norm(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> b, double eps);
 torch::Tensor cllm_gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch::Tensor> b1, bool glu);
 torch::Tensor cllm_down_proj(torch::Tensor act, torch::Tensor w2, std::optional<torch::Tensor> b2);
 int cllm_max_rows();
-"""
-FUNCTIONS = ["cllm_norm", "cllm_gate_up_act", "cllm_down_proj", "cllm_max_rows"]
+""",
+    functions=("cllm_norm", "cllm_gate_up_act", "cllm_down_proj", "cllm_max_rows"),
+)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
-_build_error: str | None = None
 
-
-def cache_root() -> Path:
-    return Path(os.environ.get("COMPILED_LLM_CACHE", Path.home() / ".cache" / "compiled_llm")) / "cuda_norm_mlp"
-
-
-def toolchain_available() -> bool:
-    """Cheap check (no compile): a CUDA torch and an nvcc to build with."""
-    if torch.version.cuda is None:
-        return False
-    # cpp_extension is only needed (and its import only paid) where the extension may be built
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    return shutil.which("nvcc") is not None or (CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists())
-
-
-def _build_key(source: str) -> str:
-    h = hashlib.sha256()
-    for part in (source, torch.__version__, str(torch.version.cuda)):
-        h.update(part.encode())
-    if torch.cuda.is_available():
-        h.update(str(torch.cuda.get_device_capability()).encode())
-    return h.hexdigest()[:16]
-
-
-@functools.lru_cache(maxsize=None)
 def extension():
     """The compiled extension module, or None if it cannot be built here (reason in build_error)."""
-    global _build_error
-    if not toolchain_available():
-        _build_error = "no CUDA toolchain (nvcc) or a CPU-only torch"
-        return None
-    try:
-        # see toolchain_available: imported only where the extension is built
-        from torch.utils.cpp_extension import load_inline
-
-        source = SOURCE.read_text()
-        key = _build_key(source)
-        build_dir = cache_root() / key
-        build_dir.mkdir(parents=True, exist_ok=True)
-        return load_inline(
-            name=f"cllm_norm_mlp_{key}",
-            cpp_sources=CPP_DECLS,
-            cuda_sources=source,
-            functions=FUNCTIONS,
-            build_directory=str(build_dir),
-            extra_cuda_cflags=["-O3"],
-            verbose=False,
-        )
-    except Exception as e:  # compile/link failure: the provider falls back to Triton
-        _build_error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        warnings.warn(f"CUDA norm+MLP extension could not be built, using Triton instead: {_build_error}")
-        return None
+    return build(SOURCE).module
 
 
 def build_error() -> str | None:
-    return _build_error
+    return build(SOURCE).error
 
 
 def cuda_extension_ok() -> bool:

@@ -6,9 +6,14 @@ build's select_kernels pass can swap the call target without touching arguments,
 programs name it. A kernel takes the op's arguments in the schema's order.
 
 Triton providers: every semantic and fused op, the sampler's two ops and the all-reduce; CUDA
-devices, fp32/bf16/fp16. The CUDA C++ norm+MLP provider ranks below Triton, so a build gets it only by
-asking (``prefer={op: "cuda"}``); it compiles on first use and runs Triton if it cannot (see
-cuda_norm_mlp).
+devices, fp32/bf16/fp16. CUDA C++ providers compile on first use and run Triton if they cannot
+(cuda_build):
+
+- the int4 decode GEMV (cuda_gemv_int4) ranks above Triton for the three weight-only ops it
+  serves: it takes the bf16 int4 calls of up to 8 rows and hands every other call to the Triton
+  kernels;
+- the norm+MLP provider (cuda_norm_mlp) ranks below Triton, so a build gets it only by asking
+  (``prefer={op: "cuda"}``).
 
 Shapes a kernel does not handle go to the reference implementation (``handles=``) rather than
 failing: the choice of provider is per op and dtype, not per shape.
@@ -20,7 +25,7 @@ import torch
 
 from compiled_llm.graph import fused_ops, ops
 from compiled_llm.kernels import (
-    cuda_norm_mlp, triton_all_reduce, triton_gemm_wq, triton_gemv, triton_norm, triton_norm_mlp,
+    cuda_gemv_int4, cuda_norm_mlp, triton_all_reduce, triton_gemm_wq, triton_gemv, triton_norm, triton_norm_mlp,
     triton_paged_attention, triton_qkv_rope, triton_sampling,
 )
 from compiled_llm.kernels.registry import register_kernel
@@ -29,6 +34,7 @@ TRITON = "triton"
 CUDA = "cuda"
 TRITON_PRIORITY = 10
 CUDA_PRIORITY = 5
+CUDA_INT4_PRIORITY = 20
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_ROW_NORM = 65536  # one program holds the whole row in registers
 
@@ -155,6 +161,13 @@ CUDA_KERNELS = {
 }
 
 
+CUDA_INT4_KERNELS = {  # op -> (kernel, handles): what the Triton provider handles, int4 decode in CUDA
+    "linear_wq": (cuda_gemv_int4.linear_wq, _quantized),
+    "fused_linear_residual_wq": (cuda_gemv_int4.linear_residual_wq, _quantized_residual),
+    "fused_rms_norm_glu_mlp_wq": (cuda_gemv_int4.fused_rms_norm_glu_mlp_wq, _quantized_mlp),
+}
+
+
 def provider_op(op_name: str, provider: str):
     """torch.ops.cllm.<op>__<provider> (the OpOverloadPacket)."""
     return getattr(torch.ops.cllm, f"{op_name}__{provider}")
@@ -164,3 +177,6 @@ for _name, (_kernel, _handles) in {**TRITON_KERNELS, **SAMPLER_KERNELS}.items():
     register_kernel(_name, TRITON, _kernel, supports=triton_supports, priority=TRITON_PRIORITY, handles=_handles)
 for _name, _kernel in CUDA_KERNELS.items():
     register_kernel(_name, CUDA, _kernel, supports=cuda_norm_mlp.supports, priority=CUDA_PRIORITY)
+for _name, (_kernel, _handles) in CUDA_INT4_KERNELS.items():
+    register_kernel(_name, CUDA, _kernel, supports=cuda_gemv_int4.supports, priority=CUDA_INT4_PRIORITY,
+                    handles=_handles)
