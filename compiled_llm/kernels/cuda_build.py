@@ -33,6 +33,17 @@ class CudaSource:
     declarations: str
     functions: tuple[str, ...]
 
+    def extension(self) -> Optional[ModuleType]:
+        """The compiled module, or None if it cannot be built here (reason in ``build_error``)."""
+        return build(self).module
+
+    def build_error(self) -> Optional[str]:
+        return build(self).error
+
+    def cuda_extension_ok(self) -> bool:
+        """Build (or load from the cache) the extension; False when it cannot be compiled here."""
+        return build(self).module is not None
+
 
 @dataclass(frozen=True)
 class Built:

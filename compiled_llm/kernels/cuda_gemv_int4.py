@@ -21,7 +21,7 @@ import functools
 import torch
 
 from compiled_llm.kernels import triton_gemv, triton_norm_mlp
-from compiled_llm.kernels.cuda_build import CudaSource, build, toolchain_available
+from compiled_llm.kernels.cuda_build import CudaSource, toolchain_available
 
 SOURCE = CudaSource(
     name="cuda_gemv_int4",
@@ -40,16 +40,7 @@ GROUP = 128
 MAX_ROWS = 8  # the mma's n (csrc/gemv_int4.cu kMaxTokens)
 
 
-def extension():
-    return build(SOURCE).module
-
-
-def build_error() -> str | None:
-    return build(SOURCE).error
-
-
-def cuda_extension_ok() -> bool:
-    return extension() is not None
+extension, build_error, cuda_extension_ok = SOURCE.extension, SOURCE.build_error, SOURCE.cuda_extension_ok
 
 
 def supports(device_type: str, dtype: torch.dtype) -> bool:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from compiled_llm.graph.ops import layer_norm_ref, rms_norm_ref
 from compiled_llm.kernels import triton_norm_mlp
-from compiled_llm.kernels.cuda_build import CudaSource, build, toolchain_available
+from compiled_llm.kernels.cuda_build import CudaSource, toolchain_available
 
 SOURCE = CudaSource(
     name="cuda_norm_mlp",
@@ -34,18 +34,7 @@ int cllm_max_rows();
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def extension():
-    """The compiled extension module, or None if it cannot be built here (reason in build_error)."""
-    return build(SOURCE).module
-
-
-def build_error() -> str | None:
-    return build(SOURCE).error
-
-
-def cuda_extension_ok() -> bool:
-    """Build (or load from the cache) the extension; False when it cannot be compiled here."""
-    return extension() is not None
+extension, build_error, cuda_extension_ok = SOURCE.extension, SOURCE.build_error, SOURCE.cuda_extension_ok
 
 
 def supports(device_type: str, dtype: torch.dtype) -> bool:
