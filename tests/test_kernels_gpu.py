@@ -211,8 +211,9 @@ def test_quantized_kernels(model, T, scheme):
 def test_cuda_int4_gemv_equals_the_references(model, T):
     """The tensor-core int4 GEMV (cuda_gemv_int4) at real shapes and a few rows: down + residual
     (the longest K; Triton where x does not fit a block's shared memory), an lm_head-shaped linear
-    with a bias and a column count no tile divides, and RMSNorm + gate/up + silu * up, then down +
-    residual. It must build here and take the calls that fit."""
+    with a bias and a column count no tile divides, RMSNorm + gate/up + silu * up, then down +
+    residual, and RMSNorm + q/k/v (+ bias) + RoPE at scattered positions. It must build here and
+    take the calls that fit."""
     from compiled_llm.graph import quantized_ops as qo
     from compiled_llm.kernels import cuda_gemv_int4
 
@@ -223,7 +224,7 @@ def test_cuda_int4_gemv_equals_the_references(model, T):
     dtype = torch.bfloat16
     x, w, _, r = linear_residual_inputs(T, m["I"], m["H"], dtype, seed=T)  # down: the longest K
     q = _quantized(w, "int4")
-    fits = cuda_gemv_int4.shared_memory_bytes(T, m["I"], m["H"], glu=False) <= 227 * 1024
+    fits = cuda_gemv_int4.shared_memory_bytes(T, m["I"], m["H"]) <= 227 * 1024
     assert cuda_gemv_int4.takes(x, *q, r) == fits  # Llama-3.1-8B's 8 rows of 14,336 do not: Triton
     out = _poisoned_call(cuda("fused_linear_residual_wq"), x, *q, None, r)
     assert projection_err(out, qo.fused_linear_residual_wq_ref(x, *q, None, r), r) <= TOL
@@ -234,12 +235,25 @@ def test_cuda_int4_gemv_equals_the_references(model, T):
     x, nw, eps, gate_up, down = mlp_glu_inputs(T, m["H"], m["I"], dtype, DEV, seed=T + 2)
     r = residual_like((x,), seed=T + 3)
     args = (x, nw, eps, *_quantized(gate_up, "int4"), *_quantized(down, "int4"), r)
-    assert cuda_gemv_int4.takes(x, *args[3:6], nw, r, glu=True)
+    assert cuda_gemv_int4.takes(x, *args[3:6], nw, r, mode="glu")
     _check_mlp(_poisoned_call(cuda("fused_rms_norm_glu_mlp_wq"), *args), qo.fused_rms_norm_glu_mlp_wq_ref(*args), r)
+    args = qkv_inputs(T, m["H"], m["Hq"], m["Hkv"], m["D"], dtype, DEV, seed=T + 4, bias=model.startswith("qwen"),
+                      qk_norm=False, rope=True)
+    qargs = (args[0], *_quantized(args[1], "int4"), *args[2:], *input_norm(args, seed=T + 5))
+    x, qw, qs, qz, b, _, _, pos, cs, Hq, Hkv, D, _, nw, neps = qargs
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert cuda_gemv_int4.takes_qkv(x, qw, qs, qz, b, None, pos, cs, D, nw) == (qw.shape[0] // 32 >= sms // 2)
+    refs = qo.fused_qkv_rope_wq_ref(*qargs)
+    for o, ref in zip(_poisoned_call(cuda("fused_qkv_rope_wq"), *qargs), refs):
+        assert o.is_contiguous() and rel_err(o, ref) <= TOL
+    # the CUDA form itself, also where the provider leaves the call to Triton (Qwen's bias)
+    for o, ref in zip(_poisoned_call(cuda_gemv_int4.qkv_int4, x, qw, qs, qz, b, nw, neps, pos, cs, Hq, Hkv, D), refs):
+        assert o.is_contiguous() and rel_err(o, ref) <= TOL
 
 
 def test_cuda_int4_provider_hands_other_calls_to_triton():
-    """int8 weights, more rows than the mma's 8 and fp16 x run the Triton kernels, correctly."""
+    """int8 weights, more rows than the mma's 8 and fp16 x run the Triton kernels, correctly; so
+    does q/k/v with Qwen3's per-head q/k norm."""
     from compiled_llm.graph import quantized_ops as qo
     from compiled_llm.kernels import cuda_gemv_int4
 
@@ -250,6 +264,12 @@ def test_cuda_int4_provider_hands_other_calls_to_triton():
         assert not cuda_gemv_int4.takes(x, *q, r)
         out = _poisoned_call(op, x, *q, None, r)
         assert projection_err(out, qo.fused_linear_residual_wq_ref(x, *q, None, r), r) <= TOL
+    args = qkv_inputs(1, 1024, 16, 8, 128, torch.bfloat16, DEV, seed=5, bias=False, qk_norm=True, rope=True)
+    qargs = (args[0], *_quantized(args[1], "int4"), *args[2:], *input_norm(args, seed=6))
+    assert not cuda_gemv_int4.takes_qkv(*qargs[:5], qargs[5], qargs[7], qargs[8], 128, qargs[13])
+    out = _poisoned_call(providers.provider_op("fused_qkv_rope_wq", providers.CUDA), *qargs)
+    for o, ref in zip(out, qo.fused_qkv_rope_wq_ref(*qargs)):
+        assert rel_err(o, ref) <= TOL
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -136,10 +136,11 @@ def test_cuda_int4_gemv_takes_only_bf16_int4_calls_of_a_few_rows():
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     assert not cuda_gemv_int4.takes(x, *int8)
     assert not cuda_gemv_int4.takes(x, *int4)  # on the CPU
-    assert cuda_gemv_int4.launch_shape(128256, 2048, glu=False) == (1, 2)  # the 1B's lm_head: 16 groups
-    assert cuda_gemv_int4.launch_shape(128256, 4096, glu=False) == (1, 4)
-    assert cuda_gemv_int4.launch_shape(4096, 14336, glu=False) == (2, 8)
-    assert cuda_gemv_int4.launch_shape(2 * 8192, 2048, glu=True) == (1, 4)
+    assert cuda_gemv_int4.launch_shape(128256, 2048) == (1, 2)  # the 1B's lm_head: 16 groups
+    assert cuda_gemv_int4.launch_shape(128256, 4096) == (1, 4)
+    assert cuda_gemv_int4.launch_shape(4096, 14336) == (2, 8)
+    assert cuda_gemv_int4.launch_shape(2 * 8192, 2048, "glu") == (1, 4)
+    assert cuda_gemv_int4.launch_shape(6144, 4096, "qkv") == (1, 8)  # a block: 16 rows and their RoPE pairs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ Triton providers: every semantic and fused op, the sampler's two ops and the all
 devices, fp32/bf16/fp16. CUDA C++ providers compile on first use and run Triton if they cannot
 (cuda_build):
 
-- the int4 decode GEMV (cuda_gemv_int4) ranks above Triton for the three weight-only ops it
+- the int4 decode GEMV (cuda_gemv_int4) ranks above Triton for the four weight-only ops it
   serves: it takes the bf16 int4 calls of up to 8 rows and hands every other call to the Triton
   kernels;
 - the norm+MLP provider (cuda_norm_mlp) ranks below Triton, so a build gets it only by asking
@@ -165,6 +165,7 @@ CUDA_INT4_KERNELS = {  # op -> (kernel, handles): what the Triton provider handl
     "linear_wq": (cuda_gemv_int4.linear_wq, _quantized),
     "fused_linear_residual_wq": (cuda_gemv_int4.linear_residual_wq, _quantized_residual),
     "fused_rms_norm_glu_mlp_wq": (cuda_gemv_int4.fused_rms_norm_glu_mlp_wq, _quantized_mlp),
+    "fused_qkv_rope_wq": (cuda_gemv_int4.fused_qkv_rope_wq, _quantized_qkv),
 }
 
 

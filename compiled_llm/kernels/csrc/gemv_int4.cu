@@ -17,19 +17,25 @@
 // in shared memory once per block with its pairs in the matching order: (k0,k4) (k1,k5) (k2,k6)
 // (k3,k7) of every 8 k.
 //
-// Work split: a block owns 16 * NT weight rows (GLU: NT tiles of gate rows and the same tiles of
-// up rows, I rows apart) and its WARPS warps split the groups along k; partial sums meet in shared
-// memory. Each warp keeps two groups' weight loads in flight (register double buffering), and
-// issues the first two before waiting on the previous kernel (programmatic dependent launch:
-// the weights do not depend on it).
+// Work split: a block owns a tile of 16 * NT weight rows, and its WARPS warps split the groups
+// along k; partial sums meet in shared memory. Two modes pair each row with a second one, so that
+// the epilogue has both: GLU (NT tiles of gate rows and the same tiles of up rows, I rows apart)
+// and QKV (NT tiles of a head's first half and the same tiles of its second half, D / 2 rows
+// apart: the rows RoPE rotates together). Each warp keeps two groups' weight loads in flight
+// (register double buffering), and issues the first two before waiting on the previous kernel
+// (programmatic dependent launch: the weights do not depend on it). Persistent blocks (one wave,
+// each staging x once and walking tiles) measured slower at every shape (benchmarks/NOTES.md).
 //
 // Epilogues: the unfused graph's rounding. Plain: fp32 sum + bias rounded to bf16, then
 // + residual in fp32, rounded. GLU: gate and up rounded to bf16, silu(gate) rounded, times up,
-// rounded. NORM: x is RMS-normalised while it is staged, rounded as the norm op rounds (x * rstd,
-// then times the norm weight).
+// rounded. QKV: sum + bias rounded to bf16, then q and k heads rotated (neox RoPE, fp32 cos/sin
+// at the token's position) and rounded, each head written to its own q, k or v output. NORM: x is
+// RMS-normalised while it is staged, rounded as the norm op rounds (x * rstd, then times the norm
+// weight).
 //
 // Contract (checked on the host by cuda_gemv_int4.py, which runs the Triton kernels otherwise):
-// bf16 x, T <= 8, K a multiple of 128 with groups of 128, contiguous 16-byte aligned tensors.
+// bf16 x, T <= 8, K a multiple of 128 with groups of 128, contiguous 16-byte aligned tensors;
+// QKV: D / 2 a multiple of 16 * NT, int64 positions, no per-head q/k norm.
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
@@ -44,6 +50,9 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kGroup = 128;    // k per quantization group: one step of a warp
 constexpr int kMaxTokens = 8;  // the mma's n
+
+// what a block's tiles are and what its epilogue writes (module comment)
+constexpr int kPlain = 0, kGlu = 1, kQkv = 2;
 
 __device__ __forceinline__ uint4 load_codes(const uint8_t* p) {
   uint4 v;
@@ -91,9 +100,15 @@ struct Args {
   const __nv_bfloat16* bias;      // [N] or null
   const __nv_bfloat16* residual;  // [T, N] or null
   const __nv_bfloat16* norm_weight;  // [K] (NORM)
-  __nv_bfloat16* out;              // [T, N]
+  __nv_bfloat16* out;              // [T, N] (QKV: q [T, heads, D])
   float eps;
-  int T, N, K;  // N: output columns (GLU: I, with 2I weight rows)
+  int T, N, K;  // N: output columns (GLU: I, with 2I weight rows; QKV: the weight's rows)
+  // QKV
+  const int64_t* positions;  // [T]
+  const float* cos_sin;      // [positions, D]: cos | sin, or null (no RoPE)
+  __nv_bfloat16* k_out;      // [T, kv_heads, D]
+  __nv_bfloat16* v_out;
+  int heads, kv_heads, head_dim;
 };
 
 // Stage x (RMS-normalised with NORM) in shared memory as pair-ordered 16-byte units, and the sum
@@ -159,9 +174,48 @@ __device__ __forceinline__ void stage_x(const Args& p, uint4* xp, float* sx, flo
   }
 }
 
-template <int NT, int WARPS, bool GLU, bool NORM>
+// the first weight row of a tile (GLU: its first gate row; QKV: its first row of a head's first
+// half), and how many tiles (blocks) there are
+template <int NT, int MODE>
+__device__ __forceinline__ int first_row(const Args& p, int tile) {
+  if constexpr (MODE == kQkv) {
+    const int tiles_per_head = p.head_dim / (32 * NT);
+    return (tile / tiles_per_head) * p.head_dim + (tile % tiles_per_head) * 16 * NT;
+  }
+  return tile * 16 * NT;
+}
+
+template <int NT, int MODE>
+__host__ __device__ __forceinline__ int tile_count(int N) {
+  return MODE == kQkv ? N / (32 * NT) : (N + 16 * NT - 1) / (16 * NT);
+}
+
+// QKV epilogue of one row pair (d, d + D / 2) of one head and token: rotate q and k, write
+__device__ __forceinline__ void store_head_pair(const Args& p, int row, int tok, float y1, float y2) {
+  const int D = p.head_dim, half = D / 2, head = row / D, d = row % D;
+  if (p.cos_sin != nullptr && head < p.heads + p.kv_heads) {
+    const float* cs = p.cos_sin + size_t(p.positions[tok]) * D;
+    const float c = cs[d], s = cs[half + d];
+    const float r1 = y1 * c - y2 * s, r2 = y2 * c + y1 * s;
+    y1 = r1;
+    y2 = r2;
+  }
+  __nv_bfloat16* dst;
+  if (head < p.heads) {
+    dst = p.out + (size_t(tok) * p.heads + head) * D;
+  } else if (head < p.heads + p.kv_heads) {
+    dst = p.k_out + (size_t(tok) * p.kv_heads + head - p.heads) * D;
+  } else {
+    dst = p.v_out + (size_t(tok) * p.kv_heads + head - p.heads - p.kv_heads) * D;
+  }
+  dst[d] = __float2bfloat16(y1);
+  dst[half + d] = __float2bfloat16(y2);
+}
+
+template <int NT, int WARPS, int MODE, bool NORM>
 __global__ void __launch_bounds__(WARPS * kWarp) gemv_int4_kernel(const Args p) {
-  constexpr int TILES = GLU ? 2 * NT : NT;  // 16-row weight tiles a block owns
+  constexpr bool PAIRED = MODE != kPlain;
+  constexpr int TILES = PAIRED ? 2 * NT : NT;  // 16-row weight tiles of a block's tile
   extern __shared__ uint4 smem[];
   const int K = p.K, T = p.T, groups = K / kGroup;
   uint4* xp = smem;                                        // [T][K / 8] pair-ordered x
@@ -170,18 +224,19 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_int4_kernel(const Args p) 
   float* ss = red + WARPS * 16 * TILES * T;                // [kMaxTokens] sums of squares (NORM)
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int gid = lane / 4, tig = lane % 4;
-  const int n_block = blockIdx.x * 16 * NT;  // first output column (GLU: first gate row)
+  const int pair_offset = MODE == kGlu ? p.N : p.head_dim / 2;  // rows from a tile to its pair
+  const size_t row_bytes = K / 2;
+  const int n_block = first_row<NT, MODE>(p, blockIdx.x);  // a block per tile
   const int per_warp = (groups + WARPS - 1) / WARPS;
   const int g_begin = warp * per_warp, steps = max(0, min(groups, g_begin + per_warp) - g_begin);
-  const size_t row_bytes = K / 2;
 
-  auto load = [&](GroupLoads<TILES>& st, int grp) {
+  auto load = [&](GroupLoads<TILES>& st, int grp) {  // a group's codes, scales and zero points
 #pragma unroll
     for (int t = 0; t < TILES; ++t) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int col = n_block + 16 * (t % NT) + gid + 8 * r;  // output column of this row
-        const size_t n = col + (GLU && t >= NT ? p.N : 0);       // weight row (GLU: up rows after gate rows)
+        const size_t n = col + (PAIRED && t >= NT ? pair_offset : 0);  // its weight row
         if (col < p.N) {
           st.q[t][r] = load_codes(p.qw + n * row_bytes + grp * (kGroup / 2) + 16 * tig);
           st.s[t][r] = __ldg(p.scale + n * groups + grp);
@@ -247,12 +302,13 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_int4_kernel(const Args p) 
       if (s + 3 < steps) load(b, g_begin + s + 3);
     }
   }
+  // the warps' partial sums meet in shared memory; the epilogue writes the tile
 #pragma unroll
   for (int t = 0; t < TILES; ++t) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int row = 16 * t + gid + 8 * (j / 2), tok = 2 * tig + (j % 2);
-      if (tok < T) red[(warp * 16 * TILES + row) * T + tok] = acc[t][j];
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * t + gid + 8 * (e / 2), tok = 2 * tig + (e % 2);
+      if (tok < T) red[(warp * 16 * TILES + row) * T + tok] = acc[t][e];
     }
   }
   __syncthreads();
@@ -262,34 +318,42 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_int4_kernel(const Args p) 
     float y = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) y += red[(w * 16 * TILES + row) * T + tok];
-    __nv_bfloat16 yb;
-    if constexpr (GLU) {
+    if constexpr (MODE == kQkv) {
+      float y2 = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) y2 += red[(w * 16 * TILES + 16 * NT + row) * T + tok];
+      if (p.bias != nullptr) {
+        y += __bfloat162float(p.bias[col]);
+        y2 += __bfloat162float(p.bias[col + pair_offset]);
+      }
+      store_head_pair(p, col, tok, round_bf16(y), round_bf16(y2));
+    } else if constexpr (MODE == kGlu) {
       float up = 0.f;
 #pragma unroll
       for (int w = 0; w < WARPS; ++w) up += red[(w * 16 * TILES + 16 * NT + row) * T + tok];
       const float gate = round_bf16(y);
-      yb = __float2bfloat16(round_bf16(gate / (1.f + expf(-gate))) * round_bf16(up));
+      p.out[size_t(tok) * p.N + col] = __float2bfloat16(round_bf16(gate / (1.f + expf(-gate))) * round_bf16(up));
     } else {
       if (p.bias != nullptr) y += __bfloat162float(p.bias[col]);
-      yb = __float2bfloat16(y);
+      __nv_bfloat16 yb = __float2bfloat16(y);
       if (p.residual != nullptr)
         yb = __float2bfloat16(__bfloat162float(yb) + __bfloat162float(p.residual[size_t(tok) * p.N + col]));
+      p.out[size_t(tok) * p.N + col] = yb;
     }
-    p.out[size_t(tok) * p.N + col] = yb;
   }
 }
 
-template <int NT, int WARPS, bool GLU, bool NORM>
-void launch(const Args& p, cudaStream_t stream) {
-  constexpr int TILES = GLU ? 2 * NT : NT;
-  auto kernel = gemv_int4_kernel<NT, WARPS, GLU, NORM>;
+template <int NT, int WARPS, int MODE, bool NORM>
+void launch(const Args& p, bool pdl, cudaStream_t stream) {
+  constexpr int TILES = MODE == kPlain ? NT : 2 * NT;
+  auto kernel = gemv_int4_kernel<NT, WARPS, MODE, NORM>;
   const size_t smem = size_t(p.T) * p.K * 2 + size_t(p.T) * (p.K / kGroup) * 4 +
                       size_t(WARPS) * 16 * TILES * p.T * 4 + kMaxTokens * 4;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((p.N + 16 * NT - 1) / (16 * NT));
+  cfg.gridDim = dim3(tile_count<NT, MODE>(p.N));
   cfg.blockDim = dim3(WARPS * kWarp);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -297,23 +361,25 @@ void launch(const Args& p, cudaStream_t stream) {
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = pdl ? 1 : 0;  // off: wait for the previous kernel to finish (A/B timing)
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
-using Launcher = void (*)(const Args&, cudaStream_t);
+using Launcher = void (*)(const Args&, bool, cudaStream_t);
 
 // the (tiles, warps) shapes the host picks from (cuda_gemv_int4.launch_shape)
-Launcher launcher(int nt, int warps, bool glu, bool norm) {
-#define CLLM_INT4_CASE(NT_, W_, GLU_, NORM_) \
-  if (nt == NT_ && warps == W_ && glu == GLU_ && norm == NORM_) return launch<NT_, W_, GLU_, NORM_>;
-  CLLM_INT4_CASE(1, 2, false, false)
-  CLLM_INT4_CASE(1, 4, false, false)
-  CLLM_INT4_CASE(1, 8, false, false)
-  CLLM_INT4_CASE(2, 4, false, false)
-  CLLM_INT4_CASE(2, 8, false, false)
-  CLLM_INT4_CASE(1, 4, true, true)
-  CLLM_INT4_CASE(1, 8, true, true)
+Launcher launcher(int nt, int warps, int mode, bool norm) {
+#define CLLM_INT4_CASE(NT_, W_, MODE_, NORM_) \
+  if (nt == NT_ && warps == W_ && mode == MODE_ && norm == NORM_) return launch<NT_, W_, MODE_, NORM_>;
+  CLLM_INT4_CASE(1, 2, kPlain, false)
+  CLLM_INT4_CASE(1, 4, kPlain, false)
+  CLLM_INT4_CASE(1, 8, kPlain, false)
+  CLLM_INT4_CASE(2, 4, kPlain, false)
+  CLLM_INT4_CASE(2, 8, kPlain, false)
+  CLLM_INT4_CASE(1, 4, kGlu, true)
+  CLLM_INT4_CASE(1, 8, kGlu, true)
+  CLLM_INT4_CASE(1, 8, kQkv, true)
+  CLLM_INT4_CASE(1, 8, kQkv, false)
 #undef CLLM_INT4_CASE
   return nullptr;
 }
@@ -329,11 +395,11 @@ const __nv_bfloat16* bf16_ptr(const std::optional<torch::Tensor>& t) {
 torch::Tensor cllm_gemv_int4(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale, torch::Tensor zero,
                              std::optional<torch::Tensor> bias, std::optional<torch::Tensor> residual,
                              std::optional<torch::Tensor> norm_weight, double eps, bool glu, int64_t nt,
-                             int64_t warps) {
+                             int64_t warps, bool pdl) {
   const int T = x.size(0), K = x.size(1);
   const int N = glu ? qweight.size(0) / 2 : qweight.size(0);
   TORCH_CHECK(T <= kMaxTokens && K % kGroup == 0 && scale.size(1) == K / kGroup, "gemv_int4: unsupported shape");
-  Launcher run = launcher(int(nt), int(warps), glu, norm_weight.has_value());
+  Launcher run = launcher(int(nt), int(warps), glu ? kGlu : kPlain, norm_weight.has_value());
   TORCH_CHECK(run != nullptr, "gemv_int4: no kernel for nt=", nt, " warps=", warps, " glu=", glu);
   auto out = torch::empty({T, N}, x.options());
   if (T == 0 || N == 0) return out;
@@ -341,6 +407,36 @@ torch::Tensor cllm_gemv_int4(torch::Tensor x, torch::Tensor qweight, torch::Tens
   Args p{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qweight.data_ptr<uint8_t>(), scale.data_ptr<float>(),
          zero.data_ptr<float>(), bf16_ptr(bias), bf16_ptr(residual), bf16_ptr(norm_weight),
          reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), float(eps), T, N, K};
-  run(p, at::cuda::getCurrentCUDAStream());
+  run(p, pdl, at::cuda::getCurrentCUDAStream());
   return out;
+}
+
+// The projection of fused_qkv_rope_wq (graph/quantized_ops.py) without q/k norm: x [T, K] bf16
+// (RMS-normalised first with norm_weight), qweight [(heads + 2 kv_heads) D, K / 2], then RoPE of q
+// and k at positions [T] (int64) from cos_sin [P, D] fp32, when given. Returns q, k, v.
+std::vector<torch::Tensor> cllm_qkv_int4(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                                         torch::Tensor zero, std::optional<torch::Tensor> bias,
+                                         std::optional<torch::Tensor> norm_weight, double norm_eps,
+                                         torch::Tensor positions, std::optional<torch::Tensor> cos_sin,
+                                         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t nt,
+                                         int64_t warps, bool pdl) {
+  const int T = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(T <= kMaxTokens && K % kGroup == 0 && scale.size(1) == K / kGroup &&
+                  N == (heads + 2 * kv_heads) * head_dim && head_dim % (32 * nt) == 0,
+              "qkv_int4: unsupported shape");
+  Launcher run = launcher(int(nt), int(warps), kQkv, norm_weight.has_value());
+  TORCH_CHECK(run != nullptr, "qkv_int4: no kernel for nt=", nt, " warps=", warps);
+  auto q = torch::empty({T, heads, head_dim}, x.options());
+  auto k = torch::empty({T, kv_heads, head_dim}, x.options());
+  auto v = torch::empty({T, kv_heads, head_dim}, x.options());
+  if (T == 0) return {q, k, v};
+  const at::cuda::CUDAGuard guard(x.device());
+  Args p{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qweight.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+         zero.data_ptr<float>(), bf16_ptr(bias), nullptr, bf16_ptr(norm_weight),
+         reinterpret_cast<__nv_bfloat16*>(q.data_ptr()), float(norm_eps), T, N, K,
+         positions.data_ptr<int64_t>(), cos_sin ? cos_sin->data_ptr<float>() : nullptr,
+         reinterpret_cast<__nv_bfloat16*>(k.data_ptr()), reinterpret_cast<__nv_bfloat16*>(v.data_ptr()),
+         int(heads), int(kv_heads), int(head_dim)};
+  run(p, pdl, at::cuda::getCurrentCUDAStream());
+  return {q, k, v};
 }
