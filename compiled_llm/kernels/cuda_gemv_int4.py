@@ -68,10 +68,10 @@ def _shared_memory_limit(device_index: int) -> int:
 
 def shared_memory_bytes(T: int, K: int, rows: int, mode: str = "plain") -> int:
     """What a block stages (csrc/gemv_int4.cu): x pair-ordered, its group sums, the warps'
-    partial sums and the norm's sums of squares."""
+    partial sums, the norm's sums of squares per group and its 1 / rms per token."""
     nt, warps = launch_shape(rows, K, mode)
     tiles = nt if mode == "plain" else 2 * nt
-    return T * K * 2 + T * (K // GROUP) * 4 + warps * 16 * tiles * T * 4 + MAX_ROWS * 4
+    return T * K * 2 + T * (K // GROUP) * 8 + warps * 16 * tiles * T * 4 + MAX_ROWS * 4
 
 
 def takes(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero, *others, mode: str = "plain") -> bool:

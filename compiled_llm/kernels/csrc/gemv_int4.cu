@@ -111,66 +111,96 @@ struct Args {
   int heads, kv_heads, head_dim;
 };
 
+// bf16 pairs (e0,e1) (e2,e3) (e4,e5) (e6,e7) of 8 consecutive k, reordered to the mma's pairs
+__device__ __forceinline__ uint4 pair_order(const uint4& raw) {
+  const uint32_t* r = reinterpret_cast<const uint32_t*>(&raw);
+  uint4 v;
+  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(v.x) : "r"(r[0]), "r"(r[2]));  // (e0,e4)
+  asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(v.y) : "r"(r[0]), "r"(r[2]));  // (e1,e5)
+  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(v.z) : "r"(r[1]), "r"(r[3]));  // (e2,e6)
+  asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(v.w) : "r"(r[1]), "r"(r[3]));  // (e3,e7)
+  return v;
+}
+
+// the sum over 16 aligned lanes (a group's 16 units of 8 k; K / 8 is a multiple of 16)
+__device__ __forceinline__ float sum16(float s) {
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+
+constexpr int kStageUnits = 4;  // 16-byte units of x a thread has in flight while staging
+
 // Stage x (RMS-normalised with NORM) in shared memory as pair-ordered 16-byte units, and the sum
-// of x over each group.
+// of x over each group. A thread loads kStageUnits units at once: staging sits between the first
+// weight loads and the main loop of every block, and one round trip to the L2 per chunk (with x
+// and, for NORM, the norm weight kept in registers when one chunk holds all of x) is what keeps it
+// short. The sums of squares meet per group in sq, then per token in a fixed order.
 template <bool NORM>
-__device__ __forceinline__ void stage_x(const Args& p, uint4* xp, float* sx, float* ss) {
-  const int units = p.T * (p.K / 8);
-  float rstd[kMaxTokens];
+__device__ __forceinline__ void stage_x(const Args& p, uint4* xp, float* sx, float* sq, float* rs) {
+  const int per_token = p.K / 8, units = p.T * per_token, chunk = kStageUnits * blockDim.x;
+  const int groups = p.K / kGroup, lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const uint4 *x = reinterpret_cast<const uint4*>(p.x), *nw = reinterpret_cast<const uint4*>(p.norm_weight);
+  uint4 raw[kStageUnits], wraw[kStageUnits];  // x, and the norm weight at its k (NORM)
+  auto load = [&](int base) {
+#pragma unroll
+    for (int i = 0; i < kStageUnits; ++i) {
+      if (base + i * blockDim.x >= units) break;
+      const int u = base + i * blockDim.x + threadIdx.x;
+      raw[i] = u < units ? x[u] : make_uint4(0, 0, 0, 0);
+      if constexpr (NORM) wraw[i] = u < units ? nw[u % per_token] : make_uint4(0, 0, 0, 0);
+    }
+  };
   if constexpr (NORM) {
-    if (threadIdx.x < kMaxTokens) ss[threadIdx.x] = 0.f;
-    __syncthreads();
-    for (int base = 0; base < units; base += blockDim.x) {  // uniform trip count: shuffles below
-      const int u = base + threadIdx.x;
-      float s = 0.f;
-      if (u < units) {
-        const uint4 raw = reinterpret_cast<const uint4*>(p.x)[u];
-        const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    for (int base = 0; base < units; base += chunk) {  // uniform trip count: shuffles below
+      load(base);
+#pragma unroll
+      for (int i = 0; i < kStageUnits; ++i) {
+        if (base + i * blockDim.x >= units) break;  // uniform: small K fills fewer than kStageUnits
+        const int u = base + i * blockDim.x + threadIdx.x;
+        const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw[i]);
+        float s = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) s += __bfloat162float(e[j]) * __bfloat162float(e[j]);
+        s = sum16(s);
+        if (u < units && u % 16 == 0) sq[u / 16] = s;
       }
-      // 16 aligned lanes share a token (K / 8 is a multiple of 16)
-#pragma unroll
-      for (int o = 1; o < 16; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (u < units && u % 16 == 0) atomicAdd(ss + u / (p.K / 8), s);
     }
     __syncthreads();
+    for (int t = warp; t < p.T; t += blockDim.x / kWarp) {
+      float s = 0.f;
+      for (int g = lane; g < groups; g += kWarp) s += sq[t * groups + g];
 #pragma unroll
-    for (int t = 0; t < kMaxTokens; ++t) rstd[t] = t < p.T ? rsqrtf(ss[t] / p.K + p.eps) : 0.f;
-  }
-  for (int base = 0; base < units; base += blockDim.x) {
-    const int u = base + threadIdx.x;
-    const bool ok = u < units;
-    uint4 raw = ok ? reinterpret_cast<const uint4*>(p.x)[u] : make_uint4(0, 0, 0, 0);
-    if constexpr (NORM) {
-      if (ok) {
-        const int t = u / (p.K / 8), k0 = (u % (p.K / 8)) * 8;
-        const uint4 wraw = reinterpret_cast<const uint4*>(p.norm_weight)[k0 / 8];
-        const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(&wraw);
-        __nv_bfloat16* e = reinterpret_cast<__nv_bfloat16*>(&raw);
-        float r = 0.f;
-#pragma unroll
-        for (int tt = 0; tt < kMaxTokens; ++tt) r = tt == t ? rstd[tt] : r;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          e[j] = __float2bfloat16(round_bf16(__bfloat162float(e[j]) * r) * __bfloat162float(w[j]));
-      }
+      for (int o = 1; o < kWarp; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) rs[t] = rsqrtf(s / p.K + p.eps);
     }
-    const uint32_t* r = reinterpret_cast<const uint32_t*>(&raw);  // (e0,e1) (e2,e3) (e4,e5) (e6,e7)
-    uint4 v;
-    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(v.x) : "r"(r[0]), "r"(r[2]));  // (e0,e4)
-    asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(v.y) : "r"(r[0]), "r"(r[2]));  // (e1,e5)
-    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(v.z) : "r"(r[1]), "r"(r[3]));  // (e2,e6)
-    asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(v.w) : "r"(r[1]), "r"(r[3]));  // (e3,e7)
-    if (ok) xp[u] = v;
-    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw);
-    float s = 0.f;
+    __syncthreads();
+  }
+  for (int base = 0; base < units; base += chunk) {
+    if (!NORM || units > chunk) load(base);  // else raw still holds all of x
 #pragma unroll
-    for (int j = 0; j < 8; ++j) s += __bfloat162float(e[j]);
-    // 16 units make a group: 16 aligned lanes of one warp (blockDim is a multiple of 32)
+    for (int i = 0; i < kStageUnits; ++i) {
+      if (base + i * blockDim.x >= units) break;
+      const int u = base + i * blockDim.x + threadIdx.x;
+      const bool ok = u < units;
+      if constexpr (NORM) {
+        if (ok) {
+          const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(&wraw[i]);
+          __nv_bfloat16* e = reinterpret_cast<__nv_bfloat16*>(&raw[i]);
+          const float r = rs[u / per_token];
 #pragma unroll
-    for (int o = 1; o < 16; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (ok && u % 16 == 0) sx[u / 16] = s;
+          for (int j = 0; j < 8; ++j)
+            e[j] = __float2bfloat16(round_bf16(__bfloat162float(e[j]) * r) * __bfloat162float(w[j]));
+        }
+      }
+      if (ok) xp[u] = pair_order(raw[i]);
+      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw[i]);
+      float s = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s += __bfloat162float(e[j]);
+      s = sum16(s);
+      if (ok && u % 16 == 0) sx[u / 16] = s;
+    }
   }
 }
 
@@ -221,7 +251,8 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_int4_kernel(const Args p) 
   uint4* xp = smem;                                        // [T][K / 8] pair-ordered x
   float* sx = reinterpret_cast<float*>(xp + T * (K / 8));  // [T][groups] sums of x
   float* red = sx + T * groups;                            // [WARPS][16 * TILES][T] partial sums
-  float* ss = red + WARPS * 16 * TILES * T;                // [kMaxTokens] sums of squares (NORM)
+  float* sq = red + WARPS * 16 * TILES * T;                // [T][groups] sums of squares (NORM)
+  float* rs = sq + T * groups;                             // [T] 1 / rms (NORM)
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int gid = lane / 4, tig = lane % 4;
   const int pair_offset = MODE == kGlu ? p.N : p.head_dim / 2;  // rows from a tile to its pair
@@ -291,7 +322,7 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_int4_kernel(const Args p) 
   if (steps > 0) load(a, g_begin);
   if (steps > 1) load(b, g_begin + 1);
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  stage_x<NORM>(p, xp, sx, ss);
+  stage_x<NORM>(p, xp, sx, sq, rs);
   __syncthreads();
   asm volatile("griddepcontrol.launch_dependents;");
   for (int s = 0; s < steps; s += 2) {
@@ -347,7 +378,7 @@ template <int NT, int WARPS, int MODE, bool NORM>
 void launch(const Args& p, bool pdl, cudaStream_t stream) {
   constexpr int TILES = MODE == kPlain ? NT : 2 * NT;
   auto kernel = gemv_int4_kernel<NT, WARPS, MODE, NORM>;
-  const size_t smem = size_t(p.T) * p.K * 2 + size_t(p.T) * (p.K / kGroup) * 4 +
+  const size_t smem = size_t(p.T) * p.K * 2 + size_t(p.T) * (p.K / kGroup) * 8 +
                       size_t(WARPS) * 16 * TILES * p.T * 4 + kMaxTokens * 4;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
