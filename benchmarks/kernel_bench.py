@@ -9,6 +9,8 @@
     python benchmarks/kernel_bench.py tune       batch-1 decode launch configs, tuned on the whole decode graph
     python benchmarks/kernel_bench.py gemm-wq    launch configs of the weight-only quantized GEMM (prefill sizes)
                                                  against cuBLAS on bf16 weights and the dequantizing reference
+    python benchmarks/kernel_bench.py int4-stream  the int4 decode GEMV kernels against a probe that streams the
+                                                 same weights with TMA bulk copies, with and without arithmetic
     python benchmarks/kernel_bench.py profile    decode graph time against the step's wall time, PDL on and
                                                  off, device time per kernel of decode and prefill steps
     python benchmarks/kernel_bench.py agree      fused kernels + CUDA graphs against the eager spec (greedy
@@ -1027,6 +1029,115 @@ def gemm_wq(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# int4-stream: how fast per-op int4 decode kernels can stream at all
+# ---------------------------------------------------------------------------------------------
+
+# the probe's (warps, stages, units a stage, blocks an SM) shapes (benchmarks/csrc/int4_stream.cu)
+STREAM_SHAPES = ((16, 2, 2, 1), (16, 4, 2, 1), (8, 4, 2, 2))
+STREAM_ROLES = ("gate_up", "down", "qkv", "o")  # a layer's weights, then the lm_head
+
+
+def int4_stream_extension():
+    """The probe, built in one translation unit after the engine's csrc/gemv_int4.cu (whose
+    staging, decode and mma it reuses)."""
+    from torch.utils.cpp_extension import load_inline
+
+    from compiled_llm.kernels import cuda_build, cuda_gemv_int4
+
+    source = (cuda_build.CSRC / "gemv_int4.cu").read_text() + (Path(__file__).parent / "csrc" / "int4_stream.cu").read_text()
+    declarations = cuda_gemv_int4.SOURCE.declarations + """
+torch::Tensor cllm_int4_stream(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_zero, int64_t N,
+                               std::optional<torch::Tensor> residual, std::optional<torch::Tensor> norm_weight,
+                               double eps, bool glu, int64_t warps, int64_t stages, int64_t units,
+                               int64_t blocks_per_sm, bool arith, torch::Tensor counters);
+int64_t cllm_int4_stream_shared_bytes(bool glu, int64_t warps, int64_t stages, int64_t units, int64_t T, int64_t K);
+"""
+    build_dir = cuda_build.cache_root() / "int4_stream_probe"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load_inline(name="cllm_int4_stream_probe", cpp_sources=declarations, cuda_sources=source,
+                       functions=["cllm_gemv_int4", "cllm_int4_stream", "cllm_int4_stream_shared_bytes"],
+                       build_directory=str(build_dir), extra_cuda_cflags=["-O3"], verbose=False)
+
+
+def tile_contiguous(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool):
+    """The probe's layout of an int4 weight: (codes, scale_zero), each (tile, group) unit contiguous."""
+    rows, groups = scale.shape
+    lead = (2, rows // 32) if glu else (rows // 16,)
+    order = (1, 3, 0, 2, 4) if glu else (0, 2, 1, 3)
+    codes = qweight.view(*lead, 16, groups, 64).permute(*order).contiguous().view(-1)
+    scale_zero = torch.stack([scale, zero], -1).view(*lead, 16, groups, 2).permute(*order).contiguous().view(-1)
+    return codes, scale_zero
+
+
+def int4_stream(args) -> int:
+    """Per model, the weights of a layer (norm + gate/up, down + residual, q/k/v, o + residual)
+    and the lm_head at T rows: the cuda provider's int4 kernels (csrc/gemv_int4.cu, as the engine
+    launches them: q/k/v with its RMSNorm and RoPE), and the probe of benchmarks/csrc/int4_stream.cu
+    with and without its arithmetic (best of the STREAM_SHAPES whose shared memory fits: for GLU
+    only the first). Weights are rotated past the L2. The
+    sums are what one decode step spends streaming weights in each: the loads-alone sum is what no
+    per-op kernel with this staging and these boundaries gets under."""
+    from compiled_llm.graph.quantized_ops import quantize
+    from compiled_llm.kernels import cuda_gemv_int4 as cg
+
+    if not needs_cuda("int4-stream"):
+        return 2
+    ext = int4_stream_extension()
+    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    counters = torch.zeros(1 << 20, dtype=torch.int32, device="cuda")
+    gen, T = torch.Generator("cuda").manual_seed(0), args.tokens
+    print(f"T = {T}; device-to-device copy {copy_gbs():.0f} GB/s (read + write)", flush=True)
+    for model in args.models:
+        c = model_config(model)
+        sums = {"engine": 0.0, "probe": 0.0, "loads": 0.0}
+        for role in STREAM_ROLES + ("lm_head",):
+            sh = role_shape(model, role)
+            glu = role == "gate_up"
+            N = sh.N // 2 if glu else sh.N
+            x, res = randn(gen, T, sh.K), randn(gen, T, N)
+            nw = randn(gen, sh.K, scale=0.1, shift=1.0)
+            copies = copies_for(sh.N * sh.K // 2)
+            sets = [quantize(randn(gen, sh.N, sh.K, scale=sh.K ** -0.5), "int4") for _ in range(copies)]
+            tiled = [tile_contiguous(*q, glu) for q in sets]
+            nbytes = sets[0][0].numel() + 8 * sets[0][1].numel()
+            r = res if role in ("o", "down") else None
+            if role == "qkv":
+                cos_sin = ops.rope_cos_sin(c.head_dim, MAX_MODEL_LEN, c.rope_theta).to("cuda")
+                pos = torch.zeros(T, dtype=torch.int64, device="cuda")
+                engine_call = lambda q, s, z: cg.fused_qkv_rope_wq(  # noqa: E731
+                    x, q, s, z, None, None, None, pos, cos_sin, c.num_heads, c.num_kv_heads, c.head_dim, 1e-6, nw, 1e-6)
+                plain = lambda q, s, z: cg.gemv_int4(x, q, s, z)  # noqa: E731  (the probe's rows: no norm, no RoPE)
+            else:
+                engine_call = plain = lambda q, s, z: cg.gemv_int4(  # noqa: E731
+                    x, q, s, z, residual2=r, norm_weight=nw if glu else None, eps=1e-6, glu=glu)
+            t_engine = graph_time_us(engine_call, sets)
+            ref = plain(*sets[0])
+            best = {True: (float("inf"), None), False: (float("inf"), None)}
+            for warps, stages, units, per_sm in STREAM_SHAPES:
+                if per_sm * ext.cllm_int4_stream_shared_bytes(glu, warps, stages, units, T, sh.K) > limit:
+                    continue
+                for arith in (True, False):
+                    def call(codes, sz, arith=arith, cfg=(warps, stages, units, per_sm)):
+                        return ext.cllm_int4_stream(x, codes, sz, N, r, nw if glu else None, 1e-6, glu, *cfg, arith,
+                                                    counters)
+                    if arith and rel_err(call(*tiled[0]), ref) > TOL:
+                        print(f"  {sh.name} probe {(warps, stages, units, per_sm)}: WRONG, not timed")
+                        continue
+                    best[arith] = min(best[arith], (graph_time_us(call, tiled), (warps, stages, units, per_sm)))
+            times = {"engine": t_engine, "probe": best[True][0], "loads": best[False][0]}
+            per_step = 1 if role == "lm_head" else c.num_layers
+            for k, t in times.items():
+                sums[k] += per_step * t
+            print(f"{sh.name:34} {nbytes / 1e6:7.1f} MB  " + "  ".join(
+                f"{k} {t:6.1f} µs {nbytes / t / 1e3:5.0f} GB/s" for k, t in times.items())
+                + f"  probe {best[True][1]}, loads {best[False][1]}", flush=True)
+            del sets, tiled
+        print(f"{model}: weights of one decode step ({c.num_layers} layers + lm_head): " + ", ".join(
+            f"{k} {t:.0f} µs" for k, t in sums.items()), flush=True)
+    return 0
+
+
 def random_prompt(vocab_size: int, length: int = 128, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(min(vocab_size, 10_001)) for _ in range(length)]
@@ -1259,6 +1370,12 @@ def parser() -> argparse.ArgumentParser:
                    help="row counts; each is a bucket of the printed table, the largest 'inf'")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip timing the dequantizing reference")
+
+    p = command("int4-stream", int4_stream, "the int4 decode GEMV kernels against a probe that streams the same "
+                "weights with TMA bulk copies, with and without its arithmetic")
+    p.add_argument("--models", nargs="+", default=[QWEN, LLAMA, "llama-3.1-8b"])
+    p.add_argument("--tokens", type=int, default=1, choices=range(1, 5), metavar="{1..4}",
+                   help="rows of x (both kernels stage x in shared memory: K = 14336 fits 4 rows)")
 
     p = command("profile", profile_steps, "where a step's time goes on the GPU")
     p.add_argument("--source", default=QWEN, help=f"model source or engine directory (default {QWEN})")

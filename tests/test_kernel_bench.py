@@ -1,5 +1,6 @@
 """benchmarks/kernel_bench.py, the kernel tool: its command line and what runs of it without a GPU
-(`--help`, `micro --list`, `sweep --dry-run`, the sweep's choice of configs and dispatch limits);
+(`--help`, `micro --list`, `sweep --dry-run`, the sweep's choice of configs and dispatch limits,
+the int4-stream probe's weight layout);
 on a GPU, its timing helper and the cases `micro` times. `agree` runs on the CPU in
 test_train_synthetic_lm.py."""
 
@@ -21,6 +22,7 @@ SUBCOMMANDS = {  # subcommand -> options its help must list
     "sweep": ["--models", "--roles", "--tokens", "--budget-s", "--dry-run", "--json-out"],
     "tune": ["--source", "--rounds", "--tables"],
     "gemm-wq": ["--models", "--scheme", "--tokens", "--no-reference"],
+    "int4-stream": ["--models", "--tokens"],
     "profile": ["--source", "--top", "--prefill"],
     "agree": ["--source", "--dtype", "--prompts-file", "--tokens"],
 }
@@ -60,10 +62,42 @@ def test_a_command_is_required(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gets")
-@pytest.mark.parametrize("args", [["micro"], ["attention"], ["sweep"], ["tune"], ["gemm-wq"], ["profile"]])
+@pytest.mark.parametrize("args", [["micro"], ["attention"], ["sweep"], ["tune"], ["gemm-wq"], ["int4-stream"],
+                                  ["profile"]])
 def test_gpu_commands_say_they_need_a_gpu(args, capsys):
     assert kb.main(args) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_int4_stream_layout_makes_each_tile_group_unit_contiguous():
+    # 4 tiles of 16 rows, 4 groups of 128 k (64 bytes of codes a row)
+    g = torch.Generator().manual_seed(0)
+    qweight = torch.randint(0, 256, (64, 256), dtype=torch.uint8, generator=g)
+    scale, zero = torch.rand(64, 4, generator=g), torch.rand(64, 4, generator=g)
+    codes, scale_zero = kb.tile_contiguous(qweight, scale, zero, glu=False)
+    units, pairs = codes.view(4, 4, 16, 64), scale_zero.view(4, 4, 16, 2)  # [tile][group][row]
+    for tile in range(4):
+        for group in range(4):
+            rows = slice(16 * tile, 16 * tile + 16)
+            assert torch.equal(units[tile, group], qweight[rows, 64 * group:64 * group + 64])
+            assert torch.equal(pairs[tile, group, :, 0], scale[rows, group])
+            assert torch.equal(pairs[tile, group, :, 1], zero[rows, group])
+
+
+def test_int4_stream_layout_puts_gate_and_up_rows_of_a_tile_in_one_unit():
+    # GLU: 32 gate rows then 32 up rows, 2 groups; a unit holds tile t's gate rows, then its up rows
+    g = torch.Generator().manual_seed(1)
+    qweight = torch.randint(0, 256, (64, 128), dtype=torch.uint8, generator=g)
+    scale, zero = torch.rand(64, 2, generator=g), torch.rand(64, 2, generator=g)
+    codes, scale_zero = kb.tile_contiguous(qweight, scale, zero, glu=True)
+    units, pairs = codes.view(2, 2, 2, 16, 64), scale_zero.view(2, 2, 2, 16, 2)  # [tile][group][gate|up][row]
+    for tile in range(2):
+        for group in range(2):
+            for half in range(2):
+                rows = slice(32 * half + 16 * tile, 32 * half + 16 * tile + 16)
+                assert torch.equal(units[tile, group, half], qweight[rows, 64 * group:64 * group + 64])
+                assert torch.equal(pairs[tile, group, half, :, 0], scale[rows, group])
+                assert torch.equal(pairs[tile, group, half, :, 1], zero[rows, group])
 
 
 def test_micro_lists_its_cases_without_a_gpu():

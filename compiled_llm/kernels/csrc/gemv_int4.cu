@@ -84,6 +84,27 @@ __device__ __forceinline__ void mma_bf16(float d[4], const uint32_t a[4], uint32
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// One group of one 16-row tile: the tile's rows (codes q: rows gid and gid + 8, 32 k a lane) times
+// x's B fragments xb, added to lo and hi as sums of x (128 + q): the mma of the first half of each
+// 8 k into lo, the second into hi. The kernels here pass the same array twice (one chain of mma);
+// benchmarks/csrc/int4_stream.cu, with fewer warps to hide the mma latency, passes two.
+__device__ __forceinline__ void tile_group_mma(const uint4 (&q)[2], const uint4 (&xb)[4], float (&lo)[4],
+                                               float (&hi)[4]) {
+  const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&q[0]);
+  const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&q[1]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t p0[4], p1[4];
+    decode_word(w0[i], p0);
+    decode_word(w1[i], p1);
+    const uint32_t* xi = reinterpret_cast<const uint32_t*>(&xb[i]);
+    const uint32_t a_lo[4] = {p0[0], p1[0], p0[1], p1[1]};
+    mma_bf16(lo, a_lo, xi[0], xi[1]);
+    const uint32_t a_hi[4] = {p0[2], p1[2], p0[3], p1[3]};
+    mma_bf16(hi, a_hi, xi[2], xi[3]);
+  }
+}
+
 // one group's loads for a warp: codes of rows gid and gid + 8 of each tile (32 k a lane), and
 // those rows' scales and zero points
 template <int TILES>
@@ -296,19 +317,7 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_int4_kernel(const Args p) 
 #pragma unroll
     for (int t = 0; t < TILES; ++t) {
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&st.q[t][0]);
-      const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&st.q[t][1]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint32_t p0[4], p1[4];
-        decode_word(w0[i], p0);
-        decode_word(w1[i], p1);
-        const uint32_t* xi = reinterpret_cast<const uint32_t*>(&xb[i]);
-        const uint32_t a_lo[4] = {p0[0], p1[0], p0[1], p1[1]};
-        mma_bf16(d, a_lo, xi[0], xi[1]);
-        const uint32_t a_hi[4] = {p0[2], p1[2], p0[3], p1[3]};
-        mma_bf16(d, a_hi, xi[2], xi[3]);
-      }
+      tile_group_mma(st.q[t], xb, d, d);
       // d: (row gid, tok0) (row gid, tok1) (row gid + 8, tok0) (row gid + 8, tok1): sums of x (128 + q)
       const float o0 = 128.f + st.z[t][0], o1 = 128.f + st.z[t][1];
       acc[t][0] = fmaf(st.s[t][0], fmaf(-o0, sx0, d[0]), acc[t][0]);
@@ -374,6 +383,23 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_int4_kernel(const Args p) 
   }
 }
 
+// A launch of `grid` blocks of `threads`; with pdl, programmatic dependent launch (the kernel may
+// start before the previous one ends; it waits in griddepcontrol.wait), else after it (A/B timing).
+// pdl_attr: storage for the attribute, alive until the launch.
+cudaLaunchConfig_t launch_config(int grid, int threads, size_t smem, cudaStream_t stream, bool pdl,
+                                 cudaLaunchAttribute* pdl_attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  pdl_attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl_attr->val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = pdl_attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cfg;
+}
+
 template <int NT, int WARPS, int MODE, bool NORM>
 void launch(const Args& p, bool pdl, cudaStream_t stream) {
   constexpr int TILES = MODE == kPlain ? NT : 2 * NT;
@@ -383,16 +409,9 @@ void launch(const Args& p, bool pdl, cudaStream_t stream) {
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(tile_count<NT, MODE>(p.N));
-  cfg.blockDim = dim3(WARPS * kWarp);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;  // off: wait for the previous kernel to finish (A/B timing)
+  cudaLaunchAttribute pdl_attr;
+  const cudaLaunchConfig_t cfg =
+      launch_config(tile_count<NT, MODE>(p.N), WARPS * kWarp, smem, stream, pdl, &pdl_attr);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
