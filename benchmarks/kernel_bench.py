@@ -1045,7 +1045,8 @@ def int4_stream_extension():
 
     from compiled_llm.kernels import cuda_build, cuda_gemv_int4
 
-    source = (cuda_build.CSRC / "gemv_int4.cu").read_text() + (Path(__file__).parent / "csrc" / "int4_stream.cu").read_text()
+    probe = Path(__file__).parent / "csrc" / "int4_stream.cu"
+    source = (cuda_build.CSRC / "gemv_int4.cu").read_text() + probe.read_text()
     declarations = cuda_gemv_int4.SOURCE.declarations + """
 torch::Tensor cllm_int4_stream(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_zero, int64_t N,
                                std::optional<torch::Tensor> residual, std::optional<torch::Tensor> norm_weight,
@@ -1075,9 +1076,9 @@ def int4_stream(args) -> int:
     and the lm_head at T rows: the cuda provider's int4 kernels (csrc/gemv_int4.cu, as the engine
     launches them: q/k/v with its RMSNorm and RoPE), and the probe of benchmarks/csrc/int4_stream.cu
     with and without its arithmetic (best of the STREAM_SHAPES whose shared memory fits: for GLU
-    only the first). Weights are rotated past the L2. The
-    sums are what one decode step spends streaming weights in each: the loads-alone sum is what no
-    per-op kernel with this staging and these boundaries gets under."""
+    only the first). Weights are rotated past the L2. The sums are what one decode step spends on
+    its weights in each; the loads-alone sum is the floor of kernels built this way (a kernel per
+    op, each staging x), whatever their arithmetic costs."""
     from compiled_llm.graph.quantized_ops import quantize
     from compiled_llm.kernels import cuda_gemv_int4 as cg
 
