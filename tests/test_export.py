@@ -54,3 +54,37 @@ def test_program_matches_spec_for_other_shapes(captured, shape):
     assert out.shape == (len(shape), config.vocab_size)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
     torch.testing.assert_close(kv, kv_ref, rtol=0, atol=0)  # the same cache writes
+
+
+def test_the_logits_rows_variant_yields_the_spec_logits_of_the_rows_asked(captured):
+    """``with_logits_rows``: the same program with the rows to select as one more input (a
+    prompt's log-probabilities need every position); the captured program is left as it was."""
+    from compiled_llm.graph.logits_rows import LOGITS_ROWS, with_logits_rows
+
+    config, params, cap = captured
+    before = cap.gm.code
+    variant = with_logits_rows(cap.gm)
+    assert cap.gm.code == before
+    assert [n.target for n in variant.graph.nodes if n.op == "placeholder"][-1] == LOGITS_ROWS
+    gen = torch.Generator().manual_seed(5)
+    seqs = [ScheduledSeq(torch.randint(0, config.vocab_size, (n,), generator=gen).tolist(), c, [2 * i, 2 * i + 1])
+            for i, (c, n) in enumerate([(3, 9), (0, 5)])]
+    batch = pack_batch(seqs, 8)
+    kv = torch.randn(kv_cache_shape(config, 5, 8), generator=gen)
+    rows = torch.tensor([13, 0, 4, 8, 9])
+    kv_ref = kv.clone()
+    (out,) = variant(*[params[n] for n in cap.param_names], *batch, kv, rows)
+    ref = forward(config, params, batch, kv_ref, logits_rows=rows)
+    assert out.shape == (len(rows), config.vocab_size)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    last = forward(config, params, batch, kv_ref.clone())
+    torch.testing.assert_close(out[[3, 0]], last, rtol=0, atol=1e-5)  # rows 8 and 13 end the segments
+
+
+def test_a_program_without_its_last_rows_selection_cannot_yield_chosen_rows():
+    from compiled_llm.errors import EngineError
+    from compiled_llm.graph.logits_rows import with_logits_rows
+
+    gm = torch.fx.symbolic_trace(lambda query_start_loc, h: h * 2)
+    with pytest.raises(EngineError, match="0 selections of each sequence's last row"):
+        with_logits_rows(gm)

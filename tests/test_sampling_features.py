@@ -174,8 +174,8 @@ def test_prompt_logprobs_equal_transformers_at_every_prompt_position(lively):
 
 
 def test_prompt_logprobs_of_a_long_prompt_beside_other_requests(lively):
-    """A prompt longer than max_num_seqs tokens is split over steps (its segments count as
-    rows), next to requests that decode."""
+    """A prompt longer than max_num_seqs tokens is split over steps (its logits rows count
+    against max_num_seqs), next to requests that decode."""
     llm, model = lively
     long_prompt = prompt_ids(3, 40, model.config.vocab_size)
     others = [prompt_ids(10 + i, 5, model.config.vocab_size) for i in range(3)]
@@ -189,6 +189,75 @@ def test_prompt_logprobs_of_a_long_prompt_beside_other_requests(lively):
     for p, out in zip(others, outs[1:]):
         alone = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
         assert out.token_ids == alone.token_ids
+
+
+class _RecordingProgram:
+    """The engine's program, recording each call: (which entry, tokens, query segments, logits rows)."""
+
+    def __init__(self, program):
+        self.program, self.calls = program, []
+
+    def __call__(self, params, batch, kv_cache):
+        self.calls.append(("last_rows", len(batch.token_ids), len(batch.seq_lens), len(batch.seq_lens)))
+        return self.program(params, batch, kv_cache)
+
+    def logits_of_rows(self, params, batch, kv_cache, rows):
+        self.calls.append(("chosen_rows", len(batch.token_ids), len(batch.seq_lens), len(rows)))
+        return self.program.logits_of_rows(params, batch, kv_cache, rows)
+
+
+def test_a_long_prompt_logprobs_prefill_runs_in_budget_chunks_while_another_request_decodes(tiny_engine):
+    """A 900-token prompt_logprobs request is prefilled like any prompt, one query segment per
+    step in chunks of the token budget, its logits computed in the same pass; a running request
+    gets a token at every one of those steps, and steps without it compute last rows only."""
+    from compiled_llm.engine.loader import load_model
+    from compiled_llm.graph.batch import ScheduledSeq, pack_batch
+    from compiled_llm.graph.spec import forward
+    from compiled_llm.serve import kv_cache as kvc
+    from compiled_llm.serve.engine_config import EngineConfig
+    from compiled_llm.serve.llm_engine import LLMEngine
+
+    budget = 128
+    model = load_model(tiny_engine, device="cpu")
+    engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=budget, async_scheduling=False))
+    recorder = engine.runner.program = _RecordingProgram(engine.runner.program)
+    vocab = model.config.vocab_size
+    other = engine.add_request({"prompt_token_ids": prompt_ids(5, 8, vocab)},
+                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), stream=True)
+    engine.step()
+    prompt = prompt_ids(6, 900, vocab)
+    long_id = engine.add_request({"prompt_token_ids": prompt},
+                                 SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1, ignore_eos=True))
+    recorder.calls.clear()
+    done, steps = None, 0
+    while done is None:
+        outputs = {o.request_id: o for o in engine.step()}
+        steps += 1
+        assert other in outputs and len(outputs[other].outputs[0].delta_token_ids) == 1, f"step {steps}"
+        done = outputs.get(long_id)
+    chunk = budget - 1  # the decode takes one token of each step's budget
+    assert steps == -(-len(prompt) // chunk) + 1  # the chunks, then the long request's second token
+    prefill_calls, decode_calls = recorder.calls[:-1], recorder.calls[-1:]
+    for i, (entry, tokens, segments, rows) in enumerate(prefill_calls):
+        positions = min(chunk, len(prompt) - 1 - i * chunk)  # positions whose next token is a prompt token
+        assert (entry, segments) == ("chosen_rows", 2), f"step {i}: {recorder.calls[i]}"
+        assert tokens == 1 + min(chunk, len(prompt) - i * chunk) <= budget
+        assert rows == positions + (1 if positions < chunk else 0) + 1  # + the long one's last row, the decode's row
+    assert decode_calls == [("last_rows", 2, 2, 2)]
+
+    # every position's values: the eager spec's log_softmax over the whole prompt in one pass
+    assert done.prompt_logprobs[0] is None and len(done.prompt_logprobs) == len(prompt)
+    source = load_model("tiny-qwen2", dtype="float32", device="cpu")
+    blocks = -(-len(prompt) // 16)
+    kv = kvc.allocate(source.config, blocks, 16, torch.float32, "cpu")
+    batch = pack_batch([ScheduledSeq(prompt, 0, list(range(blocks)))], 16)
+    with torch.inference_mode():
+        logits = forward(source.config, source.params, batch, kv, logits_rows=torch.arange(len(prompt) - 1))
+    want = logits.log_softmax(-1)
+    for p in range(1, len(prompt)):
+        position, row = done.prompt_logprobs[p], want[p - 1]
+        assert position[prompt[p]].logprob == pytest.approx(row[prompt[p]].item(), abs=1e-4)
+        assert position[prompt[p]].rank == 1 + int((row > row[prompt[p]]).sum())
 
 
 @torch.no_grad()

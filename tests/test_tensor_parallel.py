@@ -241,6 +241,24 @@ def test_tp2_engine_generates_what_transformers_does(built, family):
     assert all(p.poll() is not None for p in llm.engine.executor._procs)  # shutdown stops the worker
 
 
+def test_tp2_prompt_logprobs_equal_transformers_at_every_prompt_position(qwen2):
+    """Both ranks run the prefill chunks that yield every prompt position's logits (each
+    gathers its vocabulary shard in the same pass), beside a request that decodes."""
+    prompt = prompts_for(qwen2.vocab_size)[-1]
+    llm = LLM(str(qwen2.engine), device="cpu", max_num_seqs=8, max_num_batched_tokens=16)
+    try:
+        params = [SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1, ignore_eos=True),
+                  SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)]
+        out = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt[:5]}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    with torch.no_grad():
+        want = qwen2.hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    got = [out[0].prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
+    assert got == pytest.approx([want[p - 1, prompt[p]].item() for p in range(1, len(prompt))], abs=1e-4)
+    assert out[1].token_ids == list(greedy_continuation(qwen2.hf, prompt[:5], MAX_TOKENS).token_ids)
+
+
 # ---- the engine directory ---------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from compiled_llm.graph.export import FlatProgram
+from compiled_llm.graph.logits_rows import with_logits_rows
 from compiled_llm.graph.spec import PackedBatch
 from compiled_llm.kernels import registry
 
@@ -27,9 +28,17 @@ class PortableProgram:
         self.module = FlatProgram(gm, param_names)
         self.param_names = list(param_names)
         self._run = FlatProgram(with_direct_calls(gm), param_names)
+        self._rows_gm: torch.fx.GraphModule | None = None  # made on first use (graph/logits_rows.py)
 
     def __call__(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor) -> Tensor:
         return self._run(params, *batch, kv_cache)
+
+    def logits_of_rows(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor, rows: Tensor) -> Tensor:
+        """The step's logits of token rows ``rows`` (int64), in that order."""
+        if self._rows_gm is None:
+            self._rows_gm = with_logits_rows(self._run.gm)
+        out = self._rows_gm(*[params[n] for n in self.param_names], *batch, kv_cache, rows)
+        return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def with_direct_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -12,7 +12,8 @@ with different shapes:
                                      -1 for padding rows, which write nowhere
     kv_cache[L, 2, num_blocks, block_size, kv_heads, head_dim]
 
-It returns logits[S, vocab] for the last row of each sequence only.
+It returns logits[S, vocab] for the last row of each sequence only (or, given ``logits_rows``,
+for those token rows: a prompt's log-probabilities need every position's).
 """
 
 from __future__ import annotations
@@ -158,9 +159,10 @@ def forward(
     params: dict[str, Tensor],
     batch: PackedBatch,
     kv_cache: Tensor,
+    logits_rows: Tensor | None = None,
 ) -> Tensor:
-    """Logits [S, vocab] of the last scheduled token of each sequence; writes the batch's
-    keys/values into kv_cache."""
+    """Logits [S, vocab] of the last scheduled token of each sequence, or [len(logits_rows),
+    vocab] of the token rows ``logits_rows``; writes the batch's keys/values into kv_cache."""
     h = F.embedding(batch.token_ids, params["embed.weight"])
     if config.position_type == "learned":
         h = h + F.embedding(batch.positions, params["pos_embed.weight"])
@@ -168,10 +170,24 @@ def forward(
         p = f"layers.{layer}."
         h = h + _attention(config, params, layer, _norm(config, params, p + "attn_norm", h), batch, kv_cache)
         h = h + _mlp(config, params, layer, _norm(config, params, p + "mlp_norm", h))
-    last_rows = batch.query_start_loc[1:] - 1
-    h = _norm(config, params, "final_norm", h.index_select(0, last_rows))
+    rows = batch.query_start_loc[1:] - 1 if logits_rows is None else logits_rows
+    h = _norm(config, params, "final_norm", h.index_select(0, rows))
     lm_head = params["embed.weight"] if config.tie_word_embeddings else params["lm_head.weight"]
     return F.linear(h, lm_head)
+
+
+class SpecProgram:
+    """``forward`` as the runtime runs a program, eagerly: ``program(params, batch, kv_cache)``,
+    and ``program.logits_of_rows(params, batch, kv_cache, rows)``."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+
+    def __call__(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor) -> Tensor:
+        return forward(self.config, params, batch, kv_cache)
+
+    def logits_of_rows(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor, rows: Tensor) -> Tensor:
+        return forward(self.config, params, batch, kv_cache, logits_rows=rows)
 
 
 class SpecModule(torch.nn.Module):

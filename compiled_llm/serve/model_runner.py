@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from compiled_llm.errors import EngineError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.spec import PackedBatch
 from compiled_llm.model.config import ModelConfig
@@ -64,11 +65,13 @@ class DeviceStep:
     tokens: int  # token rows copied in (and run)
     seqs: int  # query segments copied in (and run)
     width: int  # block-table columns
-    run: str  # "decode_graph", "prefill_graph" or "program"
+    run: str  # "decode_graph", "prefill_graph", "program" or "program_rows"
     rows: int  # logits rows the step yields
     ahead_seqs: int = 0  # scheduled ahead: the first ahead_seqs input tokens are the last step's ids
     ahead_rows: list[int] | None = None  # ... rows ahead_rows of them (all, in order, when None)
     ahead_ids: int = 0  # how many ids the last step sampled
+    # "program_rows": the token rows whose logits the step yields, in order (ModelRunner._logits_rows)
+    logits_rows: tuple[int, ...] | None = None
 
 
 def _label(enabled: bool, name: str):
@@ -126,8 +129,8 @@ class ModelRunner:
         self._params_epoch = 0
         self._last_params: tuple | None = None  # (epoch, rows, table, SamplingTensors)
         self._step_rows = np.zeros(0, dtype=np.int64)  # the runner row of each of the step's seqs
-        # logits row of each seq's last token in the step, when a seq spans several rows
-        # (prompt log-probabilities): None = one row per seq
+        # logits row of each seq's last token in the step, when the step yields the logits of
+        # more rows than those (prompt log-probabilities): None = one row per seq
         self._last_logit_rows: list[int] | None = None
         self._prompt_lp_rows: list[tuple[int, int, int]] = []  # (seq index, first logits row, count)
 
@@ -305,16 +308,19 @@ class ModelRunner:
                               S if ahead else 0, ahead_rows, len(ahead_of.ids) if ahead else 0)
             return self.run_device_step(step, ahead_of)
         inputs = self.inputs
-        split = [s.wants_prompt_logprobs for s in seqs]
         bucket = None
-        if S == 1 and self.prefill_graphs.enabled and not split[0]:
+        if S == 1 and self.prefill_graphs.enabled and not seqs[0].wants_prompt_logprobs:
             bucket = self.prefill_graphs.bucket_for(batch.num_new_tokens[0])
         width = self.width if bucket is not None else self._width_of(seqs)
-        T, R = self._fill_mixed(inputs, seqs, rows, batch.num_new_tokens, width, split)
+        T = self._fill_mixed(inputs, seqs, rows, batch.num_new_tokens, width)
         if bucket is not None:
             inputs.pad_tokens(T, bucket)
             return self.run_device_step(DeviceStep(False, bucket, 1, width, "prefill_graph", 1))
-        return self.run_device_step(DeviceStep(False, T, R, width, "program", R))
+        logits_rows = self._logits_rows(seqs, batch.num_new_tokens)
+        if logits_rows is not None:
+            return self.run_device_step(DeviceStep(False, T, S, width, "program_rows", len(logits_rows),
+                                                   logits_rows=logits_rows))
+        return self.run_device_step(DeviceStep(False, T, S, width, "program", S))
 
     def run_device_step(self, step: DeviceStep, ahead_of: StepHandle | None = None) -> Tensor:
         """The device part of a step whose host inputs are filled: copy them in, run the graph
@@ -329,7 +335,10 @@ class ModelRunner:
             return self.graphs.run(step.tokens, step.rows)
         if step.run == "prefill_graph":
             return self.prefill_graphs.run(step.tokens, step.seqs)
-        return self._run_program(inputs.views(step.tokens, step.seqs, step.width))[:step.rows]
+        batch = inputs.views(step.tokens, step.seqs, step.width)
+        if step.run == "program_rows":
+            return self._logits_of_rows(batch, self._to_device(list(step.logits_rows)))
+        return self._run_program(batch)[:step.rows]
 
     @torch.inference_mode()
     def replay_step(self, step: DeviceStep, host: dict[str, np.ndarray]) -> None:
@@ -378,6 +387,13 @@ class ModelRunner:
 
     def _run_program(self, batch: PackedBatch) -> Tensor:
         return self.program(self.params, batch, self.kv_cache)
+
+    def _logits_of_rows(self, batch: PackedBatch, rows: Tensor) -> Tensor:
+        run = getattr(self.program, "logits_of_rows", None)
+        if run is None:
+            raise EngineError("this engine's program yields only each sequence's last logits; "
+                              "it cannot compute prompt_logprobs")
+        return run(self.params, batch, self.kv_cache, rows)
 
     def _sample(self, batch: ScheduledBatch, logits: Tensor) -> tuple[Tensor | None, TokenLogprobs | None]:
         """The sampled ids of batch.sample_rows, and their log-probabilities if any row asks."""
@@ -484,19 +500,13 @@ class ModelRunner:
             inputs.pad_seqs(R, padded, width, seq_len=0)
 
     def _fill_mixed(self, inputs: StepInputs, seqs: list[Sequence], rows: np.ndarray, num_new: list[int],
-                    width: int, split: list[bool]) -> tuple[int, int]:
-        """Pack the step; (tokens, query segments). A ``split`` seq (its prompt's
-        log-probabilities are asked for) runs each of its tokens as a one-token segment whose
-        context ends at that token: the program's logits are those of each segment's last token,
-        so this yields a row of logits per position, with the same attention (every layer
-        writes the step's K/V to the cache before it attends)."""
+                    width: int) -> int:
+        """Pack the step, one query segment per seq; the number of tokens."""
         npb = inputs.np
         bs = self.block_size
-        R = sum(n if sp else 1 for n, sp in zip(num_new, split))
-        bt = inputs.block_table(R, width)
-        t = r = 0
+        bt = inputs.block_table(len(seqs), width)
+        t = 0
         npb["qsl"][0] = 0
-        last_rows = []
         for i, (s, n) in enumerate(zip(seqs, num_new)):
             c = s.num_computed_tokens
             npb["tok"][t:t + n] = s.token_ids[c:c + n]
@@ -504,25 +514,36 @@ class ModelRunner:
             npb["pos"][t:t + n] = pos
             table = self.rows.tables[rows[i]]
             npb["slot"][t:t + n] = table[pos // bs].astype(np.int64) * bs + pos % bs
-            if split[i]:
-                npb["sl"][r:r + n] = pos + 1
-                bt[r:r + n] = table[:width]
-                npb["qsl"][r + 1:r + n + 1] = np.arange(t + 1, t + n + 1)
-                # positions whose next token is a prompt token
-                known = min(c + n, s.num_prompt_tokens - 1) - c
-                if known > 0:
-                    self._prompt_lp_rows.append((i, r, known))
-                r += n
-            else:
-                npb["sl"][r] = c + n
-                bt[r] = table[:width]
-                npb["qsl"][r + 1] = t + n
-                r += 1
+            npb["sl"][i] = c + n
+            bt[i] = table[:width]
             t += n
-            last_rows.append(r - 1)
-        if R != len(seqs):
-            self._last_logit_rows = last_rows
-        return t, R
+            npb["qsl"][i + 1] = t
+        return t
+
+    def _logits_rows(self, seqs: list[Sequence], num_new: list[int]) -> tuple[int, ...] | None:
+        """The token rows whose logits a prefill step needs when a seq's prompt
+        log-probabilities are asked for (None when none is): every such seq's rows whose next
+        token is a prompt token, and every seq's last row. Records which logits rows are each
+        seq's last (``_last_logit_rows``) and which are prompt positions (``_prompt_lp_rows``)."""
+        if not any(s.wants_prompt_logprobs for s in seqs):
+            return None
+        out: list[int] = []
+        last_rows = []
+        t = 0
+        for i, (s, n) in enumerate(zip(seqs, num_new)):
+            known = 0
+            if s.wants_prompt_logprobs:
+                c = s.num_computed_tokens
+                known = max(0, min(c + n, s.num_prompt_tokens - 1) - c)  # positions whose next token is a prompt token
+                if known:
+                    self._prompt_lp_rows.append((i, len(out), known))
+                out.extend(range(t, t + known))
+            if known < n:
+                out.append(t + n - 1)
+            last_rows.append(len(out) - 1)
+            t += n
+        self._last_logit_rows = last_rows
+        return tuple(out)
 
 
 @torch.inference_mode()

@@ -145,9 +145,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        # A seq whose prompt log-probabilities are asked for runs each prompt token as its own
-        # query segment (ModelRunner._fill_mixed): ``extra_rows`` counts the segments beyond one
-        # per seq, so a step's segments never exceed max_num_seqs.
+        # A seq whose prompt log-probabilities are asked for is prefilled like any other, in
+        # chunks, but its step yields a row of logits per prompt position (ModelRunner.
+        # _logits_rows): ``extra_rows`` counts the rows beyond one per seq, so a step never
+        # holds more logits than the max_num_seqs rows the engine's memory profile samples.
         extra_rows = 0
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
