@@ -113,12 +113,18 @@ def run_front(engine, requests, stream: bool):
             group = front.submit(requests, stream=stream)
             pieces = [[] for _ in requests]
             finals = [None] * len(requests)
+            outputs = [[] for _ in requests]
             async for ready in group:
                 for i, out in ready:
                     pieces[i].append(out.outputs[0].delta_text)
+                    outputs[i].append(out.outputs[0])
                     if out.finished:
                         finals[i] = out.outputs[0]
             group.release()
+            # read after the stream ended: each output's whole text is still the text it had
+            for parts, outs in zip(pieces, outputs):
+                for k, out in enumerate(outs[:-1]):
+                    assert out.text == "".join(parts[:k + 1])
             return pieces, finals
         finally:
             await front.stop()

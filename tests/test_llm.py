@@ -115,6 +115,26 @@ def test_stop_string_is_trimmed_and_streaming_adds_up(tiny):
     assert "".join(tiny.stream(prompt, params)) == out.text
 
 
+def test_each_streamed_output_holds_the_text_of_its_step_however_late_it_is_read(tiny):
+    """The engine's streamed outputs carry their whole text without joining it at every step:
+    read after the request has finished, each is still the text as of its own step."""
+    from compiled_llm.serve.engine_config import EngineConfig
+    from compiled_llm.serve.llm_engine import LLMEngine
+
+    engine = LLMEngine(tiny.model, EngineConfig(max_num_seqs=4, num_blocks=16))
+    for stop in ([], ["zq"]):
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=stop)
+        rid = engine.add_request("Once upon a time", params, stream=True)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o.outputs[0] for o in engine.step() if o.request_id == rid]
+        want = tiny.generate("Once upon a time", params, use_tqdm=False)[0].text
+        assert len(outs) == 24 and outs[-1].text == want
+        for k, out in enumerate(outs):
+            assert want.startswith(out.text) and len(out.text) >= len("".join(o.delta_text for o in outs[:k + 1]))
+        assert "".join(o.delta_text for o in outs) == want
+
+
 def test_seeded_sampling_is_reproducible_and_matches_reference(tiny):
     vocab = tiny.model.config.vocab_size
     prompts = [[random.Random(i).randrange(vocab) for _ in range(10 + i)] for i in range(6)]

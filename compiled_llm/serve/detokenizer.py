@@ -7,11 +7,17 @@ U+FFFD and waits for the next token. Stop strings are searched only in the text 
 contain a new match; a hit cuts the text where the stop string starts (or where it ends, with
 ``include_stop``), and ``stop_string`` says which one it was. While streaming, the
 last len(longest stop) - 1 characters are held back, so a stop string is never half-sent.
+
+The text is kept as the pieces it grew by (``TextPieces``): a step appends its piece, searches
+stop strings in the tail and streams from it, so a long output costs linear time; ``text`` joins
+the whole only when read.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
+
+from compiled_llm.serve.text_pieces import TextPieces, TextSnapshot
 
 
 class IncrementalDetokenizer:
@@ -22,7 +28,8 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.text = ""
+        self.pieces = TextPieces()
+        self._tail = ""  # the text's last ``hold`` characters, where a stop string may have begun
         self._prefix_offset = 0
         self._read_offset = 0
         self._streamed = 0
@@ -46,25 +53,40 @@ class IncrementalDetokenizer:
             return False
         delta = full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-        start = max(0, len(self.text) - self.hold)
-        self.text += delta
         if self.stop:
-            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+            # a new match ends in the delta, so it starts in it or in the last hold characters
+            window = self._tail + delta
+            start = len(self.pieces) - len(self._tail)
+            self._tail = window[-self.hold:] if self.hold else ""
+            hits = [(i, s) for i, s in ((window.find(s), s) for s in self.stop) if i >= 0]
             if hits:
                 at, self.stop_string = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
-                self.text = self.text[: at + (len(self.stop_string) if self.include_stop else 0)]
+                self.pieces.append(delta)
+                self.pieces.truncate(start + at + (len(self.stop_string) if self.include_stop else 0))
                 self.stopped = True
+                return True
+        self.pieces.append(delta)
         return self.stopped
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (joined on reading)."""
+        return self.pieces.value()
+
+    def snapshot(self) -> TextSnapshot:
+        """The text as it is now, joined only if read (what an output carries)."""
+        return self.pieces.snapshot()
 
     def finalize(self) -> None:
         """At the end (not cut by a stop string): the exact decode of all output tokens, which
         also flushes a trailing incomplete character."""
         if not self.stopped:
-            self.text = self._decode(self.token_ids)
+            self.pieces.replace(self._decode(self.token_ids))
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet streamed; holds back a possible stop-string prefix unless finished."""
-        end = len(self.text) if finished else max(len(self.text) - self.hold, self._streamed)
-        delta = self.text[self._streamed:end]
+        length = len(self.pieces)
+        end = length if finished else max(length - self.hold, self._streamed)
+        delta = self.pieces.slice(self._streamed, end)
         self._streamed = end
         return delta

@@ -33,6 +33,7 @@ from compiled_llm.serve.detokenizer import IncrementalDetokenizer
 from compiled_llm.serve.outputs import CompletionOutput, RequestOutput
 from compiled_llm.serve.sampling import SamplingParams
 from compiled_llm.serve.sequence import RequestMetrics
+from compiled_llm.serve.text_pieces import TextPieces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ class _Completion:
     index: int
     wants_logprobs: bool
     detokenizer: IncrementalDetokenizer | None  # when the front end detokenizes
-    text: str = ""
+    text: TextPieces = dataclasses.field(default_factory=TextPieces)  # the engine's text, without one
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
 
@@ -186,15 +187,16 @@ class OutputAssembler:
                 if done:
                     c.detokenizer.finalize()
                 delta_text = c.detokenizer.take_delta(done)
-                c.text = c.detokenizer.text
+                text = c.detokenizer.snapshot()
             else:
                 delta_text = "".join(texts)
-                c.text += delta_text
+                c.text.append(delta_text)
+                text = c.text.snapshot()
             if c.wants_logprobs:
                 c.logprobs.extend(delta_logprobs)
             outputs.append(CompletionOutput(
                 index=index,
-                text=c.text,
+                text=text,
                 token_ids=list(c.token_ids) if done else c.token_ids,
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,

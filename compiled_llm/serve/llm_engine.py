@@ -458,7 +458,7 @@ class LLMEngine:
             wants_lp = seq.params.logprobs is not None
             completions.append(CompletionOutput(
                 index=index,
-                text=det.text if det is not None else "",
+                text=det.snapshot() if det is not None else "",
                 token_ids=list(seq.output_ids) if done else seq.output_ids,
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from compiled_llm.serve.sequence import RequestMetrics
+from compiled_llm.serve.text_pieces import LazyText
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,9 @@ class CompletionOutput:
     output (a streamed request gets an output for every step that changes it)."""
 
     index: int
-    text: str
+    # a str, or a TextSnapshot joined on first read: a streamed output costs nothing per step
+    # for its whole text unless that is read
+    text: str = LazyText()
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     # the stop string or stop token id that ended it; None for EOS, length and abort
