@@ -18,7 +18,11 @@ carries a pickle or a zip archive (torch.save, .pt2) is refused. Checksums detec
 not tampering: whoever writes an engine writes its manifest.
 
 ``load_engine`` refuses a missing file, a checksum mismatch, a format it does not read or an
-engine built for another device with a one-line EngineError.
+engine built for another device with a one-line EngineError. Between the files and the engine
+sits one validation layer, each check in a module of its own: every file's size before it is
+read (limits.py), every manifest field's type and range (manifest_check.py), program.json against
+the program's schema (graph/program_check.py) and the weights' safetensors header against the
+config (weights_header.py); the program's first step checks that it runs (program.py).
 """
 
 from __future__ import annotations
