@@ -750,3 +750,28 @@ def test_seeded_tamper_fuzz_gives_one_line_refusals_runs_no_payload_and_stays_wi
     assert len(refused) >= draws // 2, "most mutations break the engine: a fuzz that refuses few checks little"
     assert not canary.exists() and list(canary.parent.iterdir()) == []
     assert fuzzed["peak_rss_kib"] < 2 * clean["peak_rss_kib"], (fuzzed["peak_rss_kib"], clean["peak_rss_kib"])
+
+
+def test_every_manifest_field_set_to_every_nasty_value_is_read_or_refused_in_one_line(tiny_engine, tmp_path):
+    """The manifest's own checks, exhaustively: each field the loader reads, set to each value a
+    tamperer tries (or removed), is accepted or refused with one line naming manifest.json."""
+    original = json.loads((tiny_engine / "manifest.json").read_text())
+    engine = pathlib.Path(shutil.copytree(tiny_engine, tmp_path / "engine"))
+    paths = [p for p in leaf_paths(original) if p[0] in ("model_config", "build_options", "program", "kernels",
+                                                          "tokenizer", "kernel_cache", "source", "generation_config")
+             and p[:2] != ("program", "param_names")]
+    paths += [("program", "param_names"), ("format_version",), ("files",), ("model_config", "rope_scaling")]
+    tracebacks, vague = [], []
+    for path in paths:
+        for value in [*nasty_values(tmp_path / "canary"), {"node": [1]}, {"float": [1]}, 10**300, -(10**300), _DELETE]:
+            m = json.loads(json.dumps(original))
+            set_path(m, path, value)
+            write_json(engine / "manifest.json", m, 50)
+            try:
+                artifact.read_manifest(engine)
+            except EngineError as e:
+                if "\n" in str(e) or "manifest" not in str(e):
+                    vague.append((path, value, str(e)))
+            except Exception as e:
+                tracebacks.append((path, repr(value)[:40], f"{type(e).__name__}: {e}"))
+    assert tracebacks == [] and vague == [], (tracebacks[:5], vague[:5])

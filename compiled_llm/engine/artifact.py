@@ -180,12 +180,12 @@ def read_manifest(engine_dir: str | Path) -> dict:
     path = engine_dir / MANIFEST
     if version > FORMAT_VERSION:
         raise EngineError(
-            f"engine format version {version} is newer than this compiled_llm supports ({FORMAT_VERSION}); "
+            f"{path}: engine format version {version} is newer than this compiled_llm supports ({FORMAT_VERSION}); "
             "upgrade compiled_llm or rebuild the engine"
         )
     if version < FORMAT_VERSION:
         raise EngineError(
-            f"engine format version {version} is older than this compiled_llm reads ({FORMAT_VERSION}); "
+            f"{path}: engine format version {version} is older than this compiled_llm reads ({FORMAT_VERSION}); "
             "rebuild the engine"
         )
     manifest_check.check_current_manifest(manifest, path)

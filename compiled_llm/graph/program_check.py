@@ -259,7 +259,8 @@ def _check_shape_list(name: str, shape: Any) -> None:
 
 
 def _is_node_ref(value: Any, defined: set[str]) -> bool:
-    return isinstance(value, dict) and set(value) == {"node"} and value["node"] in defined
+    return isinstance(value, dict) and set(value) == {"node"} and isinstance(value["node"], str) \
+        and value["node"] in defined
 
 
 def _is_int(value: Any) -> bool:

@@ -273,7 +273,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _positive_float(value: Any) -> bool:
-    return (type(value) in (int, float)) and math.isfinite(value) and value > 0
+    if type(value) is int:  # math.isfinite overflows on integers past a float's range
+        return 0 < value < (1 << 64)
+    return type(value) is float and math.isfinite(value) and value > 0
 
 
 def checked_config_dict(d: Any) -> dict[str, Any]:
