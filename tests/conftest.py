@@ -36,7 +36,8 @@ def tiny_engine_copy(tiny_engine, tmp_path):
 
 def pytest_addoption(parser):
     parser.addoption("--soak", type=float, default=0.0, metavar="SECONDS",
-                     help="run the runtime fuzz test's random draws for this long instead of its fixed count")
+                     help="run the runtime fuzz test's random draws for this long instead of its fixed count "
+                          "(the engine tamper fuzz draws ten engines a second of it)")
 
 
 @pytest.fixture(scope="session")

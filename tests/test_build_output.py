@@ -1,7 +1,10 @@
 """`compiled-llm build -o DIR` never deletes anything it did not write.
 
-- DIR is an engine only when its manifest.json is an engine manifest; any other non-empty
-  directory (a web app with its own manifest.json) is refused and left untouched;
+- DIR is an engine only when its manifest.json is a complete engine manifest of a known format
+  and every file it lists has its sha256; any other non-empty directory (a web app with its own
+  manifest.json, a manifest naming the user's files) is refused and left untouched;
+- a rebuild refuses an engine holding a file of the user's in tokenizer/ (naming it), since the
+  rebuilt engine would not load;
 - the current directory, the home directory, / and their ancestors, and symbolic links are
   refused (one-line error, exit 2 from the CLI), whatever they hold;
 - a rebuild swaps the new engine in atomically; files the user kept inside the old engine
@@ -267,17 +270,105 @@ def test_an_unwritable_parent_is_one_line(capsys):
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
+def as_format_1(engine_dir: Path) -> dict:
+    """Make ``engine_dir`` look as format 1 wrote it: its keys (``backend`` among them) and the
+    sha256 of every file."""
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    manifest.update(format_version=1, backend="inductor", batch_buckets=[1, 2, 4])
+    (engine_dir / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
 def test_an_engine_of_an_older_format_is_rebuilt_in_place(engine):
     """Engines written before the current format load no more, but a build over one replaces it
     (keeping the user's files) instead of refusing it as foreign."""
+    as_format_1(engine)
     user_files = add_user_files(engine)
-    manifest = json.loads((engine / "manifest.json").read_text())
-    manifest["format_version"] = 1
-    (engine / "manifest.json").write_text(json.dumps(manifest))
     build(engine)
     assert_loads(engine)
     for rel, content in user_files.items():
         assert (engine / rel).read_bytes() == content
+    assert leftovers(engine) == []
+
+
+def test_a_manifest_listing_the_users_files_is_no_engine_and_nothing_is_deleted(tmp_path, capsys):
+    """The issue's repro: any manifest with format_version 1 and a files dict was taken for an
+    older engine, and the files it listed were deleted by the build."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "notes.txt").write_text("thesis\n")
+    (proj / "data.csv").write_text("a,b\n")
+    (proj / "manifest.json").write_text('{"format_version": 1, "files": {"notes.txt": "", "data.csv": ""}}\n')
+    before = snapshot(proj)
+    assert main(["build", PRESET, "-o", str(proj), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: refusing to build into {proj}: it is not empty and its manifest.json is not a "
+                          "compiled_llm engine manifest (") and "\n" not in err
+    assert snapshot(proj) == before
+    assert leftovers(proj) == []
+
+
+@pytest.mark.parametrize("change", ["digest of another file", "empty digest", "listed file missing",
+                                    "a required key missing", "file edited after the build"])
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_manifest_that_does_not_match_its_files_is_no_engine(engine, change, version):
+    """Only a complete manifest of a known format whose every file has its sha256 makes a
+    directory an engine a build may replace; format 1 is held to the same checks."""
+    manifest = as_format_1(engine) if version == 1 else json.loads((engine / "manifest.json").read_text())
+    files = manifest["files"]
+    if change == "digest of another file":
+        files["program.json"] = files["weights.safetensors"]
+    elif change == "empty digest":
+        files["program.json"] = ""
+    elif change == "listed file missing":
+        files["notes.txt"] = "0" * 64
+    elif change == "a required key missing":
+        del manifest["model_config"]
+    else:
+        (engine / "program.json").write_text("{}")
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(engine)
+    refused(engine, "not a compiled_llm engine manifest")
+    assert snapshot(engine) == before
+    assert leftovers(engine) == []
+
+
+def test_a_rebuild_refuses_a_user_file_in_the_tokenizer_folder_and_names_it(engine, capsys):
+    """The issue's repro: a file kept in eng/tokenizer/ survived the rebuild, and the rebuilt
+    engine did not load ("engine file tokenizer/NOTES.txt is not one the manifest lists"). The
+    tokenizer is read from its folder as a whole, so the rebuild refuses up front, naming the
+    file; moved elsewhere in the engine, it is kept and the engine loads."""
+    (engine / "tokenizer" / "NOTES.txt").write_text("which tokenizer this is\n")
+    before = snapshot(engine)
+    assert main(["build", PRESET, "-o", str(engine), "--device", "cpu", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: refusing to build into {engine}: it holds tokenizer/NOTES.txt, which the engine "
+                          "does not list, in tokenizer/") and "\n" not in err
+    assert snapshot(engine) == before
+    assert leftovers(engine) == []
+
+    (engine / "tokenizer" / "NOTES.txt").rename(engine / "NOTES.txt")
+    assert main(["build", PRESET, "-o", str(engine), "--device", "cpu", "--max-model-len", "64", "--quiet"]) == 0
+    loaded = artifact.load_engine(engine)
+    assert loaded.manifest["build_options"]["max_model_len"] == 64 and loaded.tokenizer is not None
+    assert (engine / "NOTES.txt").read_text() == "which tokenizer this is\n"
+    assert leftovers(engine) == []
+
+
+def test_a_retired_engine_loses_only_files_that_hold_what_it_wrote(engine, built):
+    """A listed file whose content is not what the manifest lists (its sha256 differs) is not
+    the engine's to delete: retiring the old engine carries it into the new one."""
+    (engine / "ir" / "my_notes.txt").write_text("mine\n")
+    manifest = json.loads((engine / "manifest.json").read_text())
+    manifest["files"]["ir/my_notes.txt"] = "0" * 64  # listed, but not with this content
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    aside = engine.parent / ".eng.old-abcd1234"  # a swap killed before it retired the old engine
+    engine.rename(aside)
+    shutil.copytree(built, engine)
+    build(engine)
+    assert_loads(engine)
+    assert (engine / "ir" / "my_notes.txt").read_text() == "mine\n"
+    assert leftovers(engine) == []
 
 
 def test_failing_to_move_the_new_engine_in_puts_the_old_one_back(engine, monkeypatch):

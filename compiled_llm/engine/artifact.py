@@ -18,7 +18,11 @@ carries a pickle or a zip archive (torch.save, .pt2) is refused. Checksums detec
 not tampering: whoever writes an engine writes its manifest.
 
 ``load_engine`` refuses a missing file, a checksum mismatch, a format it does not read or an
-engine built for another device with a one-line EngineError.
+engine built for another device with a one-line EngineError. Between the files and the engine
+sits one validation layer, each check in a module of its own: every file's size before it is
+read (limits.py), every manifest field's type and range (manifest_check.py), program.json against
+the program's schema (graph/program_check.py) and the weights' safetensors header against the
+config (weights_header.py); the program's first step checks that it runs (program.py).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 import compiled_llm
-from compiled_llm.engine import kernel_cache
+from compiled_llm.engine import kernel_cache, limits, manifest_check, weights_header
 from compiled_llm.engine.kernel_cache import KERNELS_DIR
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.engine.program import PortableProgram
@@ -172,66 +176,61 @@ def write_manifest(engine_dir: Path, manifest: dict) -> dict:
 def read_manifest(engine_dir: str | Path) -> dict:
     """The manifest, checked for shape, format version and paths (files are not verified here)."""
     engine_dir = Path(engine_dir)
+    manifest, version = _read_manifest_file(engine_dir)
+    path = engine_dir / MANIFEST
+    if version > FORMAT_VERSION:
+        raise EngineError(
+            f"{path}: engine format version {version} is newer than this compiled_llm supports ({FORMAT_VERSION}); "
+            "upgrade compiled_llm or rebuild the engine"
+        )
+    if version < FORMAT_VERSION:
+        raise EngineError(
+            f"{path}: engine format version {version} is older than this compiled_llm reads ({FORMAT_VERSION}); "
+            "rebuild the engine"
+        )
+    manifest_check.check_current_manifest(manifest, path)
+    if not _is_generation_config(manifest.get("generation_config")):
+        raise manifest_check.malformed(path, "generation_config")
+    _check_paths(engine_dir, manifest)
+    return manifest
+
+
+def read_older_manifest(engine_dir: str | Path) -> dict:
+    """The manifest of an engine that an earlier compiled_llm wrote (a known older format
+    version, which loads no more but may be rebuilt in place), checked as strictly as its
+    writer wrote it; an EngineError for anything else."""
+    engine_dir = Path(engine_dir)
+    manifest, version = _read_manifest_file(engine_dir)
+    path = engine_dir / MANIFEST
+    if version >= FORMAT_VERSION or version not in manifest_check.REQUIRED_KEYS:
+        raise EngineError(f"{path} is not a manifest of an older engine format")
+    manifest_check.check_older_manifest(manifest, version, path)
+    _check_paths(engine_dir, manifest)
+    return manifest
+
+
+def _read_manifest_file(engine_dir: Path) -> tuple[dict, int]:
+    """(the manifest's JSON object, its format version), read within its size cap."""
     if not engine_dir.is_dir():
         raise EngineError(f"engine directory {engine_dir} does not exist")
     path = engine_dir / MANIFEST
     if path.is_symlink() or not path.is_file():
         raise EngineError(f"{engine_dir} is not an engine: {MANIFEST} is missing")
+    data = limits.read_capped(path, MANIFEST, limits.MAX_MANIFEST_BYTES)
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a 5,000-digit number
         raise EngineError(f"{path} is not valid JSON ({type(e).__name__}); rebuild the engine") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("format_version"), int):
+    if not isinstance(manifest, dict) or type(manifest.get("format_version")) is not int:
         raise EngineError(f"{path} has no format_version; rebuild the engine")
-    version = manifest["format_version"]
-    if version > FORMAT_VERSION:
-        raise EngineError(
-            f"engine format version {version} is newer than this compiled_llm supports ({FORMAT_VERSION}); "
-            "upgrade compiled_llm or rebuild the engine"
-        )
-    if version < FORMAT_VERSION:
-        raise EngineError(
-            f"engine format version {version} is older than this compiled_llm reads ({FORMAT_VERSION}); "
-            "rebuild the engine"
-        )
-    for key in ("model_config", "build_options", "program", "files", "kernels"):
-        if key not in manifest:
-            raise EngineError(f"{path} lacks {key!r}; rebuild the engine")
-    _check_shape(manifest, path)
-    for rel in (*manifest["files"], manifest["program"].get("file"), manifest.get("tokenizer"),
-                manifest.get("kernel_cache")):
+    return manifest, manifest["format_version"]
+
+
+def _check_paths(engine_dir: Path, manifest: dict) -> None:
+    program = manifest["program"]
+    for rel in (*manifest["files"], program.get("file"), manifest.get("tokenizer"), manifest.get("kernel_cache")):
         if rel is not None:
             inside(engine_dir, rel)
-    return manifest
-
-
-def _is_map(value: Any, values: type | tuple = str) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, values) for k, v in value.items())
-
-
-def _check_shape(manifest: dict, path: Path) -> None:
-    """The types of every field the loader reads, so a malformed manifest is one line, never a
-    traceback from deep inside the load."""
-    opts, program, source = manifest["build_options"], manifest["program"], manifest.get("source")
-    problems = [
-        (isinstance(manifest["model_config"], dict), "model_config"),
-        (isinstance(opts, dict) and opts.get("device") in ("cpu", "cuda") and isinstance(opts.get("dtype"), str)
-         and isinstance(opts.get("max_model_len"), int)
-         and type(opts.get("tensor_parallel_size", 1)) is int and opts.get("tensor_parallel_size", 1) >= 1,
-         "build_options"),
-        (isinstance(program, dict) and isinstance(program.get("file"), str)
-         and isinstance(program.get("param_names"), list) and all(isinstance(n, str) for n in program["param_names"]),
-         "program"),
-        (_is_map(manifest["files"]), "files"),
-        (_is_map(manifest["kernels"]), "kernels"),
-        (source is None or _is_map(source, (str, type(None))), "source"),
-        (isinstance(manifest.get("tokenizer"), (str, type(None))), "tokenizer"),
-        (isinstance(manifest.get("kernel_cache"), (str, type(None))), "kernel_cache"),
-        (_is_generation_config(manifest.get("generation_config")), "generation_config"),
-    ]
-    bad = next((name for ok, name in problems if not ok), None)
-    if bad is not None:
-        raise EngineError(f"{path} has a malformed {bad!r} entry; rebuild the engine")
 
 
 def _is_generation_config(entry: Any) -> bool:
@@ -244,7 +243,7 @@ def _is_generation_config(entry: Any) -> bool:
     if not isinstance(entry, dict) or set(entry) != {"defaults", "eos_token_ids"}:
         return False
     defaults, eos = entry["defaults"], entry["eos_token_ids"]
-    if not _is_map(defaults, (int, float)) or not isinstance(eos, list):
+    if not manifest_check.is_map(defaults, (int, float)) or not isinstance(eos, list):
         return False
     for name, value in defaults.items():
         try:
@@ -260,7 +259,10 @@ def inside(engine_dir: Path, rel: Any) -> Path:
     """``engine_dir / rel`` when ``rel`` is a relative path that stays inside the engine and
     crosses no symlink; otherwise an EngineError naming it."""
     if not isinstance(rel, str) or not rel:
-        raise EngineError(f"manifest names a path {rel!r} that is not a relative path; refusing to load")
+        raise EngineError(f"manifest names a path {str(rel)[:40]!r} that is not a relative path; refusing to load")
+    why = manifest_check.path_problem(rel)
+    if why is not None:  # checked before any stat: a 5,000-character name fails in the OS
+        raise EngineError(f"manifest names {why}; refusing to load")
     parts = PurePosixPath(rel).parts
     if rel.startswith(("/", "\\")) or PurePosixPath(rel).is_absolute() or ".." in parts or "\\" in rel or ":" in rel:
         raise EngineError(f"manifest path {rel!r} leaves the engine directory; refusing to load")
@@ -286,13 +288,16 @@ def check_listed_files(engine_dir: Path, manifest: dict) -> None:
         for path in sorted(inside(engine_dir, tok).rglob("*")):
             rel = path.relative_to(engine_dir).as_posix()
             if path.is_symlink() or (path.is_file() and rel not in manifest["files"]):
-                raise EngineError(f"engine file {rel} is not one the manifest lists; refusing to load")
+                raise EngineError(f"engine file {rel} is not one the manifest lists; refusing to load (the engine's "
+                                  f"{tok}/ holds only its own files: move yours out of it)")
     for rel in manifest["files"]:
         path = inside(engine_dir, rel)
         if not path.is_file():
             raise EngineError(f"engine file {rel} is missing from {engine_dir}; rebuild the engine")
-        if rel.endswith(".safetensors"):
+        cap = limits.file_cap(rel)
+        if cap is None:  # weights: their header decides their size (weights_header.py)
             continue
+        limits.check_size(path, rel, cap)
         with open(path, "rb") as f:
             if f.read(4).startswith(_PICKLE_MAGIC):
                 raise EngineError(
@@ -330,8 +335,8 @@ class _Background:
 
 def _config(manifest: dict) -> ModelConfig:
     try:
-        return ModelConfig.from_dict(manifest["model_config"])
-    except (TypeError, KeyError) as e:
+        return ModelConfig.checked_from_dict(manifest["model_config"])
+    except (TypeError, KeyError, ValueError) as e:
         raise EngineError(f"manifest model_config is not valid ({e}); rebuild the engine") from None
 
 
@@ -364,17 +369,21 @@ def _check_kernels(manifest: dict) -> None:
 
 def _load_program(engine_dir: Path, manifest: dict) -> torch.fx.GraphModule:
     rel = manifest["program"]["file"]
+    data = limits.read_capped(inside(engine_dir, rel), rel, limits.MAX_PROGRAM_BYTES)
     try:
-        data = json.loads(inside(engine_dir, rel).read_bytes())
-    except (OSError, ValueError) as e:
+        data = json.loads(data)
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
         raise EngineError(f"cannot read {rel} as a JSON program ({type(e).__name__}); rebuild the engine") from None
-    return graph_from_json(data)
+    return graph_from_json(data, manifest["program"]["param_names"], manifest["build_options"]["device"])
 
 
-def _load_weights(engine_dir: Path, manifest: dict, device: torch.device, rank: int) -> dict[str, Tensor]:
+def _load_weights(engine_dir: Path, manifest: dict, device: torch.device, rank: int,
+                  config: ModelConfig) -> dict[str, Tensor]:
     name = weights_file(rank, tp_size_of(manifest))
+    path = inside(engine_dir, name)
+    weights_header.check_header(path, name, config, manifest["build_options"], manifest["program"]["param_names"])
     try:
-        tensors = load_file(str(inside(engine_dir, name)), device=str(device))
+        tensors = load_file(str(path), device=str(device))
     except Exception as e:
         raise EngineError(f"cannot read {name} as safetensors ({type(e).__name__}); rebuild the engine") from None
     names = manifest["program"]["param_names"]
@@ -407,7 +416,7 @@ def load_engine(
         raise EngineError(f"manifest dtype {manifest['build_options']['dtype']!r} is not valid; rebuild the engine")
     t1 = time.perf_counter()
     times["manifest"] = t1 - t0
-    params = _load_weights(engine_dir, manifest, dev, rank)
+    params = _load_weights(engine_dir, manifest, dev, rank, config)
     t2 = time.perf_counter()
     times["weights"] = t2 - t1
     _check_kernels(manifest)
@@ -441,7 +450,16 @@ def load_engine(
         device=dev,
         manifest=manifest,
         engine_dir=engine_dir,
-        source_dir=Path(source_dir) if source_dir and Path(source_dir).is_dir() else None,
+        source_dir=_existing_dir(source_dir),
         generation_defaults=dict(generation.get("defaults", {})),
         load_stages=times,
     )
+
+
+def _existing_dir(path: str | None) -> Path | None:
+    """The source checkpoint's directory when it is on this machine (a hint: any path that
+    cannot be looked at is none)."""
+    try:
+        return Path(path) if path and Path(path).is_dir() else None
+    except (OSError, ValueError):  # a name too long, a NUL
+        return None

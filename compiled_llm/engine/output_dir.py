@@ -5,11 +5,16 @@
 - DIR is refused (one-line CompiledLLMError) when it is the current directory, the home
   directory, ``/``, an ancestor of either, a symbolic link, an existing non-directory, or a
   non-empty directory that is not an engine. A directory is an engine only when its
-  ``manifest.json`` passes ``artifact.read_manifest``; any other ``manifest.json`` (a web app's)
-  makes it "not an engine".
+  ``manifest.json`` is a complete manifest of a format version we know, checked as the loader
+  checks it (``artifact.read_manifest``, or ``read_older_manifest`` for an engine an earlier
+  compiled_llm wrote), and every file it lists is there with its sha256; any other
+  ``manifest.json`` (a web app's, or one naming the user's files) makes it "not an engine".
+- An engine that holds a file of the user's in ``tokenizer/`` (which the loader reads as a whole
+  and so refuses unlisted files in) is refused too, naming the file: a rebuild would carry it
+  into an engine that does not load.
 - The new engine is written next to DIR and swapped in with renames; the old engine is set aside
-  and only the files its manifest lists (and the manifest) are removed from it. Anything else the
-  user kept in the old engine directory is moved into the new one.
+  and only the files its manifest lists with their sha256 (and the manifest) are removed from it.
+  Anything else the user kept in the old engine directory is moved into the new one.
 - Leftovers of a killed build are tidied by the next build of the same DIR, but only when they
   are provably ours.
 
@@ -35,7 +40,7 @@ import stat
 import tempfile
 from pathlib import Path, PurePosixPath
 
-from compiled_llm.engine.artifact import FORMAT_VERSION, MANIFEST, read_manifest
+from compiled_llm.engine.artifact import MANIFEST, TOKENIZER_DIR, read_manifest, read_older_manifest, sha256_file
 from compiled_llm.errors import CompiledLLMError, EngineError
 
 try:
@@ -113,31 +118,75 @@ def classify(target: Path, shown=None) -> tuple[str, dict | None]:
         return MISSING, None
     if not target.is_dir():
         raise _refuse(shown, "it exists and is not a directory")
-    try:
-        return ENGINE, read_manifest(target)
-    except EngineError:
-        older = _older_engine_manifest(target)
-        if older is not None:
-            return ENGINE, older
     if not any(target.iterdir()):
         return EMPTY, None
-    if (target / MANIFEST).exists():
-        raise _refuse(shown, f"it is not empty and its {MANIFEST} is not a compiled_llm engine manifest")
-    raise _refuse(shown, "it is not empty and holds no engine")
-
-
-def _older_engine_manifest(target: Path) -> dict | None:
-    """The manifest of an engine an earlier compiled_llm wrote (an older format_version, which
-    loads no more but may be rebuilt in place), or None. Its file list is only ever used to
-    remove regular files strictly inside the directory."""
-
     try:
-        manifest = json.loads((target / MANIFEST).read_text())
-    except (OSError, ValueError, RecursionError):
+        manifest = engine_manifest(target)
+    except EngineError as e:
+        if os.path.lexists(target / MANIFEST):
+            raise _refuse(shown, f"it is not empty and its {MANIFEST} is not a compiled_llm engine manifest "
+                                 f"({_reason(e)})") from None
+        raise _refuse(shown, "it is not empty and holds no engine") from None
+    foreign = _unlisted_in_engine_folders(target, manifest)
+    if foreign is not None:
+        raise _refuse(shown, f"it holds {foreign}, which the engine does not list, in {TOKENIZER_DIR}/, where an "
+                             "engine holds only its own files (the loader would refuse it); move it out of "
+                             f"{TOKENIZER_DIR}/ and build again")
+    return ENGINE, manifest
+
+
+def engine_manifest(target: Path) -> dict:
+    """The manifest of the engine in ``target``: a complete manifest of a format version this
+    compiled_llm knows (the current one, or an older one an earlier compiled_llm wrote), checked
+    as the loader checks it, with every file it lists present in ``target`` with its sha256.
+    Anything else is an EngineError: then ``target`` is no engine of ours, and nothing in it may
+    be replaced."""
+    try:
+        manifest = read_manifest(target)
+    except EngineError as current:
+        try:
+            manifest = read_older_manifest(target)
+        except EngineError:
+            raise current from None
+    for rel, digest in manifest["files"].items():
+        path = _regular_file_inside(target, rel)
+        if path is None:
+            raise EngineError(f"engine file {rel} is missing")
+        if _digest(path) != digest:
+            raise EngineError(f"engine file {rel} does not have the sha256 the manifest lists")
+    return manifest
+
+
+def _unlisted_in_engine_folders(target: Path, manifest: dict) -> str | None:
+    """The first file (or link) under the engine's ``tokenizer/`` that its manifest does not
+    list: the tokenizer is read from its directory, so the loader refuses such a file, and a
+    rebuild would carry it into the new engine."""
+    folder = target / TOKENIZER_DIR
+    if not _is_real_dir(folder):
         return None
-    ok = (isinstance(manifest, dict) and isinstance(manifest.get("format_version"), int)
-          and 1 <= manifest["format_version"] < FORMAT_VERSION and isinstance(manifest.get("files"), dict))
-    return manifest if ok else None
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(target).as_posix()
+        if (path.is_symlink() or not path.is_dir()) and rel not in manifest["files"]:
+            return rel
+    return None
+
+
+# (path, device, inode, size, mtime) -> sha256: a build checks the target before it starts and
+# again before the swap, and retiring the old engine checks its files once more
+_digests: dict[tuple, str] = {}
+
+
+def _digest(path: Path) -> str:
+    st = os.stat(path)
+    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _digests:
+        _digests[key] = sha256_file(path)
+    return _digests[key]
+
+
+def _reason(e: Exception) -> str:
+    """An EngineError's message without its advice to rebuild, which a build is about to do."""
+    return _why(e).removesuffix("; rebuild the engine")
 
 
 def prepare_output_dir(out_dir: str | Path) -> Path:
@@ -251,17 +300,16 @@ def retire_old_engine(aside: Path, target: Path, manifest: dict) -> None:
 
 
 def listed_files(root: Path, manifest: dict) -> list[Path]:
-    """The files ``manifest["files"]`` lists that are regular files strictly inside ``root``.
-    A listed path that is absolute, climbs out with ``..`` or goes through a symbolic link is
-    never followed: an old or edited manifest must not make us delete anything outside."""
-    files = manifest.get("files")
-    names = list(files) if isinstance(files, (dict, list)) else []
+    """The files ``manifest["files"]`` lists that are regular files strictly inside ``root`` and
+    hold what the manifest says the engine wrote (their sha256). A listed path that is absolute,
+    climbs out with ``..`` or goes through a symbolic link is never followed: an old or edited
+    manifest must not make us delete anything outside, nor a file of the user's inside."""
     found = []
-    for rel in names:
+    for rel, digest in manifest["files"].items():
         if rel == MANIFEST:  # removed last, by the caller
             continue
         path = _regular_file_inside(root, rel)
-        if path is not None:
+        if path is not None and _digest(path) == digest:
             found.append(path)
     return found
 
@@ -351,10 +399,7 @@ def clean_leftovers(target: Path, target_is_engine: bool) -> None:
             log.warning("left %s alone: it looks like a build work dir but has no %s marker, so it may "
                         "not be ours; delete it yourself if it is", box, BUILD_MARKER)
     for aside in leftovers(target, OLD):
-        try:
-            manifest = read_manifest(aside)
-        except EngineError:
-            manifest = None
+        manifest = _known_manifest(aside)  # some of its files may be gone: a tidy-up was killed
         if manifest is not None and target_is_engine:
             try:
                 retire_old_engine(aside, target, manifest)
@@ -397,13 +442,21 @@ def _held_by_running_build(box: Path) -> bool:
 
 
 def _is_complete_engine(path: Path) -> bool:
-    """An engine manifest of ours and every file it lists present (checksums are the loader's job)."""
     try:
-        manifest = read_manifest(path)
+        engine_manifest(path)
     except (EngineError, OSError):
         return False
-    files = manifest.get("files")
-    return isinstance(files, dict) and all(_regular_file_inside(path, rel) is not None for rel in files)
+    return True
+
+
+def _known_manifest(path: Path) -> dict | None:
+    """The manifest of a (possibly partly retired) engine of a known format in ``path``, or None."""
+    for read in (read_manifest, read_older_manifest):
+        try:
+            return read(path)
+        except (EngineError, OSError):
+            pass
+    return None
 
 
 def _rmdir_if_empty(path: Path) -> bool:

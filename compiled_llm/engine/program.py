@@ -15,6 +15,7 @@ import copy
 import torch
 from torch import Tensor
 
+from compiled_llm.errors import EngineError
 from compiled_llm.graph.export import FlatProgram
 from compiled_llm.graph.logits_rows import with_logits_rows
 from compiled_llm.graph.spec import PackedBatch
@@ -22,16 +23,43 @@ from compiled_llm.kernels import registry
 
 
 class PortableProgram:
-    """``(params, batch, kv_cache) -> logits`` over a post-pass flat graph module."""
+    """``(params, batch, kv_cache) -> logits`` over a post-pass flat graph module.
+
+    Its first call is also the last check of the engine: the loader checks program.json against
+    the program's schema and the weights' headers against the config, but whether every shape
+    in the program fits the weights (a view to a size the tensor does not have) shows only when
+    it runs. A first call that fails, or returns anything but 2-D logits, is a one-line
+    EngineError naming program.json rather than a traceback from inside an op; later calls run
+    unchecked."""
 
     def __init__(self, gm: torch.fx.GraphModule, param_names: list[str]):
         self.module = FlatProgram(gm, param_names)
         self.param_names = list(param_names)
         self._run = FlatProgram(with_direct_calls(gm), param_names)
         self._rows_gm: torch.fx.GraphModule | None = None  # made on first use (graph/logits_rows.py)
+        self._checked = False
 
     def __call__(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor) -> Tensor:
-        return self._run(params, *batch, kv_cache)
+        if self._checked:
+            return self._run(params, *batch, kv_cache)
+        return self._first_call(params, batch, kv_cache)
+
+    def _first_call(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor) -> Tensor:
+        if kv_cache.is_cuda and (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode()):
+            # a CUDA graph capture (or its trial run): its failures are the capture's to handle
+            # (serve/cuda_graphs.py), and the next eager call is checked
+            return self._run(params, *batch, kv_cache)
+        try:
+            logits = self._run(params, *batch, kv_cache)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as e:
+            raise EngineError(f"program.json does not run on the engine's weights ({_first_line(e)}); "
+                              "rebuild the engine") from None
+        if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+            raise EngineError(f"program.json returns {_described(logits)}, not logits; rebuild the engine")
+        self._checked = True
+        return logits
 
     def logits_of_rows(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor, rows: Tensor) -> Tensor:
         """The step's logits of token rows ``rows`` (int64), in that order."""
@@ -39,6 +67,17 @@ class PortableProgram:
             self._rows_gm = with_logits_rows(self._run.gm)
         out = self._rows_gm(*[params[n] for n in self.param_names], *batch, kv_cache, rows)
         return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _described(value) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dim()}-D {str(value.dtype).removeprefix('torch.')} tensor"
+    return f"a {type(value).__name__}"
 
 
 def with_direct_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -34,6 +34,7 @@ import torch
 
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.export import PARAM_META
+from compiled_llm.graph.program_check import check_program
 
 FORMAT = "cllm-fx-graph"
 VERSION = 1
@@ -127,12 +128,15 @@ def _encode(value: Any, node: torch.fx.Node) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def graph_from_json(data: Any) -> torch.fx.GraphModule:
-    """Rebuild the graph module; every problem is an EngineError of one line."""
+def graph_from_json(data: Any, param_names: list[str] | None = None, device: str | None = None) -> torch.fx.GraphModule:
+    """Rebuild the graph module, once the document passed ``program_check.check_program``
+    (``param_names``: the weights it must take, in order; ``device``: the only device it may
+    name); every problem is an EngineError of one line."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise EngineError(f"the program is not a {FORMAT} document; rebuild the engine")
     if data.get("version") != VERSION:
-        raise EngineError(f"program format version {data.get('version')!r} is not {VERSION}; rebuild the engine")
+        raise EngineError(f"program format version {str(data.get('version'))[:20]!r} is not {VERSION}; rebuild the engine")
+    check_program(data, resolve_target, param_names, device)
     nodes_data = data.get("nodes")
     if not isinstance(nodes_data, list):
         raise EngineError("the program has no node list; rebuild the engine")
@@ -167,9 +171,11 @@ def graph_from_json(data: Any) -> torch.fx.GraphModule:
         env[name] = node
     try:
         graph.lint()
+        # FX writes the graph as Python code and compiles it: whatever the checks above let
+        # through that FX cannot write is still one line
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
     except Exception as e:
         raise EngineError(f"the program graph is not valid ({_first_line(e)}); rebuild the engine") from None
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 def resolve_target(name: Any, node_name: str = "?"):
@@ -210,7 +216,7 @@ def _decode(value: Any, env: dict[str, torch.fx.Node], node_name: str) -> Any:
             return tuple(_decode(v, env, node_name) for v in inner)
         if key == "float" and inner in ("inf", "-inf", "nan"):
             return float(inner)
-        if key == "device" and inner in ("cpu", "cuda", "meta"):
+        if key == "device" and inner in ("cpu", "cuda"):  # never "meta": a tensor without data
             return torch.device(inner)
         if key in _ENUMS and isinstance(inner, str):
             kind = _ENUMS[key][0]
@@ -222,4 +228,4 @@ def _decode(value: Any, env: dict[str, torch.fx.Node], node_name: str) -> Any:
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    return text.splitlines()[0][:200] if text else type(e).__name__

@@ -82,6 +82,13 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         return cls(**d)
 
+    @classmethod
+    def checked_from_dict(cls, d: Any) -> "ModelConfig":
+        """``from_dict`` of a dict that nobody vouches for (an engine's manifest): every field
+        of the right type and within what a model can have, or a ValueError of one line that
+        names the field."""
+        return cls.from_dict(checked_config_dict(d))
+
     def num_params(self) -> int:
         """Parameter count (tied embeddings counted once)."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
@@ -232,3 +239,111 @@ def check_architecture(hf: dict[str, Any]) -> str:
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return arch
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking a config that comes from a file nobody vouches for
+# ---------------------------------------------------------------------------------------------
+
+# Bounds on what a model can have: a few times the largest released models (vocabularies of
+# 256k, 16k hidden, 126 layers, 128 heads, million-token contexts), far below what would make
+# a KV cache or a weight table overflow.
+CONFIG_INT_RANGES = {
+    "vocab_size": (1, 1 << 22),
+    "hidden_size": (1, 1 << 16),
+    "intermediate_size": (1, 1 << 18),
+    "num_layers": (1, 1024),
+    "num_heads": (1, 1024),
+    "num_kv_heads": (1, 1024),
+    "head_dim": (1, 1024),
+    "max_position_embeddings": (2, 1 << 24),
+}
+CONFIG_CHOICES = {
+    "architecture": SUPPORTED_ARCHITECTURES,
+    "norm_type": ("rms", "layer"),
+    "mlp_type": ("silu_glu", "gelu_tanh"),
+    "position_type": ("rope", "learned"),
+}
+CONFIG_FLAGS = ("qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings")
+MAX_EOS_TOKEN_IDS = 64
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _positive_float(value: Any) -> bool:
+    if type(value) is int:  # math.isfinite overflows on integers past a float's range
+        return 0 < value < (1 << 64)
+    return type(value) is float and math.isfinite(value) and value > 0
+
+
+def checked_config_dict(d: Any) -> dict[str, Any]:
+    """``d`` when it is what ``ModelConfig.to_dict`` writes for a model this engine can run;
+    otherwise a ValueError naming the field (see ``ModelConfig.checked_from_dict``)."""
+    if not isinstance(d, dict):
+        raise ValueError("model_config is not an object")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    required = {f.name for f in dataclasses.fields(ModelConfig)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    unknown = next((k for k in d if k not in fields), None)
+    if unknown is not None:
+        raise ValueError(f"model_config has an unknown field {str(unknown)[:64]!r}")
+    missing = next((k for k in sorted(required) if k not in d), None)
+    if missing is not None:
+        raise ValueError(f"model_config lacks {missing!r}")
+    for name, (lo, hi) in CONFIG_INT_RANGES.items():
+        if not _is_int(d[name]) or not lo <= d[name] <= hi:
+            raise ValueError(f"model_config {name} is {_shown(d[name])}; it must be an integer in {lo}..{hi}")
+    for name, choices in CONFIG_CHOICES.items():
+        if d[name] not in choices:
+            raise ValueError(f"model_config {name} is {_shown(d[name])}; it must be one of {', '.join(choices)}")
+    for name in CONFIG_FLAGS:
+        if type(d.get(name, False)) is not bool:
+            raise ValueError(f"model_config {name} is {_shown(d[name])}; it must be true or false")
+    if not _positive_float(d["norm_eps"]) or d["norm_eps"] >= 1:
+        raise ValueError(f"model_config norm_eps is {_shown(d['norm_eps'])}; it must be a number in (0, 1)")
+    if not _positive_float(d.get("rope_theta", 1.0)):
+        raise ValueError(f"model_config rope_theta is {_shown(d['rope_theta'])}; it must be a positive number")
+    if d["num_kv_heads"] > d["num_heads"] or d["num_heads"] % d["num_kv_heads"]:
+        raise ValueError(f"model_config num_kv_heads is {d['num_kv_heads']}; it must divide num_heads ({d['num_heads']})")
+    if d["position_type"] == "rope" and d["head_dim"] % 2:
+        raise ValueError(f"model_config head_dim is {d['head_dim']}; rotary embeddings need an even head_dim")
+    _check_rope_scaling(d.get("rope_scaling"))
+    bos = d.get("bos_token_id")
+    # token ids outside the vocabulary occur in real configs (a tiny GPT-2 keeps 50256): the
+    # loader drops them, so only their type and sign are checked
+    if bos is not None and (not _is_int(bos) or not 0 <= bos < (1 << 31)):
+        raise ValueError(f"model_config bos_token_id is {_shown(bos)}; it must be null or a token id")
+    eos = d.get("eos_token_ids", [])
+    if not isinstance(eos, (list, tuple)) or len(eos) > MAX_EOS_TOKEN_IDS or not all(
+            _is_int(i) and 0 <= i < (1 << 31) for i in eos):
+        raise ValueError(f"model_config eos_token_ids is {_shown(eos)}; it must be a list of token ids")
+    return d
+
+
+def _check_rope_scaling(scaling: Any) -> None:
+    if scaling is None:
+        return
+    names = {f.name for f in dataclasses.fields(RopeScaling)}
+    if not isinstance(scaling, dict) or set(scaling) != names:
+        raise ValueError(f"model_config rope_scaling is {_shown(scaling)}; it must be null or hold {', '.join(sorted(names))}")
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        if not _positive_float(scaling[name]):
+            raise ValueError(f"model_config rope_scaling.{name} is {_shown(scaling[name])}; it must be a positive number")
+    original = scaling["original_max_position_embeddings"]
+    if not _is_int(original) or not 1 <= original <= CONFIG_INT_RANGES["max_position_embeddings"][1]:
+        raise ValueError(f"model_config rope_scaling.original_max_position_embeddings is {_shown(original)}; "
+                         "it must be a positive integer")
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError("model_config rope_scaling.high_freq_factor must be above low_freq_factor")
+
+
+def _shown(value: Any) -> str:
+    """A value in an error message, cut short (a tampered field may be megabytes long)."""
+    if isinstance(value, (dict, list, tuple)):  # never repr a container: it may nest deeply
+        return f"a {'list' if isinstance(value, (list, tuple)) else 'object'} of {len(value)}"
+    if type(value) is int and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value) if not isinstance(value, str) or len(value) <= 40 else repr(value[:37])
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -614,6 +614,35 @@ def render_chat_template(
         )
     except jinja2.TemplateError as e:
         raise CompiledLLMError(f"chat template: {e}") from None
+    except Exception as e:  # a template is untrusted code: a range too big, recursion, 1 + "a", ...
+        text = str(e).strip()
+        raise CompiledLLMError(f"chat template: {type(e).__name__}: {text.splitlines()[0][:200] if text else ''}") from None
+
+
+# The most items one ``*`` or ``+`` in a chat template may make, and the most bits ``**`` may:
+# far above any prompt, far below what would let a (tampered) template allocate gigabytes.
+MAX_TEMPLATE_ITEMS = 1 << 24
+MAX_TEMPLATE_POWER_BITS = 1 << 16
+
+
+class _ChatTemplateSandbox(ImmutableSandboxedEnvironment):
+    """jinja's sandbox bounds ``range``; this also bounds repetition, concatenation and powers."""
+
+    intercepted_binops = frozenset(("*", "+", "**"))
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        sized = (str, list, tuple)
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, sized) and isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_ITEMS:
+                    raise jinja2.exceptions.SecurityError("the chat template repeats a value too many times")
+        elif operator == "+":
+            if isinstance(left, sized) and isinstance(right, sized) and len(left) + len(right) > MAX_TEMPLATE_ITEMS:
+                raise jinja2.exceptions.SecurityError("the chat template builds a value that is too long")
+        elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0 and (
+                right * left.bit_length() > MAX_TEMPLATE_POWER_BITS):
+            raise jinja2.exceptions.SecurityError("the chat template raises a number to too high a power")
+        return super().call_binop(context, operator, left, right)
 
 
 def _plain(value: Any) -> Any:
@@ -684,7 +713,7 @@ def _compile_chat_template(template: str) -> Any:
             check_name(name)
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
-    env = ImmutableSandboxedEnvironment(
+    env = _ChatTemplateSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson

@@ -1,0 +1,155 @@
+"""What an engine's manifest must hold before anything else in the engine is read.
+
+Every field the loader (or ``build -o``) reads is checked for its type and for a range the model
+can have, so that a malformed or tampered manifest is one EngineError that names the file and
+the field, never a traceback from deep inside a load (a ``head_dim`` of 0 dividing by zero, a
+``num_layers`` of 10^9 sizing a 4 TB KV cache, a 5,000-character path failing in ``stat``).
+
+Two format versions are known: the current one, which loads, and format 1 (compiled_llm before
+the pickle-free program), which loads no more but is still recognised as an engine of ours so
+that ``build -o`` may replace it in place. Both are checked equally strictly: the keys their
+writer always wrote, and a ``files`` map of relative paths to sha256 digests.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from compiled_llm.errors import CompiledLLMError, EngineError
+from compiled_llm.graph.quantized_ops import SCHEMES
+from compiled_llm.model import sharding
+from compiled_llm.model.config import ModelConfig
+
+# format version -> the keys every manifest its writer wrote has
+REQUIRED_KEYS = {
+    1: ("model_config", "build_options", "program", "files", "backend", "kernels"),
+    2: ("model_config", "build_options", "program", "files", "kernels"),
+}
+DTYPES = ("float32", "float16", "bfloat16")
+DEVICES = ("cpu", "cuda")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+MAX_FILES = 1 << 16  # a CUDA engine lists a few hundred kernel files
+MAX_PATH_CHARS = 1024
+MAX_NAME_CHARS = 255  # one path component (NAME_MAX)
+MAX_PARAMS = 1 << 16
+MAX_PARAM_NAME_CHARS = 256
+MAX_KERNEL_ENTRIES = 1024
+MAX_TENSOR_PARALLEL = 64
+
+
+def malformed(path: Path, field: str, why: str | None = None) -> EngineError:
+    detail = f" ({why})" if why else ""
+    return EngineError(f"{path} has a malformed {field!r} entry{detail}; rebuild the engine")
+
+
+def check_required_keys(manifest: dict, version: int, path: Path) -> None:
+    for key in REQUIRED_KEYS[version]:
+        if key not in manifest:
+            raise EngineError(f"{path} lacks {key!r}; rebuild the engine")
+
+
+def check_files_map(files: Any, path: Path) -> None:
+    """``files``: relative paths of sane length, each mapped to a sha256 hex digest."""
+    if not isinstance(files, dict) or not files:
+        raise malformed(path, "files", "it must map the engine's files to their sha256")
+    if len(files) > MAX_FILES:
+        raise malformed(path, "files", f"{len(files)} files, more than {MAX_FILES}")
+    for rel, digest in files.items():
+        why = path_problem(rel)
+        if why is None and not (isinstance(digest, str) and SHA256_HEX.fullmatch(digest)):
+            why = f"the digest of {rel} is not a sha256"
+        if why is not None:
+            raise malformed(path, "files", why)
+
+
+def path_problem(rel: Any) -> str | None:
+    """Why ``rel`` cannot be a path an engine lists (too long, empty, a NUL), or None. Where it
+    leads is ``artifact.inside``'s to check."""
+    if not isinstance(rel, str) or not rel:
+        return "a path that is not a non-empty string"
+    if len(rel) > MAX_PATH_CHARS or any(len(part) > MAX_NAME_CHARS for part in rel.split("/")):
+        return f"a path of {len(rel)} characters, longer than a file name may be"
+    if "\0" in rel:
+        return "a path with a NUL character"
+    return None
+
+
+def check_current_manifest(manifest: dict, path: Path) -> ModelConfig:
+    """Every field of a current-format manifest the loader reads; returns its model config."""
+    check_required_keys(manifest, 2, path)
+    try:
+        config = ModelConfig.checked_from_dict(manifest["model_config"])
+    except (ValueError, TypeError) as e:
+        raise malformed(path, "model_config", str(e)) from None
+    _check_build_options(manifest["build_options"], config, path)
+    _check_program_entry(manifest["program"], path)
+    check_files_map(manifest["files"], path)
+    kernels = manifest["kernels"]
+    if not is_map(kernels) or len(kernels) > MAX_KERNEL_ENTRIES or any(
+            len(k) > 128 or len(v) > 128 for k, v in kernels.items()):
+        raise malformed(path, "kernels")
+    source = manifest.get("source")
+    if not (source is None or is_map(source, (str, type(None)))):
+        raise malformed(path, "source")
+    for key in ("tokenizer", "kernel_cache"):
+        value = manifest.get(key)
+        if value is not None and (not isinstance(value, str) or path_problem(value) is not None):
+            raise malformed(path, key)
+    return config
+
+
+def check_older_manifest(manifest: dict, version: int, path: Path) -> None:
+    """A manifest of an older format that its writer would have written: its keys, a program
+    entry naming a listed file, and a ``files`` map of sha256 digests."""
+    check_required_keys(manifest, version, path)
+    for key in ("model_config", "build_options", "program", "kernels"):
+        if not isinstance(manifest[key], dict):
+            raise malformed(path, key)
+    check_files_map(manifest["files"], path)
+    if manifest["program"].get("file") not in manifest["files"]:
+        raise malformed(path, "program", "its file is not one the manifest lists")
+
+
+def _check_build_options(opts: Any, config: ModelConfig, path: Path) -> None:
+    if not isinstance(opts, dict):
+        raise malformed(path, "build_options")
+    if opts.get("device") not in DEVICES:
+        raise malformed(path, "build_options", f"device must be one of {', '.join(DEVICES)}")
+    if opts.get("dtype") not in DTYPES:
+        raise malformed(path, "build_options", f"dtype must be one of {', '.join(DTYPES)}")
+    max_len = opts.get("max_model_len")
+    if type(max_len) is not int or not 2 <= max_len <= config.max_position_embeddings:
+        raise malformed(path, "build_options",
+                        f"max_model_len must be an integer in 2..{config.max_position_embeddings}")
+    size = opts.get("tensor_parallel_size", 1)
+    if type(size) is not int or not 1 <= size <= MAX_TENSOR_PARALLEL:
+        raise malformed(path, "build_options", f"tensor_parallel_size must be an integer in 1..{MAX_TENSOR_PARALLEL}")
+    try:
+        sharding.plan(config, size)
+    except CompiledLLMError as e:
+        raise malformed(path, "build_options", f"tensor_parallel_size {size}: {e}") from None
+    if opts.get("quantization") not in (None, *SCHEMES):
+        raise malformed(path, "build_options", f"quantization must be null or one of {', '.join(SCHEMES)}")
+    disabled = opts.get("disabled_passes", [])
+    if not isinstance(disabled, list) or not all(isinstance(p, str) for p in disabled):
+        raise malformed(path, "build_options", "disabled_passes must be a list of pass names")
+    if not is_map(opts.get("kernel_prefs", {})):
+        raise malformed(path, "build_options", "kernel_prefs must map ops to providers")
+
+
+def _check_program_entry(program: Any, path: Path) -> None:
+    if not isinstance(program, dict) or not isinstance(program.get("file"), str):
+        raise malformed(path, "program")
+    names = program.get("param_names")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise malformed(path, "program")
+    if len(names) > MAX_PARAMS or any(not n or len(n) > MAX_PARAM_NAME_CHARS for n in names):
+        raise malformed(path, "program", "param_names holds an empty or overlong name, or too many")
+    if len(set(names)) != len(names):
+        raise malformed(path, "program", "param_names names a weight twice")
+
+
+def is_map(value: Any, values: type | tuple = str) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, values) for k, v in value.items())
