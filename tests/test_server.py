@@ -390,7 +390,9 @@ def test_metrics_show_the_histograms_and_counters(client, server):
 
 
 def test_past_the_waiting_limit_requests_get_503_with_retry_after(small_server):
-    results = []
+    with urllib.request.urlopen(small_server.url + "/openapi.json", timeout=10) as r:
+        openapi = json.loads(r.read())
+    results, refusals = [], []
 
     def call(i: int):
         body = json.dumps({"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 48, "temperature": 0.0,
@@ -401,7 +403,9 @@ def test_past_the_waiting_limit_requests_get_503_with_retry_after(small_server):
             with urllib.request.urlopen(request, timeout=120) as r:
                 results.append((r.status, None, json.loads(r.read())))
         except urllib.error.HTTPError as e:
-            results.append((e.code, e.headers.get("Retry-After"), json.loads(e.read())))
+            body = e.read()
+            refusals.append((e.code, e.headers["Content-Type"], body))
+            results.append((e.code, e.headers.get("Retry-After"), json.loads(body)))
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
     for t in threads:
@@ -414,6 +418,8 @@ def test_past_the_waiting_limit_requests_get_503_with_retry_after(small_server):
     assert refused and served  # the first is always taken; at most one waits behind the running one
     for _, retry_after, body in refused:
         assert int(retry_after) >= 1 and "busy" in body["error"]["message"]
+    for status, content_type, body in refusals:
+        assert_listed(openapi, "POST", "/v1/completions", status, content_type, body)
     for _, _, body in served:
         assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 48
     wait_until(lambda: idle(small_server.url), what="an idle engine")
@@ -673,16 +679,21 @@ KEY = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def assert_documented(openapi: dict, method: str, path: str, response) -> None:
-    """``response`` (its status and content type) is one /openapi.json lists for ``method path``."""
+    """``response`` (an httpx response) is one /openapi.json lists for ``method path``."""
+    assert_listed(openapi, method, path, response.status_code, response.headers.get("content-type", ""), response.content)
+
+
+def assert_listed(openapi: dict, method: str, path: str, status: int, content_type: str, body: bytes) -> None:
+    """A response of ``status`` with ``content_type`` and ``body`` is one /openapi.json lists for
+    ``method path``: the status, and the content type (none for a response declared without a body)."""
     responses = openapi["paths"][path][method.lower()]["responses"]
-    status = str(response.status_code)
-    assert status in responses, f"{method} {path} sent {status}, but /openapi.json lists only {sorted(responses)}"
-    declared = {t.split(";")[0].strip() for t in responses[status].get("content", {})}
-    sent = response.headers.get("content-type", "").split(";")[0].strip()
+    assert str(status) in responses, f"{method} {path} sent {status}, but /openapi.json lists only {sorted(responses)}"
+    declared = {t.split(";")[0].strip() for t in responses[str(status)].get("content", {})}
+    sent = content_type.split(";")[0].strip()
     if declared:
         assert sent in declared, f"{method} {path} {status} sent {sent!r}, /openapi.json declares {declared}"
     else:
-        assert response.content == b"", f"{method} {path} {status} declares no body but sent {response.content[:80]!r}"
+        assert body == b"", f"{method} {path} {status} declares no body but sent {body[:80]!r}"
 
 
 # (method, path, headers, body (JSON, or raw bytes), the status the server sends)

@@ -17,8 +17,8 @@ the last shows the chat template).
 the proxy stripped the prefix or kept it, and ``/openapi.json`` names the prefix as its server.
 
 ``RequestIdMiddleware`` gives a request the id in its ``X-Request-Id`` header (or, with
-``--enable-request-id-headers``, a new one when it has none) and sends the id back in the
-response's ``X-Request-Id``. The completions endpoints name their responses after it
+``--enable-request-id-headers``, a new one when it has none or one with control characters)
+and sends the id back in the response's ``X-Request-Id``. The completions endpoints name their responses after it
 (``cmpl-ID``, ``chatcmpl-ID``), as vLLM does.
 """
 
@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import uuid
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 REQUEST_ID_HEADER = b"x-request-id"
+# what no HTTP server may send in a header value (uvicorn's httptools server refuses to)
+_CONTROL = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def route_path(scope) -> str:
@@ -101,6 +104,8 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = header(scope, REQUEST_ID_HEADER) or None
+        if given is not None and _CONTROL.search(given):
+            given = None  # not one that can be sent back
         if given is None and not self.always:
             await self.app(scope, receive, send)
             return
