@@ -77,8 +77,10 @@ def test_a_dead_engine_process_fails_its_requests_with_one_clear_error(lively_bp
     assert core.info.max_model_len > 0 and core.tokenizer is not None
     pid = core._process.pid
 
+    told = []  # what the server hears: the reason, once
+
     async def main():
-        front = AsyncEngine(core)
+        front = AsyncEngine(core, on_failure=told.append)
         front.start()
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         group = front.submit([core.validator.validate("A compiler lowers", params)], stream=True)
@@ -96,6 +98,7 @@ def test_a_dead_engine_process_fails_its_requests_with_one_clear_error(lively_bp
     first, failure = asyncio.run(main())
     assert first[0][1].outputs[0].delta_token_ids
     assert f"exit code {-signal.SIGKILL}" in failure
+    assert told == [failure]
     assert not core.alive
 
 

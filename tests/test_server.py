@@ -818,3 +818,12 @@ def test_root_path_routes_requests_with_or_without_the_proxys_prefix(engine):
         assert c.get("/llm/v1/models").status_code == 401
         assert c.get("/llm/health").status_code == 200
         assert c.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]
+
+
+@pytest.mark.parametrize("root_path", ["llm", "/llm/", "/"])
+def test_a_root_path_is_a_prefix_that_starts_with_a_slash(root_path):
+    from compiled_llm.errors import InvalidOptionError
+    from compiled_llm.serve.server_config import ServerConfig
+
+    with pytest.raises(InvalidOptionError, match="root_path must start with '/'"):
+        ServerConfig(root_path=root_path)
