@@ -1,7 +1,7 @@
 """What every HTTP request passes through before its route: the proxy's root path, the request
 id, then the API key.
 
-Both are plain ASGI middleware, so they cost a dictionary look-up per request and never wrap a
+All three are plain ASGI middleware: they cost a look-up or two per request and never wrap a
 stream's body.
 
 ``ApiKeyMiddleware`` refuses a request without ``Authorization: Bearer KEY`` with 401 before
@@ -18,8 +18,8 @@ the proxy stripped the prefix or kept it, and ``/openapi.json`` names the prefix
 
 ``RequestIdMiddleware`` gives a request the id in its ``X-Request-Id`` header (or, with
 ``--enable-request-id-headers``, a new one when it has none or one with control characters)
-and sends the id back in the response's ``X-Request-Id``. The completions endpoints name their responses after it
-(``cmpl-ID``, ``chatcmpl-ID``), as vLLM does.
+and sends the id back in the response's ``X-Request-Id``. The completions endpoints name their
+responses after it (``cmpl-ID``, ``chatcmpl-ID``), as vLLM does.
 """
 
 from __future__ import annotations
