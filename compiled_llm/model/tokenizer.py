@@ -225,7 +225,9 @@ class _TokenizerFile:
         return [i for i in ids if i is not None]
 
     def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"tokenizer_class": self.tokenizer_class or "TokenizersBackend", **self.named}
+        # transformers 5 loads PreTrainedTokenizerFast files (and those that name no class) as TokenizersBackend
+        cls = self.tokenizer_class if self.tokenizer_class not in ("", "PreTrainedTokenizer") else "TokenizersBackend"
+        info: dict[str, Any] = {"tokenizer_class": cls, **self.named}
         if self.extra:
             info["extra_special_tokens"] = list(self.extra)
         info["clean_up_tokenization_spaces"] = self.clean_up_spaces
