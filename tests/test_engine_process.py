@@ -1,18 +1,24 @@
 """The server's engine process: the message channel between it and the front end, its start (and
-refusal to start), its death under running requests, and the front end's detokenization of the
-streams the engine no longer detokenizes."""
+refusal to start), its death under running requests (which ends the server), and the front end's
+detokenization of the streams the engine no longer detokenizes."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import signal
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from compiled_llm.errors import CompiledLLMError, EngineError
+from server_fixtures import child_pids, serve_process
 
 
 def serve_args(source, *flags):
@@ -71,8 +77,10 @@ def test_a_dead_engine_process_fails_its_requests_with_one_clear_error(lively_bp
     assert core.info.max_model_len > 0 and core.tokenizer is not None
     pid = core._process.pid
 
+    told = []  # what the server hears: the reason, once
+
     async def main():
-        front = AsyncEngine(core)
+        front = AsyncEngine(core, on_failure=told.append)
         front.start()
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         group = front.submit([core.validator.validate("A compiler lowers", params)], stream=True)
@@ -90,7 +98,63 @@ def test_a_dead_engine_process_fails_its_requests_with_one_clear_error(lively_bp
     first, failure = asyncio.run(main())
     assert first[0][1].outputs[0].delta_token_ids
     assert f"exit code {-signal.SIGKILL}" in failure
+    assert told == [failure]
     assert not core.alive
+
+
+def engine_process_of(server_pid: int) -> int:
+    (pid,) = [c for c in child_pids(server_pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+    return pid
+
+
+def running_requests(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "compiled_llm:num_requests_running")
+
+
+def test_a_server_whose_engine_process_dies_fails_its_requests_and_exits_non_zero(lively_bpe_engine, tmp_path):
+    body = {"prompt": "A compiler lowers", "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    with serve_process(lively_bpe_engine, "--log-stats-interval", "0.2", log_path=tmp_path / "serve.log") as server:
+        def post(payload: dict):
+            return urllib.request.urlopen(urllib.request.Request(
+                server.api_url + "/completions", data=json.dumps(payload).encode(),
+                headers={"Content-Type": "application/json"}), timeout=60)
+
+        unstreamed = []
+
+        def call_unstreamed():
+            try:
+                post(body)
+            except urllib.error.HTTPError as e:
+                unstreamed.append((e.code, json.loads(e.read())))
+
+        waiter = threading.Thread(target=call_unstreamed)
+        waiter.start()
+        stream = post({**body, "stream": True})
+        assert stream.readline().startswith(b"data: {")  # the stream has begun
+        deadline = time.monotonic() + 20
+        while running_requests(server.url) < 2:
+            assert time.monotonic() < deadline, "the two requests never ran together"
+            time.sleep(0.01)
+        os.kill(engine_process_of(server.process.pid), signal.SIGKILL)
+        killed = time.monotonic()
+        events = [line[len("data: "):] for line in stream.read().decode().splitlines() if line.startswith("data: ")]
+        exit_code = server.process.wait(timeout=10)
+        took = time.monotonic() - killed
+        waiter.join(10)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "engine process exited" in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert all("error" not in json.loads(e) for e in events[:-2])
+    (status, response), = unstreamed
+    assert status == 500 and "engine process exited" in response["error"]["message"]
+    assert exit_code == 1 and took < 10
+    log = server.log()
+    assert log.count("engine process exited") == 1 and "Traceback" not in log
+    after = log[log.index("engine process exited"):]
+    assert "throughput" not in after  # the stats log stopped
 
 
 # ---- detokenization on the front end's side ------------------------------------------------------------

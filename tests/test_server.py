@@ -312,7 +312,7 @@ def test_chat_logprobs_list_the_top_tokens_in_order(client, hf_tokenizer, oracle
         assert bytes(entry.bytes).decode() == entry.token
 
 
-def test_the_v1_api_needs_the_key_but_health_and_metrics_do_not(server):
+def test_every_route_needs_the_key_but_health_metrics_and_version(server):
     bad = openai.OpenAI(base_url=server.api_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
         bad.models.list()
@@ -323,8 +323,13 @@ def test_the_v1_api_needs_the_key_but_health_and_metrics_do_not(server):
         urllib.request.urlopen(request, timeout=10)
     assert e.value.code == 401
     assert set(json.loads(e.value.read())["error"]) == {"message", "type", "param", "code"}
-    assert http_status(server.url + "/health") == 200
-    assert http_status(server.url + "/metrics") == 200
+    for path in ("/tokenize", "/detokenize"):
+        request = urllib.request.Request(server.url + path, data=b"{not json", headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=10)
+        assert e.value.code == 401, path  # the key is checked before the body
+    for path in ("/health", "/metrics", "/version", "/openapi.json"):
+        assert http_status(server.url + path) == 200, path
 
 
 @pytest.mark.parametrize("params, named", [
@@ -357,7 +362,7 @@ def test_an_unknown_model_is_404(client):
 def test_tokenize_and_detokenize(server, hf_tokenizer):
     def post(path, body):
         request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **KEY})
         with urllib.request.urlopen(request, timeout=10) as r:
             return json.loads(r.read())
 
@@ -385,7 +390,9 @@ def test_metrics_show_the_histograms_and_counters(client, server):
 
 
 def test_past_the_waiting_limit_requests_get_503_with_retry_after(small_server):
-    results = []
+    with urllib.request.urlopen(small_server.url + "/openapi.json", timeout=10) as r:
+        openapi = json.loads(r.read())
+    results, refusals = [], []
 
     def call(i: int):
         body = json.dumps({"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 48, "temperature": 0.0,
@@ -396,7 +403,9 @@ def test_past_the_waiting_limit_requests_get_503_with_retry_after(small_server):
             with urllib.request.urlopen(request, timeout=120) as r:
                 results.append((r.status, None, json.loads(r.read())))
         except urllib.error.HTTPError as e:
-            results.append((e.code, e.headers.get("Retry-After"), json.loads(e.read())))
+            body = e.read()
+            refusals.append((e.code, e.headers["Content-Type"], body))
+            results.append((e.code, e.headers.get("Retry-After"), json.loads(body)))
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
     for t in threads:
@@ -409,6 +418,8 @@ def test_past_the_waiting_limit_requests_get_503_with_retry_after(small_server):
     assert refused and served  # the first is always taken; at most one waits behind the running one
     for _, retry_after, body in refused:
         assert int(retry_after) >= 1 and "busy" in body["error"]["message"]
+    for status, content_type, body in refusals:
+        assert_listed(openapi, "POST", "/v1/completions", status, content_type, body)
     for _, _, body in served:
         assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 48
     wait_until(lambda: idle(small_server.url), what="an idle engine")
@@ -647,3 +658,172 @@ def test_metrics_count_the_engine_and_log_a_stats_line_while_busy(engine, caplog
     assert value("compiled_llm:spec_decode_num_drafts_total", labels) is None  # no speculation, no counters
     lines = [r.getMessage() for r in caplog.records if r.name == "compiled_llm.serve.metrics"]
     assert any("Avg generation throughput" in line and "KV cache usage" in line for line in lines)
+
+
+# ---- the HTTP surface, over the app in this process (starlette's TestClient) ---------------------------------
+
+
+def app_client(engine, **config):
+    """A TestClient over ``build_app`` with ``engine`` stepped by a thread; enter it to start."""
+    from starlette.testclient import TestClient
+
+    from compiled_llm.serve.engine_core_client import EngineCoreClient
+    from compiled_llm.serve.openai.api_server import build_app
+    from compiled_llm.serve.server_config import ServerConfig
+
+    app = build_app(EngineCoreClient.in_thread(engine), ServerConfig(**config), model_name=MODEL)
+    return TestClient(app, raise_server_exceptions=False)
+
+
+KEY = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def assert_documented(openapi: dict, method: str, path: str, response) -> None:
+    """``response`` (an httpx response) is one /openapi.json lists for ``method path``."""
+    assert_listed(openapi, method, path, response.status_code, response.headers.get("content-type", ""), response.content)
+
+
+def assert_listed(openapi: dict, method: str, path: str, status: int, content_type: str, body: bytes) -> None:
+    """A response of ``status`` with ``content_type`` and ``body`` is one /openapi.json lists for
+    ``method path``: the status, and the content type (none for a response declared without a body)."""
+    responses = openapi["paths"][path][method.lower()]["responses"]
+    assert str(status) in responses, f"{method} {path} sent {status}, but /openapi.json lists only {sorted(responses)}"
+    declared = {t.split(";")[0].strip() for t in responses[str(status)].get("content", {})}
+    sent = content_type.split(";")[0].strip()
+    if declared:
+        assert sent in declared, f"{method} {path} {status} sent {sent!r}, /openapi.json declares {declared}"
+    else:
+        assert body == b"", f"{method} {path} {status} declares no body but sent {body[:80]!r}"
+
+
+# (method, path, headers, body (JSON, or raw bytes), the status the server sends)
+SURFACE = [
+    ("POST", "/v1/completions", {}, b"{not json", 401),  # the key is checked before the body
+    ("POST", "/v1/completions", {}, {"prompt": "hi", "max_tokens": "many"}, 401),
+    ("POST", "/v1/completions", KEY, b"{not json", 400),
+    ("POST", "/v1/completions", KEY, {"prompt": "hi", "max_tokens": "many"}, 400),
+    ("POST", "/v1/completions", KEY, {"model": "no-such-model", "prompt": "hi"}, 404),
+    ("POST", "/v1/completions", KEY, {"model": MODEL, "prompt": "hi", "max_tokens": 2}, 200),
+    ("POST", "/v1/completions", KEY, {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}, 200),
+    ("POST", "/v1/chat/completions", {}, {"messages": "not a list"}, 401),
+    ("POST", "/v1/chat/completions", KEY, {"messages": "not a list"}, 400),
+    ("POST", "/v1/chat/completions", KEY, {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("POST", "/v1/chat/completions", KEY, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, 200),
+    ("GET", "/v1/models", {}, None, 401),
+    ("GET", "/v1/models", KEY, None, 200),
+    ("POST", "/tokenize", {}, {"prompt": "hi"}, 401),
+    ("POST", "/tokenize", KEY, {"prompt": 5}, 400),
+    ("POST", "/tokenize", KEY, {"model": "no-such-model", "prompt": "hi"}, 404),
+    ("POST", "/tokenize", KEY, {"prompt": "hi"}, 200),
+    ("POST", "/detokenize", {}, {"tokens": [1, 2]}, 401),
+    ("POST", "/detokenize", KEY, {"tokens": [-1]}, 400),
+    ("POST", "/detokenize", KEY, {"tokens": [1, 2]}, 200),
+    ("GET", "/tokenizer_info", {}, None, 401),
+    ("GET", "/tokenizer_info", KEY, None, 200),
+    ("GET", "/health", {}, None, 200),
+    ("GET", "/metrics", {}, None, 200),
+    ("GET", "/version", {}, None, 200),
+]
+
+
+@pytest.mark.parametrize("method, path, headers, body, status", SURFACE,
+                         ids=[f"{m} {p} {'key' if h else 'keyless'} {s}" for m, p, h, _, s in SURFACE])
+def test_each_response_is_one_the_openapi_document_lists(engine, method, path, headers, body, status):
+    options = {"enable_tokenizer_info_endpoint": True} if path == "/tokenizer_info" else {}
+    with app_client(engine, api_key=API_KEY, **options) as c:
+        openapi = c.get("/openapi.json").json()
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+        response = c.request(method, path, headers={"Content-Type": "application/json", **headers}, **kwargs)
+    assert response.status_code == status, response.text
+    assert_documented(openapi, method, path, response)
+    if status >= 400:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_openapi_document_lists_no_422_and_asks_for_the_key_where_it_is_needed(engine):
+    with app_client(engine, api_key=API_KEY) as c:
+        openapi = c.get("/openapi.json").json()
+    operations = [(path, op) for path, item in openapi["paths"].items() for op in item.values()]
+    assert all("422" not in op["responses"] for _, op in operations)
+    assert "HTTPValidationError" not in openapi["components"]["schemas"]
+    open_ = {path for path, op in operations if "security" not in op}
+    assert open_ == {"/health", "/metrics", "/version"}
+    assert openapi["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    stream = openapi["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert set(stream) == {"application/json", "text/event-stream"}
+
+
+def test_a_server_that_is_shutting_down_answers_503_as_documented(engine):
+    with app_client(engine) as c:
+        openapi = c.get("/openapi.json").json()
+        c.app.state.server.async_engine.accepting = False  # what SIGTERM's drain sets
+        health = c.get("/health")
+        completion = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    for path, response in (("/health", health), ("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        assert response.status_code == 503
+        assert_documented(openapi, "GET" if path == "/health" else "POST", path, response)
+    assert int(completion.headers["Retry-After"]) >= 1
+
+
+def test_a_method_a_route_does_not_take_is_405_with_allow(engine):
+    with app_client(engine) as c:
+        response = c.delete("/health")
+        post_only = c.get("/v1/completions")
+    assert response.status_code == 405 and response.headers["Allow"] == "GET"
+    assert post_only.status_code == 405 and post_only.headers["Allow"] == "POST"
+
+
+def test_health_is_200_with_an_empty_body_as_vllm(engine):
+    with app_client(engine) as c:
+        response = c.get("/health")
+    assert response.status_code == 200 and response.content == b""
+
+
+def test_version_names_the_package_version(engine):
+    import importlib.metadata
+
+    with app_client(engine) as c:
+        assert c.get("/version").json() == {"version": importlib.metadata.version("compiled_llm")}
+
+
+def test_tokenizer_info_gives_the_tokenizers_class_tokens_and_chat_template(engine, hf_tokenizer):
+    with app_client(engine, enable_tokenizer_info_endpoint=True) as c:
+        info = c.get("/tokenizer_info").json()
+    with app_client(engine) as c:
+        assert c.get("/tokenizer_info").status_code == 404  # off by default, as vLLM's
+    assert info["tokenizer_class"]
+    assert info["eos_token"] == hf_tokenizer.eos_token
+    assert info["chat_template"] == hf_tokenizer.chat_template
+
+
+def test_x_request_id_is_sent_back_and_names_the_completion(engine):
+    with app_client(engine) as c:
+        completion = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"X-Request-Id": "trace-17"})
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                      headers={"X-Request-Id": "trace-18"})
+        plain = c.get("/v1/models")
+    assert completion.headers["X-Request-Id"] == "trace-17" and completion.json()["id"] == "cmpl-trace-17"
+    assert chat.headers["X-Request-Id"] == "trace-18" and chat.json()["id"] == "chatcmpl-trace-18"
+    assert "X-Request-Id" not in plain.headers  # only with --enable-request-id-headers
+    with app_client(engine, enable_request_id_headers=True) as c:
+        made = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert made.json()["id"] == "cmpl-" + made.headers["X-Request-Id"]
+
+
+def test_root_path_routes_requests_with_or_without_the_proxys_prefix(engine):
+    with app_client(engine, root_path="/llm", api_key=API_KEY) as c:
+        assert c.get("/v1/models", headers=KEY).status_code == 200
+        assert c.get("/llm/v1/models", headers=KEY).status_code == 200
+        assert c.get("/llm/v1/models").status_code == 401
+        assert c.get("/llm/health").status_code == 200
+        assert c.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]
+
+
+@pytest.mark.parametrize("root_path", ["llm", "/llm/", "/"])
+def test_a_root_path_is_a_prefix_that_starts_with_a_slash(root_path):
+    from compiled_llm.errors import InvalidOptionError
+    from compiled_llm.serve.server_config import ServerConfig
+
+    with pytest.raises(InvalidOptionError, match="root_path must start with '/'"):
+        ServerConfig(root_path=root_path)

@@ -647,3 +647,15 @@ def test_template_environment_matches_transformers():
                          ("{{ messages.__class__.__mro__ }}", "unsafe")):
         with pytest.raises(CompiledLLMError, match=message):
             render_chat_template(bad, messages, True, variables)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_describe_names_the_class_special_tokens_and_template_transformers_loads(family_dirs, family):
+    """What /tokenizer_info serves, as vLLM's gives it from transformers' tokenizer."""
+    info = load_tokenizer(family_dirs[family]).describe()
+    hf = auto_tokenizer(family_dirs[family])
+    assert info["tokenizer_class"] == type(hf).__name__
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert info.get(name) == getattr(hf, name), name
+    assert info.get("chat_template") == (hf.chat_template or None)
+    json.dumps(info)  # served as JSON as it is

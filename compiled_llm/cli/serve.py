@@ -31,9 +31,10 @@ def add_parser(subparsers):
         description=(
             "Serve ENGINE|SOURCE over HTTP with OpenAI's API: POST /v1/completions, POST "
             "/v1/chat/completions (streamed with stream: true), GET /v1/models, GET /health, GET "
-            "/metrics (Prometheus), POST /tokenize and /detokenize. Listens on 127.0.0.1 unless "
-            "--host says otherwise. SIGTERM stops accepting requests, lets running ones finish for "
-            "up to --shutdown-timeout seconds, and exits 0."
+            "/metrics (Prometheus), GET /version, POST /tokenize and /detokenize. Listens on "
+            "127.0.0.1 unless --host says otherwise. SIGTERM stops accepting requests, lets running "
+            "ones finish for up to --shutdown-timeout seconds, and exits 0; if the engine process "
+            "dies, running requests fail and the server exits 1."
         ),
     )
     p.add_argument("source", metavar="ENGINE|SOURCE",

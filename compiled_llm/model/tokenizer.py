@@ -134,6 +134,15 @@ class Tokenizer:
         n = self.vocab_size
         return self._backend.decode([int(i) for i in ids if 0 <= int(i) < n], skip_special_tokens)
 
+    def describe(self) -> dict[str, Any]:
+        """The tokenizer's settings as vLLM's /tokenizer_info gives them (what transformers keeps
+        as ``init_kwargs``: its class, its named special tokens, ...), its chat template included."""
+        info = dict(self._backend.describe())
+        template = self._backend.chat_template()
+        if template is not None:
+            info["chat_template"] = template
+        return info
+
     def render_chat(self, user_text: str, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT) -> str:
         """The chat prompt as text: the tokenizer's template, or ``plain_chat_prompt``."""
         if not self.has_chat_template:
@@ -180,8 +189,10 @@ class _TokenizerFile:
         chat_template: str | dict[str, str] | None,
         clean_up_spaces: bool = False,
         source_dir: Path | None = None,
+        tokenizer_class: str = "",
     ):
         self.raw = raw  # tokenizers.Tokenizer
+        self.tokenizer_class = tokenizer_class  # the transformers class it stands for ("": TokenizersBackend)
         self.named = named  # bos_token/eos_token/... -> token text; also the template's variables
         self.extra = extra  # extra (additional) special tokens
         self.templates = chat_template
@@ -212,6 +223,15 @@ class _TokenizerFile:
         known = set(self.all_special_tokens) | {t.content for t in self.raw.get_added_tokens_decoder().values()}
         ids += [self._token_id(t) for t in _END_OF_TURN_TOKENS if t in known]
         return [i for i in ids if i is not None]
+
+    def describe(self) -> dict[str, Any]:
+        # transformers 5 loads PreTrainedTokenizerFast files (and those that name no class) as TokenizersBackend
+        cls = self.tokenizer_class if self.tokenizer_class not in ("", "PreTrainedTokenizer") else "TokenizersBackend"
+        info: dict[str, Any] = {"tokenizer_class": cls, **self.named}
+        if self.extra:
+            info["extra_special_tokens"] = list(self.extra)
+        info["clean_up_tokenization_spaces"] = self.clean_up_spaces
+        return info
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.raw.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -282,6 +302,11 @@ class _Transformers:
         known = set(getattr(self.hf, "all_special_tokens", ())) | set(getattr(self.hf, "added_tokens_encoder", {}))
         return ids + [self.hf.convert_tokens_to_ids(t) for t in _END_OF_TURN_TOKENS if t in known]
 
+    def describe(self) -> dict[str, Any]:
+        settings = {k: v for k, v in (getattr(self.hf, "init_kwargs", None) or {}).items()
+                    if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+        return {**_json_safe(settings), "tokenizer_class": type(self.hf).__name__}
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
@@ -315,6 +340,13 @@ class _SentencePiece:
     def eos_ids(self) -> list[int]:
         return [self.sp.eos_id()] if self.sp.eos_id() >= 0 else []
 
+    def describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"tokenizer_class": "SentencePieceProcessor"}
+        for name, i in (("bos_token", self.sp.bos_id()), ("eos_token", self.sp.eos_id()), ("unk_token", self.sp.unk_id())):
+            if i >= 0:
+                info[name] = self.sp.id_to_piece(i)
+        return info
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         ids = list(self.sp.encode(text))
         # sentencepiece-only checkpoints are Llama-style: BOS starts every prompt
@@ -330,6 +362,19 @@ class _SentencePiece:
 
 
 # --- loading -------------------------------------------------------------------------------------
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with what JSON cannot hold made plain: added tokens as their text, the rest as str."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    return str(value)
 
 
 class _NeedsTransformers(Exception):
@@ -447,7 +492,8 @@ def _load_tokenizer_json(directory: Path) -> _TokenizerFile:
         type(raw.model).__name__ != "BPE"
         or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
     )
-    return _TokenizerFile(raw, named_text, extra, _read_chat_templates(directory, config), clean_up, directory)
+    return _TokenizerFile(raw, named_text, extra, _read_chat_templates(directory, config), clean_up, directory,
+                          tokenizer_class)
 
 
 def _tokenizer_class(directory: Path, config: dict) -> str:

@@ -27,6 +27,11 @@ as the core reports them leaving its waiting queue; past ``max_waiting_requests`
 Retry-After), and so is every call once ``drain`` has begun. A request past its timeout is
 aborted (finish reason "abort"). ``RequestGroup.abort`` tells the core, which frees the
 request's blocks before its next step.
+
+If the engine core dies, every running call fails with ``EngineError`` (a stream ends with an
+error event), new calls are refused, the stats log stops, and ``on_failure`` (the server's
+shutdown) is called once: with no engine there is nothing left to serve, and a supervisor can
+only restart a server that exits.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import dataclasses
 import logging
 import itertools
 import time
+from typing import Callable
 
 from compiled_llm.errors import CompiledLLMError, EngineError, InvalidRequestError
 from compiled_llm.serve.engine_core_client import EngineCoreClient
@@ -197,7 +203,8 @@ class AsyncEngine:
     """See the module docstring. ``start()`` from the event loop that will read the outputs."""
 
     def __init__(self, core: EngineCoreClient, *, max_waiting_requests: int = 1024,
-                 max_waiting_prompt_tokens: int = 1 << 20, request_timeout: float | None = None, metrics=None):
+                 max_waiting_prompt_tokens: int = 1 << 20, request_timeout: float | None = None, metrics=None,
+                 on_failure: Callable[[str], None] | None = None):
         self.core = core
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_prompt_tokens = max_waiting_prompt_tokens
@@ -205,6 +212,7 @@ class AsyncEngine:
         self.metrics = metrics  # ServerMetrics or None
         self.accepting = True
         self.failure: str | None = None  # why the engine core stopped, once it has
+        self.on_failure = on_failure  # called with that reason, once, when it does
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}  # requests in the engine (not closed)
         # admission: requests accepted but not yet scheduled, id -> prompt tokens
@@ -242,6 +250,14 @@ class AsyncEngine:
             except asyncio.TimeoutError:
                 logger.warning("aborting %d requests still running after %g s", len(self._active), grace)
         await self.stop()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every call to have been released; whether they were."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def abort_all(self, reason: str = "shutdown") -> None:
         """Refuse new calls and abort every running one (their streams end with "abort")."""
@@ -397,10 +413,23 @@ class AsyncEngine:
                 self._waking = True
                 asyncio.get_running_loop().call_soon(self._wake_some)
         elif kind == "lost":
-            logger.error("%s; failing its %d requests", message[1], len(self._requests))
-            self.failure = message[1]
-            for r in self._requests.values():
-                r.closed = True
-            self._requests.clear()
-            for group in list(self._active):
-                group._wake()
+            self._lost(message[1])
+
+    def _lost(self, reason: str) -> None:
+        """The engine core is gone: fail what runs (each consumer, woken, raises EngineError),
+        refuse what comes, stop the stats log, and tell the server."""
+        logger.error("%s; failing %d running requests%s", reason, len(self._requests),
+                     "" if self.on_failure is None else " and shutting down")
+        self.failure = reason
+        self.accepting = False
+        for r in self._requests.values():
+            r.closed = True
+        self._requests.clear()
+        self._unscheduled.clear()
+        self._unscheduled_tokens = 0
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+        for group in list(self._active):
+            group._wake()
+        if self.on_failure is not None:
+            self.on_failure(reason)

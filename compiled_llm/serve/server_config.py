@@ -26,8 +26,8 @@ class ServerConfig:
                                      "only; 0.0.0.0 every interface (vLLM's default)")
     port: int = _option(8000, "TCP port to listen on (0: any free port; the log names it)")
     api_key: str | None = dataclasses.field(default=None, repr=False, metadata={"help": (
-        f"clients must send 'Authorization: Bearer KEY' to the /v1 endpoints; unset: ${API_KEY_VAR}, "
-        "else no key is needed")})
+        f"clients must send 'Authorization: Bearer KEY' to every route but /health, /metrics, /version and "
+        f"the API's description (/openapi.json, /docs, /redoc); unset: ${API_KEY_VAR}, else no key is needed")})
     served_model_name: str | None = _option(
         None, "the model name clients send and /v1/models lists; unset: ENGINE|SOURCE as given")
     max_waiting_requests: int = _option(
@@ -41,6 +41,14 @@ class ServerConfig:
     log_stats_interval: float = _option(
         10.0, "seconds between the log lines of throughput, queue and KV-cache usage while busy")
     access_log: bool = _option(False, "log every HTTP request (uvicorn's access log)")
+    root_path: str | None = _option(
+        None, "the path prefix a reverse proxy serves this server under (e.g. /llm), as FastAPI's root_path: "
+              "requests are routed with or without it, and /openapi.json names it")
+    enable_request_id_headers: bool = _option(
+        False, "send an X-Request-Id header with every response (a new id when the request brings none); "
+               "without it, only a request's own X-Request-Id is sent back")
+    enable_tokenizer_info_endpoint: bool = _option(
+        False, "serve GET /tokenizer_info (the tokenizer's settings and chat template), as vLLM's flag")
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -57,5 +65,7 @@ class ServerConfig:
                 raise InvalidOptionError(f"{name} must be a number of seconds, got {value!r}")
             if value < 0 or (value == 0 and name != "shutdown_timeout"):
                 raise InvalidOptionError(f"{name} must be {'>= 0' if name == 'shutdown_timeout' else '> 0'} seconds, got {value}")
+        if self.root_path is not None and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise InvalidOptionError(f"root_path must start with '/' and not end with one (e.g. /llm), got {self.root_path!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise InvalidOptionError("api_key is empty; leave it unset to serve without a key")

@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP server: ``build_app`` makes the FastAPI app over one engine core (the
 engine's own process, ``EngineCoreClient``), ``serve`` runs it under uvicorn until SIGTERM
-(drain, then exit) or Ctrl-C.
+(drain, then exit 0), Ctrl-C, or the engine process's death (fail what runs, exit 1).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these need
-the API key when one is set, as in vLLM), ``GET /health``, ``GET /metrics`` (Prometheus text),
-``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes). Every error is OpenAI's JSON,
-``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters (a pydantic type
-error included), 401 without the key, 404 for an unknown model, 503 with Retry-After when the
-waiting queue is full or the server is shutting down, 504 when a request times out.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST
+/tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /tokenizer_info`` (with
+``--enable-tokenizer-info-endpoint``), and the open ones: ``GET /health`` (200 with an empty
+body, as vLLM's), ``GET /metrics`` (Prometheus text), ``GET /version``. With an API key, every
+route but the open ones needs it, checked before the body is read (``middleware``). Every error
+is OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters
+(a pydantic type error included), 401 without the key, 404 for an unknown model, 405 (with
+Allow) for a method a route does not take, 500 once the engine has stopped, 503 with
+Retry-After when the waiting queue is full or the server is shutting down, 504 when a request
+times out. ``/openapi.json`` lists exactly these (``openapi``).
 """
 
 from __future__ import annotations
@@ -15,24 +19,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
+import importlib.metadata
 import logging
 import signal
 import time
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from compiled_llm.errors import CompiledLLMError, EngineError
 from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
 from compiled_llm.serve.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import CONTENT_TYPE, ServerMetrics
-from compiled_llm.serve.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                                TokenizeResponse)
+from compiled_llm.serve.openai.middleware import ApiKeyMiddleware, RequestIdMiddleware, RootPathMiddleware
+from compiled_llm.serve.openai.openapi import errors, honest_openapi, json_or_stream
+from compiled_llm.serve.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                                CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                                ModelList, TokenizeRequest, TokenizeResponse)
 from compiled_llm.serve.openai.serving import ApiError, ServerState
 from compiled_llm.serve.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from compiled_llm.serve.openai.serving_completions import create_completion
@@ -87,8 +94,31 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
+    async def _http_error(request, exc: StarletteHTTPException):  # 404, 405 (its Allow header kept), ...
+        return error_response(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError",
+                              headers=exc.headers)
+
+
+class PrometheusResponse(Response):
+    media_type = CONTENT_TYPE
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's: the tokenizer's settings (transformers' init_kwargs), its class and chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("compiled_llm")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), model_name: str | None = None) -> FastAPI:
@@ -111,48 +141,60 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
         finally:
             await async_engine.stop()
 
-    app = FastAPI(title="compiled_llm", description="An OpenAI-compatible server", lifespan=lifespan)
+    app = FastAPI(title="compiled_llm", description="An OpenAI-compatible server", version=package_version(),
+                  lifespan=lifespan)
     app.state.server = state
     _install_error_handlers(app)
+    # added last, runs first: the request id is sent back with a 401 too
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware, always=config.enable_request_id_headers)
+    if config.root_path is not None:
+        app.add_middleware(RootPathMiddleware, root_path=config.root_path)
+    honest_openapi(app, api_key_required=config.api_key is not None)
+    key = (401,) if config.api_key is not None else ()
 
-    async def check_api_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           "AuthenticationError", code="invalid_api_key")
+    v1 = APIRouter(prefix="/v1")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-
-    @v1.get("/models")
+    @v1.get("/models", responses=errors(*key))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, created=state.created, root=info.name,
                                          max_model_len=info.max_model_len)])
 
-    @v1.post("/completions")
+    generation_errors = errors(400, *key, 404, 500, 503, 504)
+
+    @v1.post("/completions", response_model=None,
+             responses={**json_or_stream(CompletionResponse, "completion"), **generation_errors})
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(state, body, request, time.perf_counter())
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", response_model=None,
+             responses={**json_or_stream(ChatCompletionResponse, "chat completion"), **generation_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, body, request, time.perf_counter())
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The server and its engine are up (an empty body, as vLLM's)"},
+                        **errors(503)})
     async def health() -> Response:
         if async_engine.failure is not None:
-            return error_response(500, f"the engine stopped: {async_engine.failure}", "InternalServerError")
+            return error_response(503, f"the engine stopped: {async_engine.failure}", "ServiceUnavailableError")
         if not async_engine.accepting:
             return error_response(503, "the server is shutting down", "ServiceUnavailableError")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PrometheusResponse,
+             responses={200: {"description": "Prometheus' text format", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return PrometheusResponse(metrics.render())
 
-    @app.post("/tokenize")
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=app.version)
+
+    @app.post("/tokenize", responses=errors(400, *key, 404))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -163,12 +205,23 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
             _, ids = core.validator.prompt_token_ids(body.prompt)
         return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=errors(400, *key, 404))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         state.check_model(body.model)
         if core.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer", "BadRequestError")
+        bad = next((t for t in body.tokens if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the model's vocabulary (0..{info.vocab_size - 1})",
+                           "BadRequestError", param="tokens")
         return DetokenizeResponse(prompt=core.tokenizer.decode(body.tokens))
+
+    if config.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info", responses=errors(400, *key))
+        async def tokenizer_info() -> TokenizerInfoResponse:
+            if core.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer", "BadRequestError")
+            return TokenizerInfoResponse(**core.tokenizer.describe())
 
     return app
 
@@ -178,20 +231,27 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
 
 def serve(core: EngineCoreClient, config: ServerConfig, model_name: str | None = None) -> int:
     """Serve until SIGTERM (refuse new requests with 503, let running ones finish for up to
-    ``config.shutdown_timeout`` seconds, abort the rest, stop the engine core, return 0) or
-    Ctrl-C (abort all, and uvicorn re-raises the interrupt)."""
+    ``config.shutdown_timeout`` seconds, abort the rest, stop the engine core, return 0),
+    Ctrl-C (abort all, and uvicorn re-raises the interrupt), or the engine process's death
+    (running requests fail, then return 1: a supervisor restarts a server that exits, as vLLM's
+    does when its engine core dies)."""
     app = build_app(core, config, model_name)
     # after the drain, connections get a few seconds to send their last bytes
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                access_log=config.access_log, lifespan="on", timeout_graceful_shutdown=5)
-    DrainingServer(uv_config, app.state.server).run()
-    return 0
+    server = DrainingServer(uv_config, app.state.server)
+    server.run()
+    return 0 if app.state.server.async_engine.failure is None else 1
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's Server, with SIGTERM draining the engine before uvicorn shuts down (uvicorn's
     own SIGTERM would stop accepting connections at once, and re-raise the signal so the
-    process dies of it). Ctrl-C, or a second SIGTERM, aborts every request and stops."""
+    process dies of it). Ctrl-C, or a second SIGTERM, aborts every request and stops. When the
+    engine process dies, the server stops once the failed requests have had their errors sent
+    (at most ``FAILED_REQUESTS_GRACE`` seconds)."""
+
+    FAILED_REQUESTS_GRACE = 2.0
 
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
@@ -199,6 +259,15 @@ class DrainingServer(uvicorn.Server):
         self._aio: asyncio.AbstractEventLoop | None = None
         self._drain_requested = False
         self._drain_task: asyncio.Task | None = None
+        self._exit_task: asyncio.Task | None = None
+        state.async_engine.on_failure = self._engine_failed
+
+    def _engine_failed(self, reason: str) -> None:
+        self._exit_task = asyncio.ensure_future(self._exit_after_failed_requests())
+
+    async def _exit_after_failed_requests(self) -> None:
+        await self.state.async_engine.wait_idle(self.FAILED_REQUESTS_GRACE)
+        self.should_exit = True
 
     async def serve(self, sockets=None):
         self._aio = asyncio.get_running_loop()

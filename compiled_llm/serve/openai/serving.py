@@ -17,6 +17,7 @@ from compiled_llm.errors import CompiledLLMError, InvalidRequestError
 from compiled_llm.serve.async_engine import AsyncEngine, RequestGroup, ServiceUnavailableError
 from compiled_llm.serve.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import ServerMetrics
+from compiled_llm.serve.openai.middleware import request_id
 from compiled_llm.serve.outputs import Logprob, PositionLogprobs, RequestOutput
 from compiled_llm.serve.sampling import SamplingParams
 from compiled_llm.serve.server_config import ServerConfig
@@ -63,8 +64,10 @@ class ServerState:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, http: Request | None = None) -> str:
+    """A response's id: the request's X-Request-Id when it has one (as vLLM's), else a new one."""
+    given = None if http is None else request_id(http)
+    return f"{prefix}-{given or uuid.uuid4().hex}"
 
 
 # ---- request -> SamplingParams ----------------------------------------------------------------------

@@ -64,7 +64,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     state.check_model(req.model)
     request = _validated(state, req)
     group = state.async_engine.submit([request], stream=req.stream, arrival=arrival)
-    shape = _Shape(state, req, new_id("chatcmpl"), now_s())
+    shape = _Shape(state, req, new_id("chatcmpl", http), now_s())
     if req.stream:
         return StreamingResponse(sse_stream(group, http, _ChatStream(shape, len(request[1]))),
                                  media_type="text/event-stream")

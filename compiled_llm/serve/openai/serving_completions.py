@@ -61,7 +61,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, http: Re
     requests = _validated(state, req)
     group = state.async_engine.submit(requests, stream=req.stream, arrival=arrival)
     echoes = [_prompt_text(state, r) for r in requests] if req.echo else None
-    shape = _Shape(state, req, new_id("cmpl"), now_s(), echoes)
+    shape = _Shape(state, req, new_id("cmpl", http), now_s(), echoes)
     if req.stream:
         return StreamingResponse(sse_stream(group, http, _CompletionStream(shape, requests)),
                                  media_type="text/event-stream")
