@@ -128,6 +128,12 @@ class Tokenizer:
         to every input, as vLLM does for text prompts."""
         return self._backend.encode(text, add_special_tokens=True)
 
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token string in the vocabulary's own alphabet (transformers'
+        convert_ids_to_tokens: "Ġworld" for a byte-level BPE); "" for an id it does not know."""
+        n = self.vocab_size
+        return [self._backend.id_to_token(int(i)) if 0 <= int(i) < n else "" for i in ids]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # A model's vocab can be larger than its tokenizer's (padded embeddings, random-weight
         # presets): ids the tokenizer does not know decode to nothing instead of failing.
@@ -206,6 +212,9 @@ class _TokenizerFile:
     def token_strings(self) -> Iterable[str]:
         return self.raw.get_vocab(with_added_tokens=True)
 
+    def id_to_token(self, i: int) -> str:
+        return self.raw.id_to_token(i) or ""
+
     def eos_ids(self) -> list[int]:
         eos = self.named.get("eos_token")
         ids = [self._token_id(eos)] if eos is not None else []
@@ -277,6 +286,9 @@ class _Transformers:
     def token_strings(self) -> Iterable[str]:
         return self.hf.get_vocab()
 
+    def id_to_token(self, i: int) -> str:
+        return self.hf.convert_ids_to_tokens(i) or ""
+
     def eos_ids(self) -> list[int]:
         ids = [self.hf.eos_token_id] if self.hf.eos_token_id is not None else []
         known = set(getattr(self.hf, "all_special_tokens", ())) | set(getattr(self.hf, "added_tokens_encoder", {}))
@@ -311,6 +323,9 @@ class _SentencePiece:
 
     def token_strings(self) -> Iterable[str]:
         return (self.sp.id_to_piece(i) for i in range(self.sp.get_piece_size()))
+
+    def id_to_token(self, i: int) -> str:
+        return self.sp.id_to_piece(i)
 
     def eos_ids(self) -> list[int]:
         return [self.sp.eos_id()] if self.sp.eos_id() >= 0 else []

@@ -4,7 +4,7 @@ Decoding the whole output after every token costs O(n^2); instead each step deco
 window (the tokens since the last emitted text, plus the previous window for context) and keeps
 the difference, as vLLM does. A window that ends inside a multi-byte character decodes to
 U+FFFD and waits for the next token. Stop strings are searched only in the text that can
-contain a new match; a hit cuts the text where the stop string starts (or where it ends, with
+contain a new match, and (vLLM's ``min_tokens``) only once there are more than min_tokens tokens; a hit cuts the text where the stop string starts (or where it ends, with
 ``include_stop``), and ``stop_string`` says which one it was. While streaming, the
 last len(longest stop) - 1 characters are held back, so a stop string is never half-sent.
 """
@@ -15,10 +15,11 @@ from typing import Sequence
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
         self.stop_string: str | None = None
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -48,7 +49,7 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         start = max(0, len(self.text) - self.hold)
         self.text += delta
-        if self.stop:
+        if self.stop and len(self.token_ids) > self.min_tokens:
             hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
                 at, self.stop_string = min(hits, key=lambda hit: (hit[0], -len(hit[1])))

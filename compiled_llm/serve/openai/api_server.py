@@ -97,7 +97,8 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
     name."""
     info = core.info
     name = config.served_model_name or model_name or info.name
-    metrics = ServerMetrics(name, core.start_snapshot, config.log_stats_interval, info.num_speculative_tokens)
+    metrics = ServerMetrics(name, core.start_snapshot, config.log_stats_interval, info.num_speculative_tokens,
+                            engine_info=info)
     async_engine = AsyncEngine(core, max_waiting_requests=config.max_waiting_requests,
                                max_waiting_prompt_tokens=config.max_waiting_prompt_tokens,
                                request_timeout=config.request_timeout, metrics=metrics)
@@ -127,7 +128,8 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, created=state.created, root=info.name,
+        # root: the model as given on the command line (vLLM's), not the engine it was built into
+        return ModelList(data=[ModelCard(id=name, created=state.created, root=model_name or info.name,
                                          max_model_len=info.max_model_len)])
 
     @v1.post("/completions")
@@ -161,7 +163,10 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
             ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
         else:
             _, ids = core.validator.prompt_token_ids(body.prompt)
-        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
+        strs = None
+        if body.return_token_strs and core.tokenizer is not None:  # vLLM's: the vocabulary's strings
+            strs = core.tokenizer.token_strs(ids)
+        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
