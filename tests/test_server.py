@@ -461,6 +461,11 @@ def test_tokenize_returns_the_token_strings_when_asked(server, hf_tokenizer):
     assert status == 200
     assert out["token_strs"] == hf_tokenizer.convert_ids_to_tokens(out["tokens"])
     assert post(server, "/tokenize", {"prompt": PROMPTS[5]})[1]["token_strs"] is None
+    plain = post(server, "/tokenize", {"prompt": PROMPTS[5], "add_special_tokens": False})[1]
+    assert plain["tokens"] == hf_tokenizer(PROMPTS[5], add_special_tokens=False)["input_ids"]
+    # what it cannot do is refused by name, not ignored
+    status, out = post(server, "/tokenize", {"messages": chat_messages("hi"), "chat_template": "{{ messages }}"})
+    assert status == 400 and out["error"]["param"] == "chat_template"
 
 
 def test_completion_top_logprobs_list_the_chosen_token_first(server):
@@ -515,6 +520,7 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(server, hf_tokenizer, oracle
     ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "whole vocabulary"),
+    ("/v1/chat/completions", {"add_special_tokens": True}, "add_special_tokens"),
 ])
 def test_vllm_fields_this_server_lacks_are_refused_by_name(server, path, extra, named):
     base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": chat_messages("hi")}

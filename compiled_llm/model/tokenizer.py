@@ -123,10 +123,10 @@ class Tokenizer:
         return 4 * max((len(t.encode("utf-8", "surrogatepass")) for t in self._backend.token_strings()), default=1)
 
     # -- text <-> ids --------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a plain prompt, with the special tokens (e.g. BOS) the tokenizer adds
-        to every input, as vLLM does for text prompts."""
-        return self._backend.encode(text, add_special_tokens=True)
+        to every input, as vLLM does for text prompts (unless ``add_special_tokens`` is False)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens)
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """Each id's token string in the vocabulary's own alphabet (transformers'

@@ -30,9 +30,9 @@ from compiled_llm.errors import CompiledLLMError, EngineError
 from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
 from compiled_llm.serve.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import CONTENT_TYPE, ServerMetrics
-from compiled_llm.serve.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                                TokenizeResponse)
+from compiled_llm.serve.openai.protocol import (TOKENIZE_NOT_SUPPORTED, ChatCompletionRequest, CompletionRequest,
+                                                DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                                TokenizeRequest, TokenizeResponse, unsupported_field)
 from compiled_llm.serve.openai.serving import ApiError, ServerState
 from compiled_llm.serve.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from compiled_llm.serve.openai.serving_completions import create_completion
@@ -159,10 +159,16 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give either prompt or messages", "BadRequestError")
+        name = unsupported_field(body, TOKENIZE_NOT_SUPPORTED)
+        if name is None and body.messages is not None and body.add_special_tokens:
+            name = "add_special_tokens"  # a chat is rendered by its template alone
+        if name is not None:
+            raise ApiError(400, f"{name} is not supported by this server; leave {name} unset", "BadRequestError",
+                           param=name)
         if body.messages is not None:
             ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
         else:
-            _, ids = core.validator.prompt_token_ids(body.prompt)
+            _, ids = core.validator.prompt_token_ids(body.prompt, body.add_special_tokens is not False)
         strs = None
         if body.return_token_strs and core.tokenizer is not None:  # vLLM's: the vocabulary's strings
             strs = core.tokenizer.token_strs(ids)

@@ -59,7 +59,7 @@ _COMMON_NOT_SUPPORTED: dict[str, tuple] = {
     "guided_decoding_backend": (None,),
     "logits_processors": (None,),
 }
-COMPLETION_NOT_SUPPORTED = {**_COMMON_NOT_SUPPORTED, "prompt_embeds": (None,), "add_special_tokens": (True,)}
+COMPLETION_NOT_SUPPORTED = {**_COMMON_NOT_SUPPORTED, "prompt_embeds": (None,)}
 CHAT_NOT_SUPPORTED = {
     **_COMMON_NOT_SUPPORTED,
     "tool_choice": (None, "none"),
@@ -67,7 +67,6 @@ CHAT_NOT_SUPPORTED = {
     "function_call": (None, "none"),
     "reasoning_effort": (None,),
     "continue_final_message": (False,),
-    "add_special_tokens": (False,),
     "documents": (None,),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
@@ -129,6 +128,9 @@ class SamplingRequest(OpenAIRequest):
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
     request_id: str | None = None  # the response id's suffix, as in vLLM
+    # vLLM's: a text prompt gets the tokenizer's special tokens (BOS); a chat does not (its
+    # template has them), and this server renders chats only that way
+    add_special_tokens: bool | None = None
 
     @field_validator("n", mode="before")
     @classmethod
@@ -174,6 +176,12 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Any] | None = None  # refused when not empty
 
 
+TOKENIZE_NOT_SUPPORTED = {
+    name: CHAT_NOT_SUPPORTED[name]
+    for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
+} | {"tools": (None, [])}
+
+
 class TokenizeRequest(OpenAIRequest):
     """vLLM's /tokenize: a text (``prompt``) or a chat (``messages``)."""
 
@@ -181,7 +189,9 @@ class TokenizeRequest(OpenAIRequest):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
-    return_token_strs: bool | None = False  # vLLM's: each token's text in token_strs
+    # vLLM's default: True for a text, False for a chat (its template adds them)
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False  # vLLM's: each token's string in token_strs
 
 
 class DetokenizeRequest(OpenAIRequest):

@@ -9,7 +9,7 @@ from starlette.responses import StreamingResponse
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.serve.openai.protocol import (CHAT_NOT_SUPPORTED, ChatCompletionRequest, ChatCompletionResponse,
                                                 ChatMessage)
-from compiled_llm.serve.openai.serving import (ServerState, StreamWriter, chat_logprobs, check_request_fields,
+from compiled_llm.serve.openai.serving import (ApiError, ServerState, StreamWriter, chat_logprobs, check_request_fields,
                                                final_outputs, new_id, now_s, sampling_params, sse_stream,
                                                truncated_prompt, usage, usage_chunk, vllm_prompt_logprobs)
 from compiled_llm.serve.outputs import RequestOutput
@@ -49,6 +49,9 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generat
 
 def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
     check_request_fields(req, CHAT_NOT_SUPPORTED)
+    if req.add_special_tokens:  # vLLM's option to add BOS and the like on top of the template's
+        raise ApiError(400, "add_special_tokens is not supported for chats: the chat template adds the special "
+                            "tokens", "BadRequestError", param="add_special_tokens")
     if req.tools:
         raise InvalidRequestError("tools are not supported")
     if req.top_logprobs is not None and not req.logprobs:

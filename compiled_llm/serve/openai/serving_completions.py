@@ -43,7 +43,7 @@ def _validated(state: ServerState, req: CompletionRequest) -> list[tuple]:
         prompt_logprobs = req.logprobs  # echoed prompt tokens carry logprobs too
     requests = []
     for prompt in completion_prompts(req.prompt):
-        text, ids = state.validator.prompt_token_ids(prompt)
+        text, ids = state.validator.prompt_token_ids(prompt, req.add_special_tokens is not False)
         kept = truncated_prompt(state, req, ids)
         if len(kept) != len(ids):
             text, ids = None, kept  # the echo is the text of the tokens kept
