@@ -456,6 +456,22 @@ def test_echoed_special_tokens_keep_their_text_and_offsets_run_on(server, hf_tok
     assert lp["text_offset"] == [len("".join(lp["tokens"][:j])) for j in range(8)]
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, hf_tokenizer, reference_logprobs):
+    # lm-eval's loglikelihood requests: the prompt's own logprobs, nothing generated shown
+    prompt = hf_tokenizer(PROMPTS[1])["input_ids"]
+    status, out = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                                   "temperature": 0.0})
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["text"] == hf_tokenizer.decode(prompt)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None
+    ref = reference_logprobs(prompt, 1)
+    for j, token in enumerate(prompt[1:]):
+        assert lp["token_logprobs"][j + 1] == pytest.approx(float(ref[j, token]), abs=1e-4)
+    assert post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0})[0] == 400  # without echo: nothing
+
+
 def test_tokenize_returns_the_token_strings_when_asked(server, hf_tokenizer):
     status, out = post(server, "/tokenize", {"prompt": PROMPTS[5], "return_token_strs": True})
     assert status == 200

@@ -39,6 +39,9 @@ def _validated(state: ServerState, req: CompletionRequest) -> list[tuple]:
     if req.suffix:
         raise InvalidRequestError("suffix is not supported")
     prompt_logprobs = req.prompt_logprobs
+    # vLLM's echo with max_tokens 0 (lm-eval's loglikelihood requests): one token is generated,
+    # only the prompt is shown
+    max_tokens = 1 if _echo_only(req) else req.max_tokens
     if req.echo and req.logprobs is not None and prompt_logprobs is None:
         prompt_logprobs = req.logprobs  # echoed prompt tokens carry logprobs too
     requests = []
@@ -47,11 +50,15 @@ def _validated(state: ServerState, req: CompletionRequest) -> list[tuple]:
         kept = truncated_prompt(state, req, ids)
         if len(kept) != len(ids):
             text, ids = None, kept  # the echo is the text of the tokens kept
-        params = sampling_params(state, req, max_tokens=req.max_tokens, prompt_len=len(ids),
+        params = sampling_params(state, req, max_tokens=max_tokens, prompt_len=len(ids),
                                  fallback_max_tokens=DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
                                  prompt_logprobs=prompt_logprobs)
         requests.append(state.validator.validate({"prompt_token_ids": ids, "prompt": text}, params))
     return requests
+
+
+def _echo_only(req: CompletionRequest) -> bool:
+    return req.echo and req.max_tokens == 0
 
 
 def _prompt_text(state: ServerState, req: CompletionRequest, request: tuple) -> str:
@@ -84,6 +91,7 @@ class _Shape:
         self.state, self.req, self.id, self.created, self.echoes = state, req, id, created, echoes
         self.n = req.n
         self.token_ids = bool(req.return_token_ids)
+        self.echo_only = _echo_only(req)  # the generated token is not shown
 
     def writer(self) -> CompletionLogprobsWriter:
         return CompletionLogprobsWriter(self.state, as_ids=bool(self.req.return_tokens_as_token_ids))
@@ -96,7 +104,7 @@ class _Shape:
             prompt = writer.piece(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids))
         else:
             prompt = None
-        own = writer.piece(c.token_ids, c.logprobs or [])
+        own = writer.piece([] if self.echo_only else c.token_ids, c.logprobs or [])
         if prompt is None:
             return own
         return {k: prompt[k] + own[k] for k in own}
@@ -108,7 +116,7 @@ class _Shape:
             for c in out.outputs:
                 choices.append({
                     "index": i * self.n + c.index,
-                    "text": (echo or "") + c.text,
+                    "text": (echo or "") + ("" if self.echo_only else c.text),
                     "logprobs": self.choice_logprobs(out, c, echo),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -151,7 +159,7 @@ class _CompletionStream(StreamWriter):
                 index = i * s.n + c.index
                 if index in self.finished:
                     continue  # a finished request's output repeats its completions
-                text, logprobs = c.delta_text, None
+                text, logprobs = ("" if s.echo_only else c.delta_text), None
                 first = index not in self.writers
                 if first and s.echoes is not None:
                     text = s.echoes[i] + text
@@ -165,7 +173,7 @@ class _CompletionStream(StreamWriter):
                     prompt_piece = writer.piece(out.prompt_token_ids,
                                                 out.prompt_logprobs or [None] * len(out.prompt_token_ids))
                 if s.req.logprobs is not None:
-                    logprobs = writer.piece(c.delta_token_ids, c.delta_logprobs or [])
+                    logprobs = writer.piece([] if s.echo_only else c.delta_token_ids, c.delta_logprobs or [])
                     if prompt_piece is not None:
                         logprobs = {k: prompt_piece[k] + logprobs[k] for k in logprobs}
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
