@@ -147,9 +147,28 @@ class SamplingRequest(OpenAIRequest):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
+def _is_id(value) -> bool:
+    return type(value) is int  # JSON true/false are no token ids
+
+
+def _prompt_shape(value):
+    """One error naming the four shapes, instead of one per shape the union tried."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and (all(_is_id(t) for t in value) or all(isinstance(t, str) for t in value)
+                                    or all(isinstance(p, list) and all(_is_id(t) for t in p) for p in value)):
+        return value
+    raise ValueError("prompt must be a text, a list of texts, a list of token ids (integers) or a list of such lists")
+
+
 class CompletionRequest(SamplingRequest):
     # a text, a list of texts, token ids, or a list of token-id lists: one engine request each
     prompt: Union[list[int], list[list[int]], str, list[str]]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_error_for_a_bad_prompt(cls, value):
+        return _prompt_shape(value)
     echo: bool = False
     logprobs: int | None = None  # the completions API's top-logprobs count
     suffix: str | None = None  # refused when given
