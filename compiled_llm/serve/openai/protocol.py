@@ -137,6 +137,11 @@ class SamplingRequest(OpenAIRequest):
     def _null_n_is_one(cls, value):
         return 1 if value is None else value
 
+    @field_validator("stream", "echo", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_false(cls, value):  # vLLM's bool | None for these two
+        return False if value is None else value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
