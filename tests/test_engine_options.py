@@ -16,8 +16,9 @@ from compiled_llm.errors import InvalidOptionError
 from compiled_llm.serve.engine_config import EngineConfig
 
 FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
-# bench bounds the block tables at the workloads' needs (its help says so)
-COMMAND_DEFAULTS = {"run": {}, "bench": {"max_model_len": 4096}}
+# bench leaves max_model_len unset on the command line: unset, it bounds the block tables at the
+# workloads' needs (4096, or the engine's limit when shorter: a longer one is refused)
+COMMAND_DEFAULTS = {"run": {}, "bench": {}}
 
 
 def subparser(command: str) -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 generation gives exactly what each request gives alone; sampling is reproducible; stop strings,
 streaming and aborts; bad requests are refused at submit while others carry on."""
 
+import dataclasses
 import random
 
 import pytest
@@ -146,6 +147,58 @@ def test_seeded_sampling_is_reproducible_and_matches_reference(tiny):
     assert [o.token_ids for o in first] == [o.token_ids for o in second[:6][::-1]]
     assert len({tuple(o.token_ids) for o in first}) > 1
     assert [o.token_ids for o in first] == [r.token_ids for r in reference(tiny, prompts, params)]
+
+
+def test_min_tokens_holds_back_stop_tokens_like_the_reference(tiny):
+    # each request's stop token is one its free greedy run makes early: before min_tokens output
+    # tokens it cannot be sampled (EOS, stop_token_ids), from then on it ends the request
+    vocab = tiny.model.config.vocab_size
+    prompts = [[random.Random(50 + i).randrange(vocab) for _ in range(5 + 3 * i)] for i in range(6)]
+    free = tiny.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 0.8, seed=i, min_tokens=1 + i,
+                             stop_token_ids=[out.token_ids[i % 3]], ignore_eos=i % 3 == 0)
+              for i, out in enumerate(free)]
+    ahead = tiny.stats.ahead_steps
+    outs = tiny.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert tiny.stats.ahead_steps > ahead  # steps queued ahead count the token not read yet
+    assert_same(outs, reference(tiny, prompts, params))
+    for out, sp in zip(outs, params):
+        held = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(tiny.model.eos_token_ids))
+        assert not held & set(out.token_ids[:sp.min_tokens])
+        assert len(out.token_ids) > sp.min_tokens
+    assert any(o.finish_reason == "stop" for o in outs)  # the stop token still ends requests after
+    without = tiny.generate([{"prompt_token_ids": p} for p in prompts],
+                            [dataclasses.replace(sp, min_tokens=0) for sp in params], use_tqdm=False)
+    assert [o.token_ids for o in without] != [o.token_ids for o in outs]
+
+
+def test_min_tokens_counts_the_token_a_step_queued_ahead_has_not_read(tiny):
+    # every token but three is a stop token and the temperature flattens the distribution: the
+    # first min_tokens tokens are among the three, and (for these seeds) the very next one stops
+    # the request, in steps queued ahead as in the others
+    vocab = tiny.model.config.vocab_size
+    keep = {5, 100, 200}
+    stops = [t for t in range(vocab) if t not in keep]
+    prompts = [[random.Random(70 + i).randrange(vocab) for _ in range(6 + i)] for i in range(4)]
+    params = [SamplingParams(max_tokens=16, temperature=5.0, seed=i, min_tokens=m, stop_token_ids=stops)
+              for i, m in enumerate((2, 3, 5, 7))]
+    ahead = tiny.stats.ahead_steps
+    outs = tiny.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert tiny.stats.ahead_steps > ahead
+    for out, sp in zip(outs, params):
+        assert set(out.token_ids[:sp.min_tokens]) <= keep
+        assert len(out.token_ids) == sp.min_tokens + 1 and out.finish_reason == "stop"
+    assert_same(outs, reference(tiny, prompts, params))
+
+
+def test_a_max_model_len_past_the_engines_limit_is_refused(tiny):
+    from compiled_llm.errors import InvalidOptionError
+
+    limit = tiny.model.config.max_position_embeddings
+    with pytest.raises(InvalidOptionError, match=f"max_model_len {limit + 1} is more than this engine's limit of {limit}"):
+        LLM.from_loaded(tiny.model, max_model_len=limit + 1)
+    assert LLM.from_loaded(tiny.model, max_model_len=limit // 2).engine.max_model_len == limit // 2
 
 
 def test_closing_a_stream_aborts_and_frees_blocks(tiny):
@@ -335,6 +388,13 @@ def test_run_engine_bad_option_values_exit_2(engine_dir, capsys):
     assert code == 2 and captured.err.startswith("error:") and "top_p" in captured.err
     code, captured, _ = cli(["run", engine_dir, "--prompt-ids", "1,2", "--max-tokens", "5000", "--device", "cpu"], capsys)
     assert code == 2 and "max length" in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_run_refuses_a_max_model_len_past_the_engines_limit_in_one_line(engine_dir, capsys):
+    code, captured, _ = cli(["run", engine_dir, "--prompt-ids", "1,2", "--max-model-len", "99999", "--device", "cpu"],
+                            capsys)
+    assert code == 2 and len(captured.err.strip().splitlines()) == 1
+    assert "max_model_len 99999 is more than this engine's limit of 1024 tokens" in captured.err
 
 
 def test_bench_latency_on_cpu(engine_dir, capsys):

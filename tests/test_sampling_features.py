@@ -7,6 +7,7 @@ real (random-init, lively) checkpoint, on a CPU in float32."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ import torch
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.serve.detokenizer import IncrementalDetokenizer
-from compiled_llm.serve.sampling import SamplingTensors, apply_penalties, sample, truncate_logits
+from compiled_llm.serve.sampling import (SamplingTensors, apply_penalties, sample, stop_tokens, suppress_tokens,
+                                         truncate_logits)
 
 V = 12
 
@@ -91,13 +93,29 @@ def test_greedy_with_a_penalty_takes_the_argmax_of_the_penalised_logits():
         (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
         (dict(min_p=1.5), "min_p must be in [0, 1]"),
         (dict(logprobs=21), "logprobs must be at most 20"),
-        (dict(prompt_logprobs=-1), "prompt_logprobs must be an integer >= 0"),
+        (dict(prompt_logprobs=-2), "prompt_logprobs must be an integer >= 0"),
+        # vLLM's -1 (the whole vocabulary) is past the cap it has by default too
+        (dict(logprobs=-1), "logprobs -1 asks for the whole vocabulary; at most 20"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs -1 asks for the whole vocabulary"),
+        (dict(max_tokens=4, min_tokens=5), "min_tokens must be at most max_tokens (4), got 5"),
+        (dict(min_tokens=-1), "min_tokens must be an integer >= 0"),
+        (dict(min_tokens=True), "min_tokens must be an integer"),
         (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output must be True or False"),
     ],
 )
 def test_bad_sampling_values_are_refused_with_their_name(kwargs, message):
-    with pytest.raises(InvalidRequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
         SamplingParams(**kwargs)
+
+
+def test_held_back_tokens_are_minus_inf_and_the_rest_untouched():
+    logits = fixed_logits()
+    got = suppress_tokens(logits, torch.tensor([0, 0, 2]), torch.tensor([3, 7, 3]))
+    expected = logits.clone()
+    expected[0, 3] = expected[0, 7] = expected[2, 3] = float("-inf")
+    assert torch.equal(got, expected) and torch.isfinite(logits).all()  # a copy: raw logits stay
+    assert stop_tokens(SamplingParams(stop_token_ids=[9, 2]), (2, 5)) == (2, 5, 9)
+    assert stop_tokens(SamplingParams(stop_token_ids=[9], ignore_eos=True), (2, 5)) == (9,)
 
 
 class _CharTokenizer:
@@ -385,3 +403,11 @@ def test_stop_token_and_stop_string_are_named_as_stop_reason(lively):
     at = free.text.index(stop)
     assert cut.text == free.text[:at] and kept.text == free.text[: at + len(stop)]
     assert kept.outputs[0].stop_reason == stop and math.isfinite(len(kept.token_ids))
+
+
+def test_stop_strings_wait_for_min_tokens():
+    # "cd" completes at the 4th token: with min_tokens 4 it is not looked for yet, and a later
+    # one ends the text (vLLM looks only at text that tokens past min_tokens add)
+    det = IncrementalDetokenizer(_CharTokenizer(), ["cd"], min_tokens=4)
+    assert [det.add(t) for t in (0, 1, 2, 3, 4, 2, 3)] == [False] * 6 + [True]
+    assert det.text == "abcde"

@@ -386,6 +386,271 @@ def test_metrics_show_the_histograms_and_counters(client, server):
     assert "compiled_llm:num_preemptions_total" in m
 
 
+# ---- what vLLM's clients rely on ------------------------------------------------------------------------------
+
+
+def post(server, path: str, body: dict) -> tuple[int, dict]:
+    """(status, JSON body) of POST ``path`` with the API key."""
+    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def sse_events(server, path: str, body: dict) -> list[dict]:
+    """The JSON events of a streamed call, [DONE] left out."""
+    request = urllib.request.Request(server.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        lines = r.read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"prompt": [True, False], "max_tokens": True}, ["prompt", "max_tokens"]),  # not token 1 and 0, not 1 token
+    ({"prompt": [[False]], "max_tokens": 2}, ["prompt"]),
+    ({"prompt": "hi", "max_tokens": 2, "temperature": True}, ["temperature"]),
+    ({"prompt": "hi", "max_tokens": 2, "ignore_eos": 1}, ["ignore_eos"]),
+    ({"prompt": "hi", "max_tokens": 2.0}, ["max_tokens"]),
+    ({"prompt": "hi", "max_tokens": 2, "stop_token_ids": [True]}, ["stop_token_ids"]),
+])
+def test_http_takes_the_types_sampling_params_takes(server, body, named):
+    status, out = post(server, "/v1/completions", body)
+    assert status == 400, out
+    for name in named:
+        assert name in out["error"]["message"]
+
+
+def test_stream_options_without_stream_is_400_as_in_vllm(server):
+    status, out = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                   "stream_options": {"include_usage": True}})
+    assert status == 400
+    assert out["error"]["message"] == "Stream options can only be defined when `stream=True`."
+    assert out["error"]["param"] == "stream_options"
+
+
+def test_a_seed_must_fit_int64_as_in_vllm(server):
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2**63 - 1})[0] == 200
+    status, out = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2**63})
+    assert status == 400 and "seed" in out["error"]["message"]
+
+
+def test_chat_prompt_logprobs_are_at_the_top_level_and_null_unless_asked(server):
+    body = {"messages": chat_messages(PROMPTS[1]), "max_tokens": 2, "temperature": 0.0}
+    status, out = post(server, "/v1/chat/completions", body)
+    assert status == 200 and out["prompt_logprobs"] is None and "prompt_logprobs" not in out["choices"][0]
+    status, out = post(server, "/v1/chat/completions", {**body, "prompt_logprobs": 1})
+    assert status == 200 and "prompt_logprobs" not in out["choices"][0]
+    assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) == out["usage"]["prompt_tokens"]
+
+
+def test_echoed_special_tokens_keep_their_text_and_offsets_run_on(server, hf_tokenizer):
+    prompt = [0, 0, 0, 0, 0]
+    echo = hf_tokenizer.decode(prompt, skip_special_tokens=False)
+    assert echo  # token 0 is a special token whose text vLLM echoes
+    status, out = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1,
+                                                   "temperature": 0.0, "ignore_eos": True})
+    assert status == 200
+    choice = out["choices"][0]
+    assert choice["text"].startswith(echo)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == 5 + 3 and "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:j])) for j in range(8)]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, hf_tokenizer, reference_logprobs):
+    # lm-eval's loglikelihood requests: the prompt's own logprobs, nothing generated shown
+    prompt = hf_tokenizer(PROMPTS[1])["input_ids"]
+    status, out = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                                   "temperature": 0.0})
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["text"] == hf_tokenizer.decode(prompt)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None
+    ref = reference_logprobs(prompt, 1)
+    for j, token in enumerate(prompt[1:]):
+        assert lp["token_logprobs"][j + 1] == pytest.approx(float(ref[j, token]), abs=1e-4)
+    assert post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0})[0] == 400  # without echo: nothing
+
+
+def test_tokenize_returns_the_token_strings_when_asked(server, hf_tokenizer):
+    status, out = post(server, "/tokenize", {"prompt": PROMPTS[5], "return_token_strs": True})
+    assert status == 200
+    assert out["token_strs"] == hf_tokenizer.convert_ids_to_tokens(out["tokens"])
+    assert post(server, "/tokenize", {"prompt": PROMPTS[5]})[1]["token_strs"] is None
+    plain = post(server, "/tokenize", {"prompt": PROMPTS[5], "add_special_tokens": False})[1]
+    assert plain["tokens"] == hf_tokenizer(PROMPTS[5], add_special_tokens=False)["input_ids"]
+    # what it cannot do is refused by name, not ignored
+    status, out = post(server, "/tokenize", {"messages": chat_messages("hi"), "chat_template": "{{ messages }}"})
+    assert status == 400 and out["error"]["param"] == "chat_template"
+
+
+def test_completion_top_logprobs_list_the_chosen_token_first(server):
+    status, out = post(server, "/v1/completions", {"prompt": PROMPTS[4], "max_tokens": 24, "logprobs": 5,
+                                                   "temperature": 1.5, "seed": 3, "ignore_eos": True})
+    assert status == 200
+    lp = out["choices"][0]["logprobs"]
+    unlikely = 0
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        first = next(iter(top))
+        assert (first, top[first]) == (token, logprob)
+        unlikely += logprob < max(top.values())
+    assert unlikely > 0  # some sampled tokens were not the most likely: the order is not the ranks'
+
+
+def test_min_tokens_holds_back_the_stop_tokens(server, hf_tokenizer, oracle):
+    prompt = hf_tokenizer(PROMPTS[0])["input_ids"]
+    ids, _ = oracle(prompt, 12)
+    first = ids[0]
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop_token_ids": [first],
+            "return_token_ids": True}
+    assert post(server, "/v1/completions", body)[1]["choices"][0]["token_ids"] == [first]
+    out = post(server, "/v1/completions", {**body, "min_tokens": 4})[1]["choices"][0]
+    assert first not in out["token_ids"][:4] and len(out["token_ids"]) >= 4
+    assert out["finish_reason"] == ("stop" if out["token_ids"][-1] == first else "length")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(server, hf_tokenizer, oracle):
+    prompt = hf_tokenizer(" ".join(PROMPTS))["input_ids"]
+    ids, text = oracle(prompt[-6:], 5)
+    status, out = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0.0,
+                                                   "ignore_eos": True, "truncate_prompt_tokens": 6,
+                                                   "return_token_ids": True})
+    assert status == 200
+    assert out["usage"]["prompt_tokens"] == 6
+    assert out["choices"][0]["prompt_token_ids"] == prompt[-6:] and out["choices"][0]["text"] == text
+    status, out = post(server, "/v1/chat/completions", {"messages": chat_messages("hi"), "max_tokens": 1,
+                                                        "truncate_prompt_tokens": 3})
+    assert status == 200 and out["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("path, extra, named", [
+    ("/v1/completions", {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("/v1/completions", {"cache_salt": "salt"}, "cache_salt"),
+    ("/v1/completions", {"logprobs": -1}, "whole vocabulary"),
+    ("/v1/chat/completions", {"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "whole vocabulary"),
+    ("/v1/chat/completions", {"add_special_tokens": True}, "add_special_tokens"),
+])
+def test_vllm_fields_this_server_lacks_are_refused_by_name(server, path, extra, named):
+    base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": chat_messages("hi")}
+    status, out = post(server, path, {**base, "max_tokens": 2, **extra})
+    assert status == 400, out
+    assert named in out["error"]["message"]
+    # the neutral values ask for nothing
+    assert post(server, path, {**base, "max_tokens": 2, "use_beam_search": False, "skip_special_tokens": True,
+                               "structured_outputs": None, "response_format": {"type": "text"}})[0] == 200
+
+
+def test_chat_echo_starts_the_reply_with_the_last_message(server):
+    messages = [*chat_messages("Tell me a story"), {"role": "assistant", "content": "Once upon"}]
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+            "add_generation_prompt": False}
+    plain = post(server, "/v1/chat/completions", body)[1]["choices"][0]["message"]["content"]
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True})[1]["choices"][0]["message"]["content"]
+    assert echoed == "Once upon" + plain
+    streamed = sse_events(server, "/v1/chat/completions", {**body, "echo": True})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"]) == echoed
+
+
+def test_return_token_ids_gives_the_prompt_and_output_ids(server, hf_tokenizer, oracle):
+    prompt = hf_tokenizer(PROMPTS[2])["input_ids"]
+    ids, _ = oracle(prompt, 6)
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    choice = post(server, "/v1/completions", body)[1]["choices"][0]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (prompt, ids)
+    chunks = [c["choices"][0] for c in sse_events(server, "/v1/completions", body) if c["choices"]]
+    assert chunks[0]["prompt_token_ids"] == prompt and all(c["prompt_token_ids"] is None for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == ids
+
+    messages = chat_messages(PROMPTS[2])
+    out = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 3, "temperature": 0.0,
+                                                "ignore_eos": True, "return_token_ids": True})[1]
+    assert out["prompt_token_ids"] == chat_prompt_ids(hf_tokenizer, messages)
+    assert out["choices"][0]["token_ids"] == oracle(out["prompt_token_ids"], 3)[0]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, hf_tokenizer, oracle):
+    prompt = hf_tokenizer(PROMPTS[3])["input_ids"]
+    ids, _ = oracle(prompt, 4)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "logprobs": 2,
+            "return_tokens_as_token_ids": True}
+    lp = post(server, "/v1/completions", body)[1]["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(key.startswith("token_id:") for top in lp["top_logprobs"] for key in top)
+    chat = post(server, "/v1/chat/completions", {"messages": chat_messages("hi"), "max_tokens": 2, "logprobs": True,
+                                                 "top_logprobs": 1, "return_tokens_as_token_ids": True})[1]
+    assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
+
+
+def test_continuous_usage_stats_put_the_usage_on_every_chunk(server, hf_tokenizer):
+    prompt = hf_tokenizer(PROMPTS[6])["input_ids"]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = sse_events(server, "/v1/completions", body)
+    pieces = [e for e in events if e["choices"]]
+    assert all(e["usage"]["prompt_tokens"] == len(prompt) for e in pieces)
+    done = [e["usage"]["completion_tokens"] for e in pieces]
+    assert done == sorted(done) and done[-1] == 6 and events[-1]["usage"]["completion_tokens"] == 6
+    chat = sse_events(server, "/v1/chat/completions", {"messages": chat_messages("hi"), "max_tokens": 3,
+                                                       "temperature": 0.0, "ignore_eos": True,
+                                                       "stream_options": body["stream_options"]})
+    assert all(e["usage"] is not None for e in chat) and chat[-2]["usage"]["completion_tokens"] == 3
+
+
+# vLLM's tests/entrypoints/openai/test_metrics.py: EXPECTED_METRICS_V1 less the hidden, deprecated ones
+VLLM_METRIC_NAMES = [
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+    "prefix_cache_hits", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+    "iteration_tokens_total", "cache_config_info", "request_success_total",
+    *(f"{h}_{s}" for h in ("request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                           "request_params_max_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                           "e2e_request_latency_seconds", "request_queue_time_seconds",
+                           "request_inference_time_seconds", "request_prefill_time_seconds",
+                           "request_decode_time_seconds")
+      for s in ("sum", "bucket", "count")),
+]
+
+
+def test_metrics_have_vllms_names_and_meanings(client, server, hf_tokenizer):
+    # different prompts, shorter than a block: the prefix cache serves none of their tokens
+    prompts = [hf_tokenizer(f"{PROMPTS[7]} {i}")["input_ids"] for i in range(3)]
+    wait_until(lambda: idle(server.url), what="an idle server")
+    before = scrape(server.url)
+    for prompt in prompts:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, **greedy())
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for name in VLLM_METRIC_NAMES:
+        assert f"compiled_llm:{name}" in text, name
+    after = scrape(server.url)
+
+    def grew(name: str) -> float:
+        return after[f"compiled_llm:{name}"] - before.get(f"compiled_llm:{name}", 0.0)
+
+    # vLLM's test_metrics_counts: three requests of len(prompt) tokens and 5 generated, one at a time
+    prompt_tokens = sum(map(len, prompts))
+    assert grew("request_prompt_tokens_sum") == prompt_tokens and grew("request_prompt_tokens_count") == 3
+    assert grew("request_generation_tokens_sum") == 3 * 5 and grew("request_generation_tokens_count") == 3
+    assert grew("request_params_n_count") == 3 and grew("request_params_max_tokens_sum") == 3 * 5
+    assert grew("inter_token_latency_seconds_count") == 3 * 4 and grew("time_per_output_token_seconds_count") == 3 * 4
+    assert grew("iteration_tokens_total_sum") == prompt_tokens + 3 * 5 and grew("iteration_tokens_total_count") == 3 * 5
+    for name in ("request_inference_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"):
+        assert grew(f"{name}_count") == 3, name
+    assert grew("request_decode_time_seconds_sum") <= grew("request_inference_time_seconds_sum")
+
+
 # ---- admission control and SIGTERM (the one-sequence server) ------------------------------------------------
 
 
@@ -475,6 +740,20 @@ async def wait_for(check, timeout: float = 20.0):
     while not check():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+def test_the_models_root_is_the_model_as_given_not_its_engine(engine):
+    # `serve tiny-qwen2` builds the preset into the engine cache: its card's root is still
+    # "tiny-qwen2", as vLLM's is the --model given
+    from fastapi.testclient import TestClient
+
+    from compiled_llm.serve.engine_core_client import EngineCoreClient
+    from compiled_llm.serve.openai.api_server import build_app
+    from compiled_llm.serve.server_config import ServerConfig
+
+    app = build_app(EngineCoreClient.in_thread(engine), ServerConfig(served_model_name=MODEL), model_name="tiny-qwen2")
+    (card,) = TestClient(app).get("/v1/models").json()["data"]  # no lifespan: the engine does not run
+    assert (card["id"], card["root"]) == (MODEL, "tiny-qwen2")
 
 
 def test_streamed_deltas_add_up_to_the_final_output(engine):

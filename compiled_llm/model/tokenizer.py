@@ -123,10 +123,16 @@ class Tokenizer:
         return 4 * max((len(t.encode("utf-8", "surrogatepass")) for t in self._backend.token_strings()), default=1)
 
     # -- text <-> ids --------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a plain prompt, with the special tokens (e.g. BOS) the tokenizer adds
-        to every input, as vLLM does for text prompts."""
-        return self._backend.encode(text, add_special_tokens=True)
+        to every input, as vLLM does for text prompts (unless ``add_special_tokens`` is False)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token string in the vocabulary's own alphabet (transformers'
+        convert_ids_to_tokens: "Ġworld" for a byte-level BPE); "" for an id it does not know."""
+        n = self.vocab_size
+        return [self._backend.id_to_token(int(i)) if 0 <= int(i) < n else "" for i in ids]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # A model's vocab can be larger than its tokenizer's (padded embeddings, random-weight
@@ -217,6 +223,9 @@ class _TokenizerFile:
     def token_strings(self) -> Iterable[str]:
         return self.raw.get_vocab(with_added_tokens=True)
 
+    def id_to_token(self, i: int) -> str:
+        return self.raw.id_to_token(i) or ""
+
     def eos_ids(self) -> list[int]:
         eos = self.named.get("eos_token")
         ids = [self._token_id(eos)] if eos is not None else []
@@ -297,6 +306,9 @@ class _Transformers:
     def token_strings(self) -> Iterable[str]:
         return self.hf.get_vocab()
 
+    def id_to_token(self, i: int) -> str:
+        return self.hf.convert_ids_to_tokens(i) or ""
+
     def eos_ids(self) -> list[int]:
         ids = [self.hf.eos_token_id] if self.hf.eos_token_id is not None else []
         known = set(getattr(self.hf, "all_special_tokens", ())) | set(getattr(self.hf, "added_tokens_encoder", {}))
@@ -336,6 +348,9 @@ class _SentencePiece:
 
     def token_strings(self) -> Iterable[str]:
         return (self.sp.id_to_piece(i) for i in range(self.sp.get_piece_size()))
+
+    def id_to_token(self, i: int) -> str:
+        return self.sp.id_to_piece(i)
 
     def eos_ids(self) -> list[int]:
         return [self.sp.eos_id()] if self.sp.eos_id() >= 0 else []

@@ -78,6 +78,7 @@ class _Request:
     closed: bool = False  # its last item has arrived
     first_token_time: float | None = None
     final: RequestOutput | None = None
+    params: object | None = None  # its SamplingParams, for the request_params_* metrics
     failed: bool = False
     delivered: bool = False  # an output has been read: later ones may be paced (WAKE_BATCH)
 
@@ -317,7 +318,7 @@ class AsyncEngine:
         entries, records = [], []
         for (text, ids, params), n in zip(requests, lengths):
             rid = str(next(self._ids))
-            records.append(_Request(rid, OutputAssembler(rid, text, ids, params, tokenizer), params.n))
+            records.append(_Request(rid, OutputAssembler(rid, text, ids, params, tokenizer), params.n, params=params))
             entries.append((rid, text, ids, OutputAssembler.engine_params(params, tokenizer)))
             self._unscheduled[rid] = n
             self._unscheduled_tokens += n
@@ -340,7 +341,7 @@ class AsyncEngine:
         first = r.first_token_time
         if not group.stream and out.metrics is not None:
             first = out.metrics.first_token_time
-        self.metrics.observe_finished(out, group.arrival, first, time.perf_counter())
+        self.metrics.observe_finished(out, group.arrival, first, time.perf_counter(), r.params)
 
     def _release(self, group: RequestGroup) -> None:
         for rid in group.request_ids:

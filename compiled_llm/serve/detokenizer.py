@@ -4,9 +4,10 @@ Decoding the whole output after every token costs O(n^2); instead each step deco
 window (the tokens since the last emitted text, plus the previous window for context) and keeps
 the difference, as vLLM does. A window that ends inside a multi-byte character decodes to
 U+FFFD and waits for the next token. Stop strings are searched only in the text that can
-contain a new match; a hit cuts the text where the stop string starts (or where it ends, with
-``include_stop``), and ``stop_string`` says which one it was. While streaming, the
-last len(longest stop) - 1 characters are held back, so a stop string is never half-sent.
+contain a new match, and (vLLM's ``min_tokens``) only once there are more than min_tokens
+tokens; a hit cuts the text where the stop string starts (or where it ends, with
+``include_stop``), and ``stop_string`` says which one it was. While streaming, the last
+len(longest stop) - 1 characters are held back, so a stop string is never half-sent.
 
 The text is kept as the pieces it grew by (``TextPieces``): a step appends its piece, searches
 stop strings in the tail and streams from it, so a long output costs linear time; ``text`` joins
@@ -21,10 +22,11 @@ from compiled_llm.serve.text_pieces import TextPieces, TextSnapshot
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
         self.stop_string: str | None = None
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -58,7 +60,8 @@ class IncrementalDetokenizer:
             window = self._tail + delta
             start = len(self.pieces) - len(self._tail)
             self._tail = window[-self.hold:] if self.hold else ""
-            hits = [(i, s) for i, s in ((window.find(s), s) for s in self.stop) if i >= 0]
+            searched = len(self.token_ids) > self.min_tokens
+            hits = [(i, s) for i, s in ((window.find(s), s) for s in self.stop) if i >= 0] if searched else []
             if hits:
                 at, self.stop_string = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
                 self.pieces.append(delta)

@@ -84,6 +84,7 @@ class EngineSnapshot(NamedTuple):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    steps: int = 0  # engine steps run (the iteration_tokens histogram)
 
     @classmethod
     def of(cls, engine) -> "EngineSnapshot":
@@ -93,7 +94,7 @@ class EngineSnapshot(NamedTuple):
                    st.prefill_tokens, st.generated_tokens, sched.num_preemptions,
                    bm.stats.queried_tokens, bm.stats.hit_tokens,
                    *((spec.drafting_seqs, spec.draft_tokens, spec.accepted_tokens, tuple(spec.accepted_per_position))
-                     if spec is not None else ()))
+                     if spec is not None else (0, 0, 0, ())), st.steps)
 
 
 # ---- outputs -------------------------------------------------------------------------------------------

@@ -83,7 +83,11 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self.device = torch.device(model.device)
         limit = min(mc.max_position_embeddings, model.max_model_len or mc.max_position_embeddings)
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            # vLLM refuses a length past the model's too, rather than serve a shorter one
+            raise InvalidOptionError(f"max_model_len {config.max_model_len} is more than this engine's limit of {limit} "
+                                     f"tokens (the model's max_position_embeddings or its build's --max-model-len)")
+        self.max_model_len = config.max_model_len or limit
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # a prompt that does not fit one step's budget could never be scheduled
             raise InvalidOptionError(
@@ -150,6 +154,7 @@ class LLMEngine:
         self.runner = ModelRunner(mc, model.params, model.program, kv_cache, block_size=bs, device=self.device,
                                   tp_size=model.tp_size, **runner_options)
         self.runner.peers = self.executor
+        self.runner.eos_token_ids = tuple(model.eos_token_ids)
         if self.executor is not None:
             self.executor.before_teardown.append(self.runner.release_graphs)
         self.runner.set_decode_buckets(config.max_graph_batch_size)
@@ -244,7 +249,7 @@ class LLMEngine:
                 share_prompt_of=seqs[0] if i else None,
             ))
         detoks = [
-            IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
             if params.detokenize and self.tokenizer is not None else None
             for _ in seqs
         ]

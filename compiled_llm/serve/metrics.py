@@ -9,7 +9,15 @@ several servers. Two kinds of updates, each where it is cheap:
   tokens and accepted tokens, in all and by position) come with each message of the engine core
   (an ``EngineSnapshot``): the gauges show the latest, the counters advance by the differences;
 - the histograms and the finished-request counter take one observation per finished request,
-  from the server's timestamps (HTTP arrival, first token handed to the client, finish).
+  from the server's timestamps (HTTP arrival, first token handed to the client, finish) and the
+  engine's (scheduled, first token, finished), with its token counts and parameters;
+- ``iteration_tokens_total`` takes one observation per engine step: the prompt and generated
+  tokens it handled (from the snapshots' counters).
+
+The inter-token latency (and its older name, time per output token) counts every gap between a
+request's tokens, as vLLM's; the server sees a request's tokens when they are delivered, not
+step by step, so each of its gaps is observed as the request's mean gap (the count and the sum
+are exact).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import logging
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from compiled_llm.serve.engine_messages import EngineSnapshot
 
@@ -32,6 +41,70 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+# vLLM's: tokens per engine step (powers of two up to a large step's budget), n, and token counts
+# on a 1-2-5 scale up to the model's length
+_ITERATION_BUCKETS = tuple(float(2 ** i) for i in range(15))
+_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+
+
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's build_1_2_5_buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(float(v) for v in out)
+            out.append(m * scale)
+        scale *= 10
+
+
+class WeightedHistogram:
+    """A labelled histogram (one model_name) that can observe one value many times at once:
+    ``observe(value, times)`` costs one bucket search, not ``times``."""
+
+    def __init__(self, name: str, doc: str, model_name: str, buckets, registry: CollectorRegistry):
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf only)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        if times <= 0:
+            return
+        i = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        self.counts[i] += times
+        self.sum += value * times
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        cumulative, running = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts):
+            running += n
+            cumulative.append(("+Inf" if bound == float("inf") else str(bound), running))
+        family.add_metric([self.model_name], cumulative, self.sum)
+        yield family
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.doc, labels=["model_name"])]
+
+
+class CacheConfigInfo:
+    """vLLM's cache_config_info: a gauge of 1 whose labels are the KV cache's settings."""
+
+    def __init__(self, name: str, labels: dict[str, str], registry: CollectorRegistry):
+        self.name, self.labels = name, labels
+        registry.register(self)
+
+    def collect(self):
+        family = GaugeMetricFamily(self.name, "Information of the KV cache's configuration.", labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), 1.0)
+        yield family
+
+    def describe(self):
+        return [GaugeMetricFamily(self.name, "Information of the KV cache's configuration.", labels=list(self.labels))]
 
 
 _COUNTERS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries", "prefix_hits")
@@ -49,10 +122,12 @@ def _per_position(snapshot: EngineSnapshot, positions: int) -> tuple[int, ...]:
 
 class ServerMetrics:
     def __init__(self, model_name: str, start: EngineSnapshot, log_stats_interval: float = 10.0,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, engine_info=None):
         """``start``: the engine's snapshot when the server starts (what it counted loading and
         warming up is not the server's). ``num_speculative_tokens``: the engine's draft length,
-        0 when it does not speculate (no speculation counters then, as in vLLM)."""
+        0 when it does not speculate (no speculation counters then, as in vLLM). ``engine_info``
+        (an EngineInfo): the model length the token histograms reach, and the cache settings
+        of cache_config_info."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.snapshot = start  # the engine's latest
@@ -95,11 +170,40 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=reg)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token sent.",
                               _LATENCY_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first.",
-                              _LATENCY_BUCKETS)
+
+        def weighted(name: str, doc: str, buckets) -> WeightedHistogram:
+            return WeightedHistogram(PREFIX + name, doc, model_name, buckets, reg)
+
+        self.tpot = weighted("time_per_output_token_seconds",
+                             "Time per output token after the first (older name of inter_token_latency_seconds).",
+                             _LATENCY_BUCKETS)
+        self.itl = weighted("inter_token_latency_seconds", "Time between a request's consecutive tokens.",
+                            _LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to finish.", _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time from entering the engine to first scheduled.",
                                     _REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Time from first scheduled to finish (prefill and decode).", _REQUEST_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduled to the first token.",
+                                      _REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to finish.",
+                                     _REQUEST_BUCKETS)
+        max_len = getattr(engine_info, "max_model_len", None) or 1 << 20
+        token_buckets = one_two_five_buckets(max_len)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens of finished requests.",
+                                       token_buckets)
+        self.generation_tokens = histogram("request_generation_tokens",
+                                           "Number of generation tokens of finished requests (all n completions).",
+                                           token_buckets)
+        self.params_n = histogram("request_params_n", "The n parameter of finished requests.", _N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens parameter of finished requests.",
+                                           token_buckets)
+        self.iteration_tokens = weighted("iteration_tokens_total", "Number of tokens (prompt and generated) per "
+                                         "engine step.", _ITERATION_BUCKETS)
+        if engine_info is not None:
+            CacheConfigInfo(PREFIX + "cache_config_info", {
+                "block_size": str(engine_info.block_size), "num_gpu_blocks": str(engine_info.num_blocks),
+                "max_model_len": str(engine_info.max_model_len), "model_name": model_name}, reg)
         self._seen = start
         self._log = StatsLog(log_stats_interval, start, num_speculative_tokens)
 
@@ -113,6 +217,11 @@ class ServerMetrics:
         for counter, now, before in pairs:
             if now > before:
                 counter.inc(now - before)
+        steps = snapshot.steps - self._seen.steps
+        if steps > 0:  # one snapshot per step; should several come as one, their mean
+            tokens = (snapshot.prompt_tokens - self._seen.prompt_tokens
+                      + snapshot.generation_tokens - self._seen.generation_tokens)
+            self.iteration_tokens.observe(tokens / steps, steps)
         self._seen = self.snapshot = snapshot
         self._log.after_step(snapshot)
 
@@ -124,9 +233,10 @@ class ServerMetrics:
 
     # ---- finished requests ---------------------------------------------------------------------
 
-    def observe_finished(self, output, arrival: float, first_token: float | None, finished: float) -> None:
+    def observe_finished(self, output, arrival: float, first_token: float | None, finished: float,
+                         params=None) -> None:
         """One finished request (a RequestOutput with all its completions), by the server's
-        time.perf_counter() timestamps."""
+        time.perf_counter() timestamps; ``params``: its SamplingParams."""
         for c in output.outputs:
             self._success.labels(self.model_name, c.finish_reason or "abort").inc()
         self.e2e.observe(max(finished - arrival, 0.0))
@@ -134,10 +244,23 @@ class ServerMetrics:
             self.ttft.observe(max(first_token - arrival, 0.0))
             tokens = max((len(c.token_ids) for c in output.outputs), default=0)
             if tokens > 1:
-                self.tpot.observe(max(finished - first_token, 0.0) / (tokens - 1))
+                gap = max(finished - first_token, 0.0) / (tokens - 1)
+                self.tpot.observe(gap, tokens - 1)
+                self.itl.observe(gap, tokens - 1)
+        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+        if params is not None:
+            self.params_n.observe(params.n)
+            self.params_max_tokens.observe(params.max_tokens)
         m = output.metrics
         if m is not None and m.first_scheduled_time is not None:
             self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+            if m.finished_time is not None:
+                self.inference_time.observe(max(m.finished_time - m.first_scheduled_time, 0.0))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
+                if m.finished_time is not None:
+                    self.decode_time.observe(max(m.finished_time - m.first_token_time, 0.0))
 
     def observe_aborted(self, completions: int) -> None:
         """A request aborted before its final output was read (its client went away)."""

@@ -26,7 +26,8 @@ from compiled_llm.serve.block_manager import cdiv
 from compiled_llm.serve.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
 from compiled_llm.serve.request_rows import RequestRows
 from compiled_llm.serve.sampling import (
-    SAMPLING_COLUMNS, SamplingParams, SamplingTensors, TokenLogprobs, greedy_ids, penalised_rows, sample,
+    MIN_TOKENS_COLUMN, SAMPLING_COLUMNS, SamplingParams, SamplingTensors, TokenLogprobs, greedy_ids, penalised_rows,
+    sample, stop_tokens, suppress_tokens,
     token_logprobs,
 )
 from compiled_llm.serve.scheduler import ScheduledBatch
@@ -133,6 +134,7 @@ class ModelRunner:
         # more rows than those (prompt log-probabilities): None = one row per seq
         self._last_logit_rows: list[int] | None = None
         self._prompt_lp_rows: list[tuple[int, int, int]] = []  # (seq index, first logits row, count)
+        self.eos_token_ids: tuple[int, ...] = ()  # what min_tokens holds back, with stop_token_ids
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
@@ -225,7 +227,7 @@ class ModelRunner:
         if self._last_logit_rows is not None:
             logits = logits.index_select(0, self._to_device(self._last_logit_rows))
         with _label(self.profile_labels, "sample"):
-            ids, lp = self._sample(batch, logits)
+            ids, lp = self._sample(batch, logits, ahead=0 if ahead_of is None else 1)
         if ids is None and prompt_lp is None:
             return StepHandle(None, None, None)
         rows = [(i, n) for i, _, n in self._prompt_lp_rows] or None
@@ -395,25 +397,33 @@ class ModelRunner:
                               "it cannot compute prompt_logprobs")
         return run(self.params, batch, self.kv_cache, rows)
 
-    def _sample(self, batch: ScheduledBatch, logits: Tensor) -> tuple[Tensor | None, TokenLogprobs | None]:
-        """The sampled ids of batch.sample_rows, and their log-probabilities if any row asks."""
+    def _sample(self, batch: ScheduledBatch, logits: Tensor,
+                ahead: int = 0) -> tuple[Tensor | None, TokenLogprobs | None]:
+        """The sampled ids of batch.sample_rows, and their log-probabilities if any row asks.
+        ``ahead`` = 1: the step was queued before the previous one's tokens were applied, so
+        each seq has one output token more than it holds."""
         rows = batch.sample_rows
         if not rows:
             return None, None
         step_rows = self._step_rows
         seqs = batch.seqs
+        offsets = None  # per row: its token's place after the seq's current output (verify steps)
         if batch.is_verify:
             # every position of every seq samples with its seq's parameters and generator
             counts = batch.num_new_tokens
             step_rows = np.repeat(step_rows, counts)
             seqs = [s for s, n in zip(seqs, counts) for _ in range(n)]
+            offsets = [j for n in counts for j in range(n)]
         elif len(rows) != len(batch.seqs):
             logits = logits.index_select(0, self._to_device(rows))
             step_rows = step_rows[rows]
             seqs = [batch.seqs[r] for r in rows]
         table = self._row_params[step_rows]
+        sample_logits = logits  # the raw ones stay for the log-probabilities
+        if table[:, MIN_TOKENS_COLUMN].any():
+            sample_logits = self._hold_back_stops(logits, table, seqs, offsets, ahead)
         if not (table[:, 0] > 0).any() and not penalised_rows(table).any():
-            ids = greedy_ids(logits)
+            ids = greedy_ids(sample_logits)
         else:
             st = self._sampling_tensors(step_rows, table, logits)
             gens = [s.generator for s in seqs] if table[:, 8].any() else None
@@ -421,7 +431,7 @@ class ModelRunner:
             if st.has_penalties:
                 runner_rows = self._to_device(step_rows.tolist())
                 seen = self.history.counts_and_prompt_mask(runner_rows, max(s.num_tokens for s in seqs) + 1)
-            ids = sample(logits, st, gens, seen)
+            ids = sample(sample_logits, st, gens, seen)
             if st.has_penalties and batch.is_verify:
                 # penalised seqs never draft: their one row's sample is their new token; the
                 # drafting rows' samples are not all kept, and their history is never read
@@ -431,6 +441,23 @@ class ModelRunner:
                 self.history.append(runner_rows, ids)
         k = int(table[:, 7].max())
         return ids, (token_logprobs(logits, ids, k) if k >= 0 else None)
+
+    def _hold_back_stops(self, logits: Tensor, table: np.ndarray, seqs: list[Sequence], offsets: list[int] | None,
+                         ahead: int) -> Tensor:
+        """``logits`` with each row's stop tokens at -inf while its seq has fewer than
+        min_tokens output tokens before the row's token (SamplingParams.min_tokens). Host work
+        only for the rows whose min_tokens is set."""
+        rows, token_ids = [], []
+        for r in np.flatnonzero(table[:, MIN_TOKENS_COLUMN]).tolist():
+            seq = seqs[r]
+            done = seq.num_output_tokens + ahead + (offsets[r] if offsets is not None else 0)
+            if done < seq.params.min_tokens:
+                stops = stop_tokens(seq.params, self.eos_token_ids)
+                rows.extend([r] * len(stops))
+                token_ids.extend(stops)
+        if not rows:
+            return logits
+        return suppress_tokens(logits, self._to_device(rows), self._to_device(token_ids))
 
     def _sampling_tensors(self, step_rows: np.ndarray, table: np.ndarray, logits: Tensor) -> SamplingTensors:
         """The step's SamplingTensors: the previous step's when the same rows, holding the same

@@ -10,6 +10,8 @@ as transformers and vLLM do):
   - a stop_token_ids hit, or an EOS id unless ignore_eos -> "stop"
   - a stop string in the detokenized output (only when ``detokenize`` is given) -> "stop"
   - max_tokens reached -> "length"
+Before ``min_tokens`` output tokens the stop tokens are not sampled and stop strings are not
+looked for (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.spec import forward, kv_cache_shape
-from compiled_llm.serve.sampling import SamplingParams, SamplingTensors, make_generator, sample
+from compiled_llm.serve.sampling import (SamplingParams, SamplingTensors, make_generator, sample, stop_tokens,
+                                         suppress_tokens)
 
 BLOCK_SIZE = 16
 
@@ -89,6 +92,8 @@ def generate_one(
     stop_ids = set(sampling.stop_token_ids)
     if not sampling.ignore_eos:
         stop_ids |= set(int(t) for t in eos_token_ids)
+    held = stop_tokens(sampling, eos_token_ids)  # not sampled before min_tokens output tokens
+    held_at = (torch.zeros(len(held), dtype=torch.int64, device=device), torch.tensor(held, dtype=torch.int64, device=device))
 
     out: list[int] = []
     finish, stop_text = "length", None
@@ -98,6 +103,8 @@ def generate_one(
     t_first = t0
     while True:
         logits = forward(config, params, pack_batch([step], block_size, device), kv_cache)
+        if len(out) < sampling.min_tokens and held:
+            logits = suppress_tokens(logits, *held_at)
         token = int(sample(logits, st, generators)[0])  # the host sync of every step
         if not out:
             t_first = time.perf_counter()
@@ -105,7 +112,7 @@ def generate_one(
         if token in stop_ids:
             finish = "stop"
             break
-        if detokenize is not None and sampling.stop:
+        if detokenize is not None and sampling.stop and len(out) > sampling.min_tokens:
             text = detokenize(out)
             cut = _find_stop(text, sampling.stop)
             if cut >= 0:

@@ -26,16 +26,17 @@ class RequestValidator:
     num_blocks: int
     max_num_seqs: int
 
-    def prompt_token_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+    def prompt_token_ids(self, prompt: Any, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text, {"prompt_token_ids": [...]} or a list
-        of ids. A text too long to fit the model in any tokenization is refused untokenized."""
+        of ids; a text gets the tokenizer's special tokens (BOS) unless ``add_special_tokens``
+        is False. A text too long to fit the model in any tokenization is refused untokenized."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     "text prompt given but the model has no tokenizer; pass {'prompt_token_ids': [...]}"
                 )
             self._check_text(prompt)
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" not in prompt:
                 raise InvalidRequestError("a dict prompt needs a 'prompt_token_ids' list")

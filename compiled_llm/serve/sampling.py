@@ -24,9 +24,11 @@ from compiled_llm.graph import ops
 from compiled_llm.kernels import registry
 
 # The columns of a request's row in the sampler's parameter table (SamplingParams.sampling_row):
-# the first seven travel to the device; logprobs is -1 when not asked; seeded is 0 or 1.
+# the first seven travel to the device; logprobs is -1 when not asked; seeded is 0 or 1;
+# min_tokens is 0 when not asked (the host looks at the rows' stop tokens only when it is not).
 SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "logprobs", "seeded")
+                    "repetition_penalty", "logprobs", "seeded", "min_tokens")
+MIN_TOKENS_COLUMN = SAMPLING_COLUMNS.index("min_tokens")
 
 # The most top log-probabilities one token may ask for (OpenAI's API allows 20 for chat, 5 for
 # completions; vLLM's default cap is 20).
@@ -46,6 +48,8 @@ class SamplingParams:
     ``logprobs`` = k returns, per output token, the sampled token's log-probability and the k
     most likely tokens' (``prompt_logprobs`` likewise per prompt token); log-probabilities are
     those of the model's raw logits, before penalties and temperature, as vLLM returns them.
+    ``min_tokens``: until the request has that many output tokens, its stop tokens (EOS unless
+    ``ignore_eos``, and ``stop_token_ids``) cannot be sampled and its stop strings do not end it.
     """
 
     max_tokens: int = 16
@@ -64,15 +68,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0
     # False skips incremental detokenization (token ids only; stop strings need it on).
     detokenize: bool = True
 
     def __post_init__(self):
-        for name in ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs"):  # numpy integers and the like, as plain ints
+        for name in ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens"):  # numpy integers and the like, as plain ints
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 object.__setattr__(self, name, int(value))
         _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check_real("temperature", self.temperature, low=0.0)
         _check_int("top_k", self.top_k)
         if self.top_k < 1 and self.top_k not in (-1, 0):
@@ -92,6 +101,10 @@ class SamplingParams:
         if not self.repetition_penalty > 0.0:
             raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) == -1:  # vLLM's "the whole vocabulary", past its default cap too
+                raise InvalidRequestError(
+                    f"{name} -1 asks for the whole vocabulary; at most {MAX_LOGPROBS} log-probabilities per token "
+                    f"are returned (vLLM's default --max-logprobs)")
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), low=0)
                 if getattr(self, name) > MAX_LOGPROBS:
@@ -123,6 +136,7 @@ class SamplingParams:
             float(self.temperature), float(self.top_k), float(self.top_p), float(self.min_p),
             float(self.presence_penalty), float(self.frequency_penalty), float(self.repetition_penalty),
             float(-1 if self.logprobs is None else self.logprobs), float(self.seed is not None),
+            float(self.min_tokens),
         ))
         object.__setattr__(self, "_penalised", (
             self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
@@ -252,6 +266,21 @@ def truncate_logits(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor 
     drop[:, 0] = False  # the best token always stays
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def stop_tokens(params: SamplingParams, eos_token_ids) -> tuple[int, ...]:
+    """The tokens that would end a request: what ``min_tokens`` holds back (as vLLM's
+    all_stop_token_ids)."""
+    eos = () if params.ignore_eos else tuple(eos_token_ids)
+    return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+
+
+def suppress_tokens(logits: Tensor, rows: Tensor, token_ids: Tensor) -> Tensor:
+    """A copy of ``logits`` with logits[rows[i], token_ids[i]] = -inf (the raw logits stay for
+    the log-probabilities, which are the model's)."""
+    out = logits.clone()
+    out.index_put_((rows, token_ids), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    return out
 
 
 def greedy_ids(logits: Tensor) -> Tensor:

@@ -52,11 +52,9 @@ def add_parser(subparsers):
     serving.add_argument("--client-processes", type=int, metavar="N",
                          help="client processes sending the requests (default 1 on a CPU; on a GPU half the "
                               "cores, up to 8: one process reads about 13k chunks/s)")
-    # the workloads' longest sequence is 2,048 tokens: a shorter limit than a model's keeps the
-    # block tables (and the graphs' inputs) small
     engine_group = p.add_argument_group("engine options")
     add_quantization_argument(engine_group)
-    add_engine_arguments(engine_group, defaults={"max_model_len": 4096})
+    add_engine_arguments(engine_group)
     p.add_argument("--no-cuda-graphs", dest="enforce_eager", action="store_true",
                    help=argparse.SUPPRESS)  # the old name of --enforce-eager
     p.add_argument("--json", action="store_true", help="print the results as one JSON list instead of a table")
@@ -98,6 +96,9 @@ def hf_config_of(llm) -> dict | None:
     return None
 
 
+BENCH_MAX_MODEL_LEN = 4096
+
+
 def run(args) -> int:
     from compiled_llm.engine.loader import is_engine_dir
     from compiled_llm.model.placement import resolve_device
@@ -113,6 +114,13 @@ def run(args) -> int:
 
         engine = str(cached_engine(engine, device=device, quantization=args.quantization,
                                    tensor_parallel_size=args.tensor_parallel_size or 1))
+    if args.max_model_len is None:
+        # the workloads' longest sequence is 2,048 tokens: a shorter limit than a model's keeps
+        # the block tables (and the graphs' inputs) small
+        from compiled_llm.engine.artifact import read_manifest
+
+        limit = read_manifest(engine)["build_options"].get("max_model_len") or BENCH_MAX_MODEL_LEN
+        args.max_model_len = min(BENCH_MAX_MODEL_LEN, int(limit))
     if args.workload == "serving":
         return _run_serving(args, engine, device)
     cold = []

@@ -37,9 +37,10 @@ from compiled_llm.serve.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import CONTENT_TYPE, ServerMetrics
 from compiled_llm.serve.openai.middleware import ApiKeyMiddleware, RequestIdMiddleware, RootPathMiddleware
 from compiled_llm.serve.openai.openapi import errors, honest_openapi, json_or_stream
-from compiled_llm.serve.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                                CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
-                                                ModelList, TokenizeRequest, TokenizeResponse)
+from compiled_llm.serve.openai.protocol import (TOKENIZE_NOT_SUPPORTED, ChatCompletionRequest, ChatCompletionResponse,
+                                                CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                                TokenizeResponse, unsupported_field)
 from compiled_llm.serve.openai.serving import ApiError, ServerState
 from compiled_llm.serve.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from compiled_llm.serve.openai.serving_completions import create_completion
@@ -127,7 +128,8 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
     name."""
     info = core.info
     name = config.served_model_name or model_name or info.name
-    metrics = ServerMetrics(name, core.start_snapshot, config.log_stats_interval, info.num_speculative_tokens)
+    metrics = ServerMetrics(name, core.start_snapshot, config.log_stats_interval, info.num_speculative_tokens,
+                            engine_info=info)
     async_engine = AsyncEngine(core, max_waiting_requests=config.max_waiting_requests,
                                max_waiting_prompt_tokens=config.max_waiting_prompt_tokens,
                                request_timeout=config.request_timeout, metrics=metrics)
@@ -158,7 +160,8 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
 
     @v1.get("/models", responses=errors(*key))
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, created=state.created, root=info.name,
+        # root: the model as given on the command line (vLLM's), not the engine it was built into
+        return ModelList(data=[ModelCard(id=name, created=state.created, root=model_name or info.name,
                                          max_model_len=info.max_model_len)])
 
     generation_errors = errors(400, *key, 404, 500, 503, 504)
@@ -199,11 +202,20 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give either prompt or messages", "BadRequestError")
+        name = unsupported_field(body, TOKENIZE_NOT_SUPPORTED)
+        if name is None and body.messages is not None and body.add_special_tokens:
+            name = "add_special_tokens"  # a chat is rendered by its template alone
+        if name is not None:
+            raise ApiError(400, f"{name} is not supported by this server; leave {name} unset", "BadRequestError",
+                           param=name)
         if body.messages is not None:
             ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
         else:
-            _, ids = core.validator.prompt_token_ids(body.prompt)
-        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
+            _, ids = core.validator.prompt_token_ids(body.prompt, body.add_special_tokens is not False)
+        strs = None
+        if body.return_token_strs and core.tokenizer is not None:  # vLLM's: the vocabulary's strings
+            strs = core.tokenizer.token_strs(ids)
+        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize", responses=errors(400, *key, 404))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

@@ -13,11 +13,12 @@ from typing import Any, AsyncIterator, Iterable
 
 from starlette.requests import Request
 
-from compiled_llm.errors import CompiledLLMError, InvalidRequestError
+from compiled_llm.errors import CompiledLLMError
 from compiled_llm.serve.async_engine import AsyncEngine, RequestGroup, ServiceUnavailableError
 from compiled_llm.serve.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import ServerMetrics
 from compiled_llm.serve.openai.middleware import request_id
+from compiled_llm.serve.openai.protocol import unsupported_field
 from compiled_llm.serve.outputs import Logprob, PositionLogprobs, RequestOutput
 from compiled_llm.serve.sampling import SamplingParams
 from compiled_llm.serve.server_config import ServerConfig
@@ -56,7 +57,10 @@ class ServerState:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "NotFoundError", code="model_not_found", param="model")
 
-    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+    def token_text(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
+        """A token's text in logprobs; ``as_id``: vLLM's "token_id:N" (return_tokens_as_token_ids)."""
+        if as_id:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         if self.tokenizer is None:
@@ -64,10 +68,52 @@ class ServerState:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def new_id(prefix: str, http: Request | None = None) -> str:
-    """A response's id: the request's X-Request-Id when it has one (as vLLM's), else a new one."""
+def new_id(prefix: str, http: Request | None = None, body_id: str | None = None) -> str:
+    """A response's id, as vLLM's: the request's X-Request-Id header when it has one, else the
+    body's ``request_id`` (vLLM's field), else a fresh one."""
     given = None if http is None else request_id(http)
-    return f"{prefix}-{given or uuid.uuid4().hex}"
+    return f"{prefix}-{given or body_id or uuid.uuid4().hex}"
+
+
+# ---- request fields -------------------------------------------------------------------------------
+
+
+def check_request_fields(req, not_supported: dict[str, tuple]) -> None:
+    """400 for what this server cannot honour: one of vLLM's fields it lacks (``NOT_SUPPORTED``
+    in protocol.py), structured outputs (a later issue), ``stream_options`` without ``stream``
+    (vLLM's rule and message), ``logit_bias``."""
+    name = unsupported_field(req, not_supported)
+    if name is not None:
+        what = "structured outputs are" if name.startswith(("structured_outputs", "guided_")) else f"{name} is"
+        raise ApiError(400, f"{what} not supported by this server; leave {name} unset", "BadRequestError",
+                       param=name)
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise ApiError(400, f"response_format {fmt.get('type')!r} (structured output) is not supported by this "
+                            f"server, only 'text'", "BadRequestError", param="response_format")
+    options = req.stream_options
+    if options is not None and (options.model_fields_set or options.model_extra) and not req.stream:
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.", "BadRequestError",
+                       param="stream_options")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", "BadRequestError", param="logit_bias")
+
+
+def truncated_prompt(state: ServerState, req, ids: list[int]) -> list[int]:
+    """The prompt ids ``truncate_prompt_tokens`` keeps, as vLLM: the last k (``truncation_side``
+    "right": the first k); -1 means the model's max length."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    limit = state.core.info.max_model_len
+    if k == -1:
+        k = limit
+    if k > limit:
+        raise ApiError(400, f"truncate_prompt_tokens {k} is more than the model's max length of {limit} tokens",
+                       "BadRequestError", param="truncate_prompt_tokens")
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if req.truncation_side == "right" else ids[len(ids) - k:]
 
 
 # ---- request -> SamplingParams ----------------------------------------------------------------------
@@ -79,8 +125,6 @@ def sampling_params(state: ServerState, req, *, max_tokens: int | None, prompt_l
     generation default (``LoadedModel.generation_defaults``), then OpenAI's. Unset max_tokens:
     the checkpoint's, else ``fallback_max_tokens`` (None: all the context left), at most the
     context left after the prompt."""
-    if req.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported")
     defaults = state.core.info.generation_defaults
     given = req.model_fields_set
 
@@ -108,6 +152,7 @@ def sampling_params(state: ServerState, req, *, max_tokens: int | None, prompt_l
         stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
     )
 
 
@@ -131,43 +176,54 @@ def vllm_prompt_logprobs(positions: list[PositionLogprobs | None] | None) -> lis
     ]
 
 
+def chosen_first(token_id: int, position: PositionLogprobs) -> list[tuple[int, Logprob]]:
+    """A position's entries as vLLM lists them: the chosen token, then the others by rank."""
+    others = sorted(((t, lp) for t, lp in position.items() if t != token_id), key=lambda e: e[1].rank)
+    chosen = position.get(token_id)
+    return others if chosen is None else [(token_id, chosen), *others]
+
+
 class CompletionLogprobsWriter:
     """The completions API's logprobs of one choice, piece by piece (a stream sends the
-    pieces; ``text_offset`` continues across them)."""
+    pieces). ``text_offset`` is each token's offset in the choice's text: it runs on across
+    the pieces, from the echoed prompt's tokens into the completion's, as in vLLM."""
 
-    def __init__(self, state: ServerState, offset: int = 0):
+    def __init__(self, state: ServerState, offset: int = 0, as_ids: bool = False):
         self.state = state
         self.offset = offset
+        self.as_ids = as_ids
 
     def piece(self, token_ids: Iterable[int], positions: Iterable[PositionLogprobs | None]) -> dict:
+        text_of = self.state.token_text
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, position in zip(token_ids, positions):
             chosen = None if position is None else position.get(token_id)
-            text = self.state.token_text(token_id, chosen)
+            text = text_of(token_id, chosen, self.as_ids)
             out["tokens"].append(text)
             out["token_logprobs"].append(None if chosen is None else clamp_logprob(chosen.logprob))
             out["top_logprobs"].append(None if position is None else {
-                self.state.token_text(t, lp): clamp_logprob(lp.logprob) for t, lp in position.items()
+                text_of(t, lp, self.as_ids): clamp_logprob(lp.logprob) for t, lp in chosen_first(token_id, position)
             })
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out
 
 
-def chat_logprobs(state: ServerState, token_ids: Iterable[int], positions: Iterable[PositionLogprobs], top: int) -> dict:
+def chat_logprobs(state: ServerState, token_ids: Iterable[int], positions: Iterable[PositionLogprobs], top: int,
+                  as_ids: bool = False) -> dict:
     """The chat API's logprobs: per token its text, logprob, UTF-8 bytes and the ``top`` most
-    likely tokens in rank order."""
+    likely tokens in rank order (``as_ids``: tokens as "token_id:N")."""
     content = []
     for token_id, position in zip(token_ids, positions):
         chosen = position.get(token_id)
-        text = state.token_text(token_id, chosen)
+        text = state.token_text(token_id, chosen, as_ids)
         best = sorted(((lp.rank, t, lp) for t, lp in position.items() if lp.rank <= top), key=lambda e: e[0])
         content.append({
             "token": text,
             "logprob": MIN_LOGPROB if chosen is None else clamp_logprob(chosen.logprob),
             "bytes": list(text.encode("utf-8")),
             "top_logprobs": [
-                {"token": (s := state.token_text(t, lp)), "logprob": clamp_logprob(lp.logprob),
+                {"token": (s := state.token_text(t, lp, as_ids)), "logprob": clamp_logprob(lp.logprob),
                  "bytes": list(s.encode("utf-8"))}
                 for _, t, lp in best
             ],

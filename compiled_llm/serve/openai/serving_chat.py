@@ -7,9 +7,11 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.serve.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, ChatMessage
-from compiled_llm.serve.openai.serving import (ServerState, StreamWriter, chat_logprobs, final_outputs, new_id, now_s,
-                                               sampling_params, sse_stream, usage, usage_chunk, vllm_prompt_logprobs)
+from compiled_llm.serve.openai.protocol import (CHAT_NOT_SUPPORTED, ChatCompletionRequest, ChatCompletionResponse,
+                                                ChatMessage)
+from compiled_llm.serve.openai.serving import (ApiError, ServerState, StreamWriter, chat_logprobs, check_request_fields,
+                                               final_outputs, new_id, now_s, sampling_params, sse_stream,
+                                               truncated_prompt, usage, usage_chunk, vllm_prompt_logprobs)
 from compiled_llm.serve.outputs import RequestOutput
 
 
@@ -46,13 +48,15 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generat
 
 
 def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
+    check_request_fields(req, CHAT_NOT_SUPPORTED)
+    if req.add_special_tokens:  # vLLM's option to add BOS and the like on top of the template's
+        raise ApiError(400, "add_special_tokens is not supported for chats: the chat template adds the special "
+                            "tokens", "BadRequestError", param="add_special_tokens")
     if req.tools:
         raise InvalidRequestError("tools are not supported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise InvalidRequestError(f"response_format {req.response_format.get('type')!r} is not supported, only 'text'")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs to be true")
-    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+    ids = truncated_prompt(state, req, chat_prompt_ids(state, req.messages, req.add_generation_prompt))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(state, req, max_tokens=max_tokens, prompt_len=len(ids), fallback_max_tokens=None,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -60,13 +64,26 @@ def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
     return state.validator.validate({"prompt_token_ids": ids}, params)
 
 
+def echoed_content(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the reply starts with the last message's content when that message
+    has the reply's role (the assistant's, or with add_generation_prompt false the last
+    message's own)."""
+    if not req.echo or not req.messages:
+        return ""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    if last.role != role:
+        return ""
+    return chat_messages([last])[0]["content"]
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, http: Request, arrival: float):
     state.check_model(req.model)
     request = _validated(state, req)
     group = state.async_engine.submit([request], stream=req.stream, arrival=arrival)
-    shape = _Shape(state, req, new_id("chatcmpl", http), now_s())
+    shape = _Shape(state, req, new_id("chatcmpl", http, req.request_id), now_s())
     if req.stream:
-        return StreamingResponse(sse_stream(group, http, _ChatStream(shape, len(request[1]))),
+        return StreamingResponse(sse_stream(group, http, _ChatStream(shape, request[1])),
                                  media_type="text/event-stream")
     (out,) = await final_outputs(group, http)
     return shape.response(out)
@@ -76,11 +93,14 @@ class _Shape:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, id: str, created: int):
         self.state, self.req, self.id, self.created = state, req, id, created
         self.top = req.top_logprobs or 0
+        self.echo = echoed_content(req)
+        self.token_ids = bool(req.return_token_ids)
 
     def logprobs(self, token_ids, positions) -> dict | None:
         if not self.req.logprobs:
             return None
-        return chat_logprobs(self.state, token_ids, positions or [], self.top)
+        return chat_logprobs(self.state, token_ids, positions or [], self.top,
+                             as_ids=bool(self.req.return_tokens_as_token_ids))
 
     def prompt_logprobs(self, out: RequestOutput):
         return vllm_prompt_logprobs(out.prompt_logprobs) if self.req.prompt_logprobs is not None else None
@@ -88,15 +108,17 @@ class _Shape:
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
         choices = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": {"role": "assistant", "content": self.echo + c.text},
             "logprobs": self.logprobs(c.token_ids, c.logprobs),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
-            "prompt_logprobs": self.prompt_logprobs(out),
+            "token_ids": list(c.token_ids) if self.token_ids else None,
         } for c in out.outputs]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
-                                      usage=usage(len(out.prompt_token_ids), completion_tokens))
+                                      usage=usage(len(out.prompt_token_ids), completion_tokens),
+                                      prompt_logprobs=self.prompt_logprobs(out),
+                                      prompt_token_ids=list(out.prompt_token_ids) if self.token_ids else None)
 
     def chunk(self, choice: dict) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -107,16 +129,37 @@ class _Shape:
 
 
 class _ChatStream(StreamWriter):
-    def __init__(self, shape: _Shape, prompt_tokens: int):
+    """The role first (with the prompt's ids under return_token_ids, and the echoed content
+    under echo), then each choice's deltas; with continuous_usage_stats every chunk carries the
+    usage so far."""
+
+    def __init__(self, shape: _Shape, prompt_ids: list[int]):
         self.shape = shape
-        self.prompt_tokens = prompt_tokens
+        self.prompt_ids = prompt_ids
+        self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
+        self.sent_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
         self.prompt_logprobs_sent = False
 
+    def _usage(self, chunk: dict, index: int) -> dict:
+        if self.shape.req.continuous_usage:
+            chunk["usage"] = usage(self.prompt_tokens, self.sent_tokens.get(index, 0))
+        return chunk
+
     def head(self) -> list[dict]:
-        return [self.shape.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}) for i in range(self.shape.req.n)]
+        s = self.shape
+        events = []
+        for i in range(s.req.n):
+            chunk = s.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            if s.token_ids and i == 0:
+                chunk["prompt_token_ids"] = list(self.prompt_ids)
+            events.append(self._usage(chunk, i))
+        if s.echo:
+            events += [self._usage(s.chunk({"index": i, "delta": {"content": s.echo}, "logprobs": None,
+                                            "finish_reason": None}), i) for i in range(s.req.n)]
+        return events
 
     def chunks(self, ready: list[tuple[int, RequestOutput]]) -> list[dict]:
         s = self.shape
@@ -130,10 +173,14 @@ class _ChatStream(StreamWriter):
                 choice = {"index": c.index, "delta": {"content": c.delta_text},
                           "logprobs": s.logprobs(c.delta_token_ids, c.delta_logprobs),
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if s.token_ids:
+                    choice["token_ids"] = list(c.delta_token_ids)
+                chunk = s.chunk(choice)
                 if not self.prompt_logprobs_sent and s.req.prompt_logprobs is not None and out.prompt_logprobs:
-                    choice["prompt_logprobs"] = s.prompt_logprobs(out)
+                    chunk["prompt_logprobs"] = s.prompt_logprobs(out)  # at the top level, as in a response
                     self.prompt_logprobs_sent = True
-                events.append(s.chunk(choice))
+                self.sent_tokens[c.index] = self.sent_tokens.get(c.index, 0) + len(c.delta_token_ids)
+                events.append(self._usage(chunk, c.index))
                 if c.finish_reason is not None:
                     self.finished.add(c.index)
                     self.completion_tokens += len(c.token_ids)
