@@ -171,14 +171,15 @@ def _unlisted_in_engine_folders(target: Path, manifest: dict) -> str | None:
     return None
 
 
-# (path, device, inode, size, mtime) -> sha256: a build checks the target before it starts and
-# again before the swap, and retiring the old engine checks its files once more
+# (device, inode, size, mtime) -> sha256: a build checks the target before it starts and again
+# before the swap, and retiring the old engine checks its files once more after renaming it
+# aside (a rename keeps the inode and mtime), so each file is hashed once per build
 _digests: dict[tuple, str] = {}
 
 
 def _digest(path: Path) -> str:
     st = os.stat(path)
-    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     if key not in _digests:
         _digests[key] = sha256_file(path)
     return _digests[key]
