@@ -144,9 +144,8 @@ def engine_manifest(target: Path) -> dict:
     try:
         manifest = read_manifest(target)
     except EngineError as current:
-        try:
-            manifest = read_older_manifest(target)
-        except EngineError:
+        manifest = read_older_manifest(target)  # its error says what an engine of that format lacks
+        if manifest is None:
             raise current from None
     for rel, digest in manifest["files"].items():
         path = _regular_file_inside(target, rel)
@@ -454,9 +453,11 @@ def _known_manifest(path: Path) -> dict | None:
     """The manifest of a (possibly partly retired) engine of a known format in ``path``, or None."""
     for read in (read_manifest, read_older_manifest):
         try:
-            return read(path)
+            manifest = read(path)
         except (EngineError, OSError):
-            pass
+            continue
+        if manifest is not None:
+            return manifest
     return None
 
 
