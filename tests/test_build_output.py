@@ -355,6 +355,17 @@ def test_a_rebuild_refuses_a_user_file_in_the_tokenizer_folder_and_names_it(engi
     assert leftovers(engine) == []
 
 
+def test_a_rebuild_hashes_each_file_of_the_old_engine_once(engine, monkeypatch):
+    """The old engine's files are checked against their sha256 before the build, again before
+    the swap and once more when they are retired: each is read once all the same."""
+    hashed = []
+    real = engine_output.sha256_file
+    monkeypatch.setattr(engine_output, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    old_files = json.loads((engine / "manifest.json").read_text())["files"]
+    build(engine)
+    assert sorted(hashed) == sorted(Path(rel).name for rel in old_files)
+
+
 def test_a_retired_engine_loses_only_files_that_hold_what_it_wrote(engine, built):
     """A listed file whose content is not what the manifest lists (its sha256 differs) is not
     the engine's to delete: retiring the old engine carries it into the new one."""

@@ -195,15 +195,16 @@ def read_manifest(engine_dir: str | Path) -> dict:
     return manifest
 
 
-def read_older_manifest(engine_dir: str | Path) -> dict:
+def read_older_manifest(engine_dir: str | Path) -> dict | None:
     """The manifest of an engine that an earlier compiled_llm wrote (a known older format
     version, which loads no more but may be rebuilt in place), checked as strictly as its
-    writer wrote it; an EngineError for anything else."""
+    writer wrote it: an EngineError when it falls short, None when its format version is not a
+    known older one."""
     engine_dir = Path(engine_dir)
     manifest, version = _read_manifest_file(engine_dir)
     path = engine_dir / MANIFEST
     if version >= FORMAT_VERSION or version not in manifest_check.REQUIRED_KEYS:
-        raise EngineError(f"{path} is not a manifest of an older engine format")
+        return None
     manifest_check.check_older_manifest(manifest, version, path)
     _check_paths(engine_dir, manifest)
     return manifest

@@ -144,9 +144,8 @@ def engine_manifest(target: Path) -> dict:
     try:
         manifest = read_manifest(target)
     except EngineError as current:
-        try:
-            manifest = read_older_manifest(target)
-        except EngineError:
+        manifest = read_older_manifest(target)  # its error says what an engine of that format lacks
+        if manifest is None:
             raise current from None
     for rel, digest in manifest["files"].items():
         path = _regular_file_inside(target, rel)
@@ -171,14 +170,15 @@ def _unlisted_in_engine_folders(target: Path, manifest: dict) -> str | None:
     return None
 
 
-# (path, device, inode, size, mtime) -> sha256: a build checks the target before it starts and
-# again before the swap, and retiring the old engine checks its files once more
+# (device, inode, size, mtime) -> sha256: a build checks the target before it starts and again
+# before the swap, and retiring the old engine checks its files once more after renaming it
+# aside (a rename keeps the inode and mtime), so each file is hashed once per build
 _digests: dict[tuple, str] = {}
 
 
 def _digest(path: Path) -> str:
     st = os.stat(path)
-    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     if key not in _digests:
         _digests[key] = sha256_file(path)
     return _digests[key]
@@ -453,9 +453,11 @@ def _known_manifest(path: Path) -> dict | None:
     """The manifest of a (possibly partly retired) engine of a known format in ``path``, or None."""
     for read in (read_manifest, read_older_manifest):
         try:
-            return read(path)
+            manifest = read(path)
         except (EngineError, OSError):
-            pass
+            continue
+        if manifest is not None:
+            return manifest
     return None
 
 
