@@ -657,7 +657,7 @@ def mutate_tokenizer(rng, engine, canary):
         payload = rng.choice([
             f"{{{{ cycler.__init__.__globals__.os.system('touch {canary}') }}}}",
             f"{{{{ self.__init__.__globals__.__builtins__.open('{canary}', 'w') }}}}",
-            f"{{{{ ''.__class__.__mro__[1].__subclasses__() }}}}",
+            "{{ ''.__class__.__mro__[1].__subclasses__() }}",
             "{% for x in range(10**9) %}{% endfor %}",
             "{{ messages[0].content * 10**9 }}",
             "{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}",

@@ -31,7 +31,6 @@ that the marker never becomes part of the engine (``save_engine`` checksums ever
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re

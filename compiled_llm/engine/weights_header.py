@@ -165,7 +165,7 @@ def check_header(path: Path, rel: str, config: ModelConfig, build_options: dict,
     if layers != set(range(config.num_layers)):
         missing = min(set(range(config.num_layers)) - layers, default=None)
         raise _bad(rel, f"it holds no weights of layer {missing} (model_config num_layers is {config.num_layers})"
-                   if missing is not None else f"it holds layers the model config does not have")
+                   if missing is not None else "it holds layers the model config does not have")
 
 
 def _bad(rel: str, why: str) -> EngineError:
