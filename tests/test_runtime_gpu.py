@@ -1,5 +1,6 @@
 """GPU runtime: decode CUDA graphs give the same greedy outputs as eager decode (tiny preset and
-Qwen2.5-0.5B shapes in bf16), capture failures fall back to eager, seeded sampling repeats.
+Qwen2.5-0.5B shapes in bf16), capture failures fall back to eager, seeded sampling repeats,
+prompt_logprobs chunks beside graphed decodes equal the eager spec, min_tokens holds stops back.
 
 Run on the GPU machine:  python -m pytest -q -s tests/test_runtime_gpu.py
 (-s shows the small speed table each test prints)."""
@@ -136,3 +137,44 @@ def test_capture_failure_warns_and_runs_eagerly():
     assert llm.stats.graphs_captured == 0
     ref = generate_reference(llm.model.config, llm.model.params, [p["prompt_token_ids"] for p in prompts], params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def test_prompt_logprobs_and_min_tokens_on_a_cuda_engine_leave_graphed_requests_unchanged(tmp_path_factory):
+    """A 300-token prompt_logprobs request, prefilled in 128-token chunks beside plain requests
+    that decode through CUDA graphs: its values are the eager spec's log_softmax over the whole
+    prompt, the plain requests' tokens are what they are without it, and min_tokens keeps stop
+    tokens out of the first tokens."""
+    from compiled_llm.engine.loader import load_model
+    from compiled_llm.graph.batch import ScheduledSeq, pack_batch
+    from compiled_llm.graph.spec import forward
+    from compiled_llm.serve import kv_cache as kvc
+
+    engine = build(tmp_path_factory, "tiny-qwen2", "float32")
+    llm = LLM(engine, device="cuda", gpu_memory_utilization=0.4, max_num_batched_tokens=128)
+    vocab = llm.model.config.vocab_size
+    rng = random.Random(7)
+    prompt = [rng.randrange(vocab) for _ in range(300)]
+    others = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(4, 60))]} for _ in range(6)]
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, detokenize=False)
+    alone = llm.generate(others, plain, use_tqdm=False)
+    scored = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False, prompt_logprobs=2)
+    mixed = llm.generate([{"prompt_token_ids": prompt}, *others], [scored, *[plain] * len(others)], use_tqdm=False)
+    assert llm.stats.graphs_captured > 0 and not llm.engine.runner.graphs.failed
+    assert [o.outputs[0].token_ids for o in mixed[1:]] == [o.outputs[0].token_ids for o in alone]
+
+    source = load_model("tiny-qwen2", dtype="float32", device="cuda")
+    blocks = -(-len(prompt) // 16)
+    kv = kvc.allocate(source.config, blocks, 16, torch.float32, "cuda")
+    batch = pack_batch([ScheduledSeq(prompt, 0, list(range(blocks)))], 16, device="cuda")
+    with torch.inference_mode():
+        want = forward(source.config, source.params, batch, kv,
+                       logits_rows=torch.arange(len(prompt) - 1, device="cuda")).log_softmax(-1)
+    got = mixed[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    worst = max(abs(got[p][prompt[p]].logprob - want[p - 1, prompt[p]].item()) for p in range(1, len(prompt)))
+    assert worst < 2e-3, f"prompt logprobs differ from the eager spec by up to {worst}"
+
+    first = alone[0].outputs[0].token_ids[:3]  # tokens greedy decoding picks early on
+    held = llm.generate([others[0]], SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6, stop_token_ids=first,
+                                                    detokenize=False), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(held) >= 6 and not set(held[:6]) & set(first), held
