@@ -1251,23 +1251,18 @@ def agree(args) -> int:
               gpu_memory_utilization=0.5)
     runner = llm.engine.runner
     recorded: dict[tuple[str, int], torch.Tensor] = {}
-    original_sample, original_launch = runner._sample, runner.launch
-    queued_ahead = [False]
+    original_sample = runner._sample
 
-    def recording_launch(batch, ahead_of=None, ahead_rows=None):
-        queued_ahead[0] = ahead_of is not None
-        return original_launch(batch, ahead_of, ahead_rows)
-
-    def recording_sample(batch, logits):
+    def recording_sample(batch, logits, ahead=0):
         for j, row in enumerate(batch.sample_rows):
             seq = batch.seqs[row]
             # output index of the token this row samples: one past the sequence's tokens, two
             # past when the step was queued before the previous step's token was appended
-            index = seq.num_tokens - seq.num_prompt_tokens + (1 if queued_ahead[0] else 0)
+            index = seq.num_tokens - seq.num_prompt_tokens + ahead
             recorded[(seq.request_id, index)] = logits[j].float().cpu()
-        return original_sample(batch, logits)
+        return original_sample(batch, logits, ahead)
 
-    runner._sample, runner.launch = recording_sample, recording_launch
+    runner._sample = recording_sample
     vocab = llm.model.config.vocab_size
     prompts = file_prompts or cmp.random_prompts(vocab, args.prompts, args.seed)
     if max(max(p) for p in prompts) >= vocab:
