@@ -88,3 +88,22 @@ def test_a_program_without_its_last_rows_selection_cannot_yield_chosen_rows():
     gm = torch.fx.symbolic_trace(lambda query_start_loc, h: h * 2)
     with pytest.raises(EngineError, match="0 selections of each sequence's last row"):
         with_logits_rows(gm)
+
+
+def test_an_engine_whose_program_cannot_yield_chosen_rows_refuses_prompt_logprobs_at_submit(captured):
+    """Checked at load (PortableProgram.yields_chosen_rows), so the request is refused up front
+    instead of failing inside a step beside other requests."""
+    from compiled_llm.engine.program import PortableProgram
+    from compiled_llm.errors import InvalidRequestError
+    from compiled_llm.serve.request_validator import RequestValidator
+    from compiled_llm.serve.sampling import SamplingParams
+
+    _, params, cap = captured
+    assert PortableProgram(cap.gm, list(params)).yields_chosen_rows
+    plain = torch.fx.symbolic_trace(lambda query_start_loc, h: h * 2)
+    assert not PortableProgram(plain, []).yields_chosen_rows
+    validator = RequestValidator(tokenizer=None, vocab_size=100, max_model_len=64, block_size=16, num_blocks=8,
+                                 max_num_seqs=4, yields_chosen_rows=False)
+    validator.validate([1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs is not supported by this engine"):
+        validator.validate([1, 2, 3], SamplingParams(max_tokens=4, prompt_logprobs=1))

@@ -231,6 +231,10 @@ def test_closing_a_stream_aborts_and_frees_blocks(tiny):
         ("caf\udce9", lambda: SamplingParams(), "not valid UTF-8"),
         ({"prompt_token_ids": [1, "2"]}, lambda: SamplingParams(), "list of integers"),
         ({"prompt_token_ids": [1, True]}, lambda: SamplingParams(), "list of integers"),
+        # min_tokens masks stop ids on the logits: one past the vocabulary would index out of them
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(min_tokens=2, stop_token_ids=[10**7]),
+         "stop token id 10000000 is outside the model's vocabulary"),
+        ({"prompt_token_ids": [1]}, lambda: SamplingParams(stop_token_ids=[5, 272]), "stop token id 272 is outside"),
     ],
 )
 def test_bad_request_is_refused_at_submit_while_others_carry_on(tiny, prompt, make_params, fragment):

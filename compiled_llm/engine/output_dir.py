@@ -169,15 +169,17 @@ def _unlisted_in_engine_folders(target: Path, manifest: dict) -> str | None:
     return None
 
 
-# (device, inode, size, mtime) -> sha256: a build checks the target before it starts and again
-# before the swap, and retiring the old engine checks its files once more after renaming it
-# aside (a rename keeps the inode and mtime), so each file is hashed once per build
+# (device, inode, size, mtime, ctime) -> sha256: a build checks the target before it starts and
+# again before the swap, and retiring the old engine checks its files once more after renaming it
+# aside (renaming the directory keeps its files' inode, mtime and ctime), so each file is hashed
+# once per build. Any write to a file moves its ctime, which no tool can set back (mtime it can),
+# and the cache is emptied when the build ends.
 _digests: dict[tuple, str] = {}
 
 
 def _digest(path: Path) -> str:
     st = os.stat(path)
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key not in _digests:
         _digests[key] = sha256_file(path)
     return _digests[key]
@@ -237,6 +239,7 @@ def discard_work_dir(work: Path) -> None:
         if _is_build_box(box):
             shutil.rmtree(box, ignore_errors=True)
     finally:
+        _digests.clear()
         fd = _locks.pop(work, None)
         if fd is not None:
             os.close(fd)  # after the removal, so no other build can see an unlocked box of ours

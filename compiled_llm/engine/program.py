@@ -17,7 +17,7 @@ from torch import Tensor
 
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.export import FlatProgram
-from compiled_llm.graph.logits_rows import with_logits_rows
+from compiled_llm.graph.logits_rows import with_logits_rows, yields_chosen_rows
 from compiled_llm.graph.spec import PackedBatch
 from compiled_llm.kernels import registry
 
@@ -37,6 +37,7 @@ class PortableProgram:
         self.param_names = list(param_names)
         self._run = FlatProgram(with_direct_calls(gm), param_names)
         self._rows_gm: torch.fx.GraphModule | None = None  # made on first use (graph/logits_rows.py)
+        self.yields_chosen_rows = yields_chosen_rows(gm)
         self._checked = False
 
     def __call__(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor) -> Tensor:

@@ -54,6 +54,16 @@ def last_rows_select(graph: torch.fx.Graph) -> torch.fx.Node:
     return found[0]
 
 
+def yields_chosen_rows(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``with_logits_rows`` can make gm's variant (checked at load, so that a request
+    for prompt log-probabilities is refused up front rather than failing inside a step)."""
+    try:
+        last_rows_select(gm.graph)
+    except EngineError:
+        return False
+    return True
+
+
 def with_logits_rows(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``gm`` that takes one more input, ``logits_rows`` (int64 token rows), and
     yields the logits of those rows, in that order, instead of each segment's last row."""

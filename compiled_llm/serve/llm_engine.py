@@ -120,10 +120,14 @@ class LLMEngine:
             # prefixes cached), would only cost start-up time: a tiny model on a large GPU would
             # otherwise get tens of millions of them.
             num_blocks = min(num_blocks, 2 * max_num_seqs * cdiv(self.max_model_len, bs))
-        elif num_blocks is None:
-            num_blocks = kvc.cpu_num_blocks(
-                mc, bs, model.dtype, config.kv_cache_gib, max_num_seqs * cdiv(self.max_model_len, bs) + 1
-            )
+        else:
+            if num_blocks is None:
+                num_blocks = kvc.cpu_num_blocks(
+                    mc, bs, model.dtype, config.kv_cache_gib, max_num_seqs * cdiv(self.max_model_len, bs) + 1
+                )
+            # no sizing step ran the program: a two-token one does, so a program that does not
+            # run on its weights is refused here rather than by the first request's step
+            self._profile_step(2, 1)
         self._stats.kv_num_blocks = num_blocks
         t1 = time.perf_counter()
         kv_cache = kvc.allocate(mc, num_blocks, bs, model.dtype, self.device)
@@ -164,6 +168,7 @@ class LLMEngine:
         self.validator = RequestValidator(
             tokenizer=self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len, block_size=bs,
             num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+            yields_chosen_rows=getattr(model.program, "yields_chosen_rows", True),
         )
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
@@ -193,8 +198,10 @@ class LLMEngine:
     def profile_largest_step(self) -> None:
         """Run the step the KV-cache sizing measures (the largest prefill, then sampling of
         every row), without sizing anything: a build warms its kernels this way."""
-        size = (min(self.config.max_num_batched_tokens, self.max_model_len), self.config.max_num_seqs,
-                self.config.block_size)
+        self._profile_step(min(self.config.max_num_batched_tokens, self.max_model_len), self.config.max_num_seqs)
+
+    def _profile_step(self, num_tokens: int, num_seqs: int) -> None:
+        size = (num_tokens, num_seqs, self.config.block_size)
         if self.executor is not None:
             self.executor.send("profile_step", *size)
         profile_step(self.model.config, self.model.params, self.model.program, num_tokens=size[0],

@@ -25,6 +25,9 @@ class RequestValidator:
     block_size: int
     num_blocks: int
     max_num_seqs: int
+    # whether the program yields the logits of chosen rows (engine/program.py), which
+    # prompt_logprobs needs
+    yields_chosen_rows: bool = True
 
     def prompt_token_ids(self, prompt: Any, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text, {"prompt_token_ids": [...]} or a list
@@ -87,6 +90,13 @@ class RequestValidator:
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise InvalidRequestError(f"prompt token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})")
+        bad = next((t for t in params.stop_token_ids or () if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            # a stop id is a logits column (min_tokens masks it on the device)
+            raise InvalidRequestError(f"stop token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})")
+        if params.prompt_logprobs is not None and not self.yields_chosen_rows:
+            raise InvalidRequestError("prompt_logprobs is not supported by this engine: its program yields only each "
+                                      "sequence's last logits")
         if n + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt of {n} tokens + max_tokens {params.max_tokens} exceeds the model's max length of {self.max_model_len} tokens"
