@@ -326,3 +326,21 @@ def test_no_cuda_graphs_is_a_hidden_alias_of_enforce_eager(command):
     assert parser.parse_args(["x", "--no-cuda-graphs"]).enforce_eager is True
     text = parser.format_help()
     assert "--enforce-eager" in text and "--no-cuda-graphs" not in text
+
+
+def test_compiled_llm_cache_dir_is_the_one_variable_every_cache_follows(tmp_path, monkeypatch):
+    """Engines, unpacked engine kernels and the CUDA extensions built on this machine all live
+    under $COMPILED_LLM_CACHE_DIR (the CUDA build once read a variable of its own)."""
+    import re
+    from pathlib import Path
+
+    from compiled_llm.engine import cache, kernel_cache
+    from compiled_llm.kernels import cuda_build
+
+    monkeypatch.setenv("COMPILED_LLM_CACHE_DIR", str(tmp_path))
+    assert cache.engines_dir() == tmp_path / "engines"
+    assert cuda_build.cache_root() == tmp_path
+    assert kernel_cache.cache_root() == tmp_path
+    package = Path(cache.__file__).parents[1]
+    names = {m for f in package.rglob("*.py") for m in re.findall(r"COMPILED_LLM_CACHE\w*", f.read_text())}
+    assert names == {"COMPILED_LLM_CACHE_DIR"}

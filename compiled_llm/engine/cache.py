@@ -50,7 +50,7 @@ import torch
 import compiled_llm
 from compiled_llm.engine.artifact import read_manifest
 from compiled_llm.engine.build import build_engine, check_max_len
-from compiled_llm.engine.cache_dir import cache_root
+from compiled_llm.cache_dir import cache_root
 from compiled_llm.errors import EngineError
 from compiled_llm.model.placement import resolve_device, resolve_dtype
 from compiled_llm.model.sources import resolve_source

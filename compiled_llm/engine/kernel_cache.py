@@ -42,7 +42,7 @@ from typing import Iterator
 
 import torch
 
-from compiled_llm.engine.cache_dir import cache_root
+from compiled_llm.cache_dir import cache_root
 from compiled_llm.errors import EngineError
 
 log = logging.getLogger(__name__)

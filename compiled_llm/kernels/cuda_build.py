@@ -1,17 +1,17 @@
 """Building the CUDA C++ providers (csrc/*.cu) just in time, once per machine.
 
 Each source is compiled with ``torch.utils.cpp_extension.load_inline`` on the machine that runs it,
-into ``~/.cache/compiled_llm/<name>/<hash of the source, torch and CUDA versions, GPU>`` (or under
-``$COMPILED_LLM_CACHE``), so a second process, or a runtime after a build on the same machine,
-only loads the cached library. Building needs nvcc; when it is missing or the compile fails,
-``build`` returns no module, once, with the reason, and the provider runs its Triton kernels.
+into ``<cache>/<name>/<hash of the source, torch and CUDA versions, GPU>``, where ``<cache>`` is
+the engine cache's directory (``$COMPILED_LLM_CACHE_DIR``, see ``compiled_llm/cache_dir.py``), so
+a second process, or a runtime after a build on the same machine, only loads the cached library.
+Building needs nvcc; when it is missing or the compile fails, ``build`` returns no module, once,
+with the reason, and the provider runs its Triton kernels.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -20,6 +20,8 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+
+from compiled_llm.cache_dir import cache_root
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -49,10 +51,6 @@ class CudaSource:
 class Built:
     module: Optional[ModuleType]
     error: Optional[str]  # why there is no module
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("COMPILED_LLM_CACHE", Path.home() / ".cache" / "compiled_llm"))
 
 
 def toolchain_available() -> bool:

@@ -1,5 +1,6 @@
-"""This user's compiled_llm cache directory, shared by the engine cache and the unpacked engine
-kernels."""
+"""This user's compiled_llm cache directory, shared by the engine cache, the unpacked engine
+kernels and the CUDA extensions built on this machine (so it sits beside ``errors.py``, below
+every stage that uses it)."""
 
 from __future__ import annotations
 
