@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh tests    # every GPU test
 #   bash benchmarks/gpu_suite.sh kernel-tests  # GPU tests of the kernels and the kernel tool only (fast)
 #   bash benchmarks/gpu_suite.sh runtime-tests # GPU tests of the runtime (builds Qwen2.5 shapes)
-#   bash benchmarks/gpu_suite.sh bench    # PERF.md workloads, compiled_llm vs HF transformers (compiled-llm bench;
+#   bash benchmarks/gpu_suite.sh bench    # the bench workloads (cli/bench/workloads.py), compiled_llm vs HF transformers (compiled-llm bench;
 #                                         # BENCH_SOURCE, BENCH_WORKLOADS, BENCH_ARGS)
 #   bash benchmarks/gpu_suite.sh kernels  # kernel microbenchmarks (kernel_bench.py micro)
 #   bash benchmarks/gpu_suite.sh attn     # attention kernels vs SDPA, prefill configs (kernel_bench.py attention)

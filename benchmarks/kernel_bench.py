@@ -131,7 +131,7 @@ def copy_gbs() -> float:
 
 
 def matmul_tflops(n: int = 8192) -> float:
-    """The bf16 n^3 matmul rate (random data): the ceiling of prefill, as PERF.md measures it."""
+    """The bf16 n^3 matmul rate (random data): the ceiling of prefill (BENCHMARKS.md reads prefill against it)."""
     g = torch.Generator("cuda").manual_seed(0)
     a, b = randn(g, n, n), randn(g, n, n)
     return 2 * n ** 3 / graph_time_us(torch.matmul, [(a, b)], replays=5) / 1e6

@@ -123,11 +123,3 @@ def param_placeholder_names(gm: torch.fx.GraphModule) -> list[str]:
     """The weight names a flat graph module takes, in order."""
     return [n.meta[PARAM_META] for n in gm.graph.nodes if n.op == "placeholder" and PARAM_META in n.meta]
 
-
-def reexport(gm: torch.fx.GraphModule, params: dict[str, Tensor], config: ModelConfig) -> torch.export.ExportedProgram:
-    """Export a post-pass flat graph module again (weights as inputs) so it can be saved as .pt2."""
-    names = param_placeholder_names(gm)
-    ordered = {n: params[n] for n in names}
-    some = next(t for n, t in ordered.items() if n != "rope.cos_sin")
-    batch, kv = example_inputs(config, some.dtype, some.device)
-    return export_program(FlatProgram(gm, names), ordered, batch, kv)

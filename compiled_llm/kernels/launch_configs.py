@@ -80,7 +80,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     # weight-only int8/int4 GEMM past the decode forms (triton_gemm_wq): [BLOCK_M, BLOCK_N] output
     # tiles (capped at the problem), BLOCK_K columns a step (int4: at most a group), GROUP_M row
-    # tiles ordered together. `kernel_bench.py gemm-wq` (NOTES.md, twenty-first session).
+    # tiles ordered together. `kernel_bench.py gemm-wq` (benchmarks/NOTES.md).
     "gemm_wq": {
         "16": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
         "inf": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
@@ -98,7 +98,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # fused norm + MLP decode form, first kernel: norm + gate/up (or fc) + activation, a program
     # per BLOCK_I intermediate rows (gate rows and the matching up rows)
     # Shapes: Llama-3.1-8B at tensor-parallel size 2 (one rank's gate + up rows, 2 x 7168, over
-    # H 4096), tuned on that engine's batch-1 decode (BENCHMARKS.md, fifteenth session).
+    # H 4096), tuned on that engine's batch-1 decode (`kernel_bench.py tune`).
     "norm_mlp_decode": {
         "1": {"BLOCK_T": 1, "BLOCK_I": 2, "BLOCK_H": 512, "num_warps": 1, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_I": 1, "BLOCK_H": 512, "num_warps": 2, "num_stages": 1},
@@ -130,7 +130,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # BLOCK_P rotation pairs (rows i and i + D/2) of one head; with q/k norm a program owns a whole
     # head and walks it BLOCK_P pairs at a time. Shapes: Llama-3.1-8B at tensor-parallel size 2
     # (one rank's 16 q + 4 k + 4 v heads of 128 over H 4096), where the grid is half TP=1's and
-    # fewer, wider K steps keep the weight stream going (BENCHMARKS.md, sixteenth session).
+    # fewer, wider K steps keep the weight stream going (`kernel_bench.py tune`).
     "qkv_decode": {
         "1": {"BLOCK_T": 1, "BLOCK_P": 4, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 1},
         "2": {"BLOCK_T": 2, "BLOCK_P": 2, "BLOCK_K": 512, "num_warps": 2, "num_stages": 1},
@@ -162,7 +162,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "2": {"BLOCK_T": 2, "BLOCK_I": 1, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1},
         "4": {"BLOCK_T": 4, "BLOCK_I": 2, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1},
         "inf": {"BLOCK_T": 8, "BLOCK_I": 1, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1},
-        "shapes": {  # Llama-3.1-8B's gate + up (tuned on its int4 engine, twenty-first session)
+        "shapes": {  # Llama-3.1-8B's gate + up (tuned on its int4 engine)
             "28672x4096": {"1": {"BLOCK_T": 1, "BLOCK_I": 4, "BLOCK_H": 2048, "num_warps": 2, "num_stages": 1}},
         },
     },

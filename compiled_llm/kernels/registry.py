@@ -11,8 +11,9 @@ The build's ``select_kernels`` pass rewrites each semantic op call to the chosen
 and the manifest records ``{op: provider}``. The sampler's ops, which no graph names, are chosen
 the same way when they run (``kernel_for``).
 
-Provider modules live next to this file (``compiled_llm/kernels/<anything>.py``) and register
-themselves at import; ``load_providers()`` imports them all, skipping (with a note in
+The kernels live in modules next to this file (``triton_*.py``, ``cuda_*.py``), which only define
+them; ``providers.py`` registers them all, in one table per op. ``load_providers()`` imports every
+module of this package (so ``providers.py`` among them), skipping (with a note in
 ``failed_provider_modules()``) any whose imports fail on this machine, e.g. a Triton module where
 Triton is missing.
 """
@@ -239,7 +240,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def load_providers() -> None:
-    """Import every provider module of this package once (they register themselves)."""
+    """Import every module of this package once (providers.py registers the kernels)."""
     global _LOADED
     if _LOADED:
         return
