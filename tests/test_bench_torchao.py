@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from compiled_llm.cli.bench import hf_child
 from compiled_llm.cli.bench import torchao_peer as tp
 from compiled_llm.cli.bench import workloads as wl
 from compiled_llm.model.presets import preset_hf_config
@@ -43,7 +44,7 @@ def fake_hf_child(monkeypatch):
             return wl.Result(workload, tp.system_name(quantization), {"decode_tok_s": 40.0, "ttft_ms": 9.0}, note="fake torchao")
         return wl.Result(workload, "hf static+compile", {"decode_tok_s": 50.0, "ttft_ms": 8.0}, note="fake hf")
 
-    monkeypatch.setattr(wl, "run_hf_child", fake)
+    monkeypatch.setattr(hf_child, "run_hf_child", fake)
     return calls
 
 
@@ -87,7 +88,7 @@ def test_bench_without_torchao_says_so_and_keeps_our_number(int8_engine, monkeyp
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed: find_spec and import fail
     hf_calls = []
-    monkeypatch.setattr(wl, "run_hf_child", lambda *a, **k: hf_calls.append(k) or wl.Result("latency", "hf", {}, "x"))
+    monkeypatch.setattr(hf_child, "run_hf_child", lambda *a, **k: hf_calls.append(k) or wl.Result("latency", "hf", {}, "x"))
     assert main(["bench", str(int8_engine), "--workload", "latency", "--device", "cpu"]) == 0
     assert hf_calls == [{}]  # the bf16 peer only: no child is started for torchao
     rows = latency_rows(capsys.readouterr().out)
@@ -110,7 +111,7 @@ def test_child_process_reports_why_torchao_failed(tmp_path, monkeypatch):
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError('simulated broken torchao')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(shim.parent), os.environ.get("PYTHONPATH", "")]))
-    res = wl.run_hf_child(preset_hf_config("tiny-qwen2"), torch.float32, CPU, "latency", quantization="int8")
+    res = hf_child.run_hf_child(preset_hf_config("tiny-qwen2"), torch.float32, CPU, "latency", quantization="int8")
     assert res.system == tp.system_name("int8") and res.metrics == {}
     assert "not run: torchao cannot be imported (ImportError: simulated broken torchao)" in res.note
 
@@ -147,7 +148,7 @@ def test_torchao_int8_quantizes_a_tiny_hf_model(inductor_config_kept):
 
 @pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")
 def test_torchao_int8_peer_times_a_tiny_model_in_its_child_process():
-    res = tp.run_torchao_child(preset_hf_config("tiny-qwen2"), torch.float32, CPU, "int8")
+    res = hf_child.run_torchao_child(preset_hf_config("tiny-qwen2"), torch.float32, CPU, "int8")
     assert res.system == tp.system_name("int8") and res.metrics.get("decode_tok_s", 0) > 0, res.note
     assert "int8 weight-only on 15 of 15 linears" in res.note
 

@@ -425,10 +425,10 @@ def test_throughput_workload_definition_and_small_run(tiny):
 def test_hf_peer_runs_in_a_child_process_and_reports_back():
     """`bench` measures HF in a fresh interpreter; its result comes back intact (prefill of a
     tiny preset's config on the CPU, the quickest HF workload)."""
-    from compiled_llm.cli.bench import workloads as wl
+    from compiled_llm.cli.bench import hf_child
     from compiled_llm.model.presets import preset_hf_config
 
-    result = wl.run_hf_child(preset_hf_config("tiny-qwen2"), torch.float32, "cpu", "prefill")
+    result = hf_child.run_hf_child(preset_hf_config("tiny-qwen2"), torch.float32, "cpu", "prefill")
     assert result.workload == "prefill" and result.system.startswith("hf"), result.note
     assert result.metrics["ttft_ms"] > 0
 

@@ -153,12 +153,12 @@ def run(args) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        for w in workloads:  # each in a child process (see workloads.run_hf_child)
-            results.append(wl.run_hf_child(hf_cfg, dtype, device, w, args.num_requests))
-        if scheme and "latency" in workloads:  # a quantized engine: torchao's same scheme too
-            from compiled_llm.cli.bench import torchao_peer
+        from compiled_llm.cli.bench import hf_child
 
-            results.append(torchao_peer.run_torchao_child(hf_cfg, dtype, device, scheme))
+        for w in workloads:  # each in a child process of its own
+            results.append(hf_child.run_hf_child(hf_cfg, dtype, device, w, args.num_requests))
+        if scheme and "latency" in workloads:  # a quantized engine: torchao's same scheme too
+            results.append(hf_child.run_torchao_child(hf_cfg, dtype, device, scheme))
     table = wl.format_table(results)
     if cold:
         from compiled_llm.cli.bench import coldstart

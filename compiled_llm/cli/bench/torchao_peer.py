@@ -106,14 +106,3 @@ def torchao_latency(hf_config: dict, dtype, device, scheme: str, variant: str = 
     except wl.PrepareError as e:
         return not_run(scheme, f"torchao {version} cannot quantize {scheme} on {device} in "
                                f"{str(dtype).removeprefix('torch.')} ({_first_line(e.__cause__ or e)})")
-
-
-def run_torchao_child(hf_config: dict, dtype, device, scheme: str):
-    """The torchao peer in a child process (``workloads.run_hf_child``); when torchao is not
-    installed, the note says so without starting one."""
-    from compiled_llm.cli.bench import workloads as wl
-
-    why = missing_reason()
-    if why is not None:
-        return not_run(scheme, why)
-    return wl.run_hf_child(hf_config, dtype, device, "latency", quantization=scheme)

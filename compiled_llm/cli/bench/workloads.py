@@ -290,62 +290,6 @@ def hf_prefill(hf_config: dict, dtype, device, length: int = 1024, repeats: int 
     return Result("prefill", "hf eager", {"ttft_ms": 1e3 * med, "prefill_tok_s": length / med}, note="one forward, SDPA")
 
 
-def run_hf_child(hf_config: dict, dtype, device, workload: str, num_requests: int = 256,
-                 quantization: str | None = None) -> Result:
-    """One HF workload in a fresh interpreter (``python -m compiled_llm.cli.bench.workloads``): its
-    torch.compile and CUDA graphs then share nothing with our engine's, and a crash there (seen:
-    a segfault in torch 2.11's CUDA-graph trees) cannot take our finished numbers with it. The
-    latency peer retries with the next compile variant when one crashes. ``quantization``
-    (latency only): the torchao peer of that scheme (``torchao_peer.py``) instead."""
-    import json
-    import subprocess
-    import sys
-
-    failures = []
-    for variant in HF_COMPILE_VARIANTS if workload == "latency" else (None,):
-        spec = {"config": hf_config, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-                "workload": workload, "variant": variant, "num_requests": num_requests, "quantization": quantization}
-        try:
-            proc = subprocess.run([sys.executable, "-m", "compiled_llm.cli.bench.workloads", json.dumps(spec)],
-                                  capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired:
-            failures.append(f"variant {variant} timed out (600 s)")
-            continue
-        for line in reversed(proc.stdout.splitlines()):
-            if line.startswith("{"):
-                d = json.loads(line)
-                return Result(d["workload"], d["system"], d["metrics"], "; ".join(failures + [d.get("note", "")]))
-        last = next((ln.strip() for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "")
-        failures.append(f"variant {variant} failed (exit {proc.returncode}" + (f": {last[:160]})" if last else ")"))
-    if quantization:
-        from compiled_llm.cli.bench.torchao_peer import system_name
-
-        return Result(workload, system_name(quantization), {}, note="; ".join(failures))
-    return Result(workload, "hf", {}, note="; ".join(failures))
-
-
-def _hf_child(spec_json: str) -> int:
-    import dataclasses
-    import json
-
-    import torch
-
-    spec = json.loads(spec_json)
-    dtype, device = getattr(torch, spec["dtype"]), torch.device(spec["device"])
-    if spec["workload"] == "latency" and spec.get("quantization"):
-        from compiled_llm.cli.bench.torchao_peer import torchao_latency
-
-        res = torchao_latency(spec["config"], dtype, device, spec["quantization"], variant=spec["variant"])
-    elif spec["workload"] == "latency":
-        res = hf_latency(spec["config"], dtype, device, variant=spec["variant"])
-    elif spec["workload"] == "throughput":
-        res = hf_throughput(spec["config"], dtype, device, spec.get("num_requests", 256))
-    else:
-        (res,) = run_hf(spec["config"], dtype, device, (spec["workload"],))
-    print(json.dumps({k: v for k, v in dataclasses.asdict(res).items() if k != "extra"}), flush=True)
-    return 0
-
-
 def run_hf(hf_config: dict, dtype, device, workloads=WORKLOADS) -> list[Result]:
     fns = {"latency": hf_latency, "throughput": hf_throughput, "prefill": hf_prefill}
     results = []
@@ -396,8 +340,3 @@ def format_table(results: list[Result]) -> str:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(_hf_child(sys.argv[1]))
