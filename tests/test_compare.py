@@ -8,6 +8,7 @@ import torch
 from compiled_llm.engine.build import build_engine
 from compiled_llm.cli.main import main
 from compiled_llm.engine.compare import compare_engine, judge
+from compiled_llm.errors import CompiledLLMError
 from compiled_llm.passes import default_pass_names, register_pass, unregister_pass
 from compiled_llm.passes.base import Pass, aten, finish, is_call, param_name
 from hf_checkpoints import make_checkpoint
@@ -89,3 +90,12 @@ def test_compare_refuses_bad_arguments(tmp_path):
         compare_engine(out, num_prompts=0)
     with pytest.raises(CompiledLLMError, match="--reference hf needs the source checkpoint"):
         compare_engine(out, num_prompts=1, max_tokens=2, reference="hf")
+
+
+def test_compare_of_a_tensor_parallel_engine_needs_the_runtime_to_start_its_ranks(tmp_path):
+    """engine/compare does not import the runtime above it: the caller hands in how the other
+    ranks start (the CLI passes serve.executor's start_ranks)."""
+    out = tmp_path / "tp2"
+    build_engine("tiny-qwen2", out, dtype="float32", device="cpu", progress=False, tensor_parallel_size=2)
+    with pytest.raises(CompiledLLMError, match="tensor-parallel engine \\(2 ranks\\).*needs start_ranks"):
+        compare_engine(out, num_prompts=1, max_tokens=2)

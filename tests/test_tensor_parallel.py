@@ -44,6 +44,7 @@ from compiled_llm.engine.compare import compare_engine
 from compiled_llm.errors import CompiledLLMError, EngineError, InvalidOptionError
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
+from compiled_llm.serve.executor.multiproc import start_ranks
 
 RANKS = 2
 LAYERS = 2
@@ -332,7 +333,8 @@ def test_gpt2_vocabulary_is_padded_with_zero_rows_to_split_evenly(built):
 def test_compare_checks_a_tp_engine_over_both_ranks(qwen2):
     before = worker_children()
     lines: list[str] = []
-    verdict, culprit = compare_engine(qwen2.engine, num_prompts=3, max_tokens=8, out=lines.append)
+    verdict, culprit = compare_engine(qwen2.engine, num_prompts=3, max_tokens=8, out=lines.append,
+                                     start_ranks=start_ranks)
     assert verdict.ok, "\n".join(lines)
     assert culprit is None
     assert any("2 tensor-parallel ranks" in line for line in lines), lines

@@ -24,9 +24,10 @@ def add_parser(subparsers):
 
 def run(args) -> int:
     from compiled_llm.engine.compare import compare_engine
+    from compiled_llm.serve.executor.multiproc import start_ranks
 
     verdict, _ = compare_engine(
         args.engine, num_prompts=args.num_prompts, max_tokens=args.max_tokens, reference=args.reference,
-        seed=args.seed, bisect=not args.no_bisect,
+        seed=args.seed, bisect=not args.no_bisect, start_ranks=start_ranks,
     )
     return 0 if verdict.ok else 1

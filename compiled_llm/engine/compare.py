@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from compiled_llm.engine.artifact import load_engine, tp_size_of
 from compiled_llm.engine.build import lower
+from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.engine.program import PortableProgram
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
@@ -303,17 +304,23 @@ def compare_engine(
     seed: int = 0,
     bisect: bool = True,
     out: Callable[[str], None] = print,
+    start_ranks: Callable[[LoadedModel], Any] | None = None,
 ) -> tuple[Verdict, str | None]:
-    """Run the comparison, printing per-prompt lines; returns (verdict, culprit or None)."""
+    """Run the comparison, printing per-prompt lines; returns (verdict, culprit or None).
+
+    A tensor-parallel engine's other ranks are started by ``start_ranks(engine)``: the runtime's
+    executor (``serve/executor``), handed in by the caller, since the engine stage does not import
+    the runtime above it (``compiled-llm compare`` passes ``MultiprocExecutor``)."""
 
     if num_prompts < 1 or max_tokens < 1:
         raise CompiledLLMError("--num-prompts and --max-tokens must be at least 1")
     engine = load_engine(engine_dir)
     executor = None
-    if engine.tp_size > 1:  # the other ranks, as the runtime starts them
-        from compiled_llm.serve.executor.multiproc import MultiprocExecutor
-
-        executor = MultiprocExecutor(engine.engine_dir, engine.tp_size, engine.device)
+    if engine.tp_size > 1:
+        if start_ranks is None:
+            raise CompiledLLMError(f"{engine_dir} is a tensor-parallel engine ({engine.tp_size} ranks): "
+                                   "compare_engine needs start_ranks to start its other ranks")
+        executor = start_ranks(engine)
     try:
         return _compare(engine, executor, num_prompts, max_tokens, reference, seed, bisect, out)
     except Exception:

@@ -315,6 +315,12 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
         end_group(device)
 
 
+def start_ranks(engine) -> MultiprocExecutor:
+    """The other ranks of a loaded tensor-parallel engine (a ``LoadedModel``), started as the
+    runtime starts them: what ``engine.compare.compare_engine`` is handed to drive them."""
+    return MultiprocExecutor(engine.engine_dir, engine.tp_size, engine.device)
+
+
 if __name__ == "__main__":
     _engine_dir, _rank, _size, _device_type, _store, _fd, _parent, _timeout, _custom = sys.argv[1:]
     threading.Thread(target=_exit_with_parent, args=(int(_parent),), daemon=True).start()
