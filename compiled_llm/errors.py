@@ -29,3 +29,13 @@ class InvalidOptionError(CompiledLLMError, ValueError):
 
 class EngineError(CompiledLLMError):
     """A missing, corrupt, mismatched or future-format engine directory."""
+
+
+def first_line(error: BaseException, limit: int | None = 200) -> str:
+    """The first line of an exception's message (cut to ``limit`` characters), or its type's
+    name when it has none: how an error from inside a library becomes part of one line."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    line = text.splitlines()[0]
+    return line if limit is None else line[:limit]

@@ -27,7 +27,6 @@ config (weights_header.py); the program's first step checks that it runs (progra
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import threading
@@ -41,7 +40,6 @@ from torch import Tensor
 
 import compiled_llm
 from compiled_llm.engine import kernel_cache, limits, manifest_check, weights_header
-from compiled_llm.engine.kernel_cache import KERNELS_DIR
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.engine.program import PortableProgram
 from compiled_llm.errors import EngineError
@@ -275,6 +273,19 @@ def inside(engine_dir: Path, rel: Any) -> Path:
     return path
 
 
+def unlisted_in_folder(engine_dir: Path, folder: str, files) -> str | None:
+    """The first entry under ``folder`` (one the engine reads whole, as the tokenizer's) that is
+    a link, or a file ``files`` does not list; None when there is none, or no such folder."""
+    root = engine_dir / folder
+    if root.is_symlink() or not root.is_dir():
+        return None
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(engine_dir).as_posix()
+        if path.is_symlink() or (not path.is_dir() and rel not in files):
+            return rel
+    return None
+
+
 def check_listed_files(engine_dir: Path, manifest: dict) -> None:
     """Every file the manifest lists is present (and the ones a load needs are listed), and
     none but the weights starts like a pickle or a zip archive (torch.save, .pt2): the loader
@@ -286,11 +297,11 @@ def check_listed_files(engine_dir: Path, manifest: dict) -> None:
             raise EngineError(f"manifest of {engine_dir} does not list {required}; rebuild the engine")
     tok = manifest.get("tokenizer")
     if tok:  # the tokenizer loader reads its directory, not a file list: all of it must be listed
-        for path in sorted(inside(engine_dir, tok).rglob("*")):
-            rel = path.relative_to(engine_dir).as_posix()
-            if path.is_symlink() or (path.is_file() and rel not in manifest["files"]):
-                raise EngineError(f"engine file {rel} is not one the manifest lists; refusing to load (the engine's "
-                                  f"{tok}/ holds only its own files: move yours out of it)")
+        inside(engine_dir, tok)
+        rel = unlisted_in_folder(engine_dir, tok, manifest["files"])
+        if rel is not None:
+            raise EngineError(f"engine file {rel} is not one the manifest lists; refusing to load (the engine's "
+                              f"{tok}/ holds only its own files: move yours out of it)")
     for rel in manifest["files"]:
         path = inside(engine_dir, rel)
         if not path.is_file():

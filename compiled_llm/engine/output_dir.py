@@ -39,7 +39,8 @@ import stat
 import tempfile
 from pathlib import Path, PurePosixPath
 
-from compiled_llm.engine.artifact import MANIFEST, TOKENIZER_DIR, read_manifest, read_older_manifest, sha256_file
+from compiled_llm.engine.artifact import (MANIFEST, TOKENIZER_DIR, read_manifest, read_older_manifest, sha256_file,
+                                          unlisted_in_folder)
 from compiled_llm.errors import CompiledLLMError, EngineError
 
 try:
@@ -126,7 +127,8 @@ def classify(target: Path, shown=None) -> tuple[str, dict | None]:
             raise _refuse(shown, f"it is not empty and its {MANIFEST} is not a compiled_llm engine manifest "
                                  f"({_reason(e)})") from None
         raise _refuse(shown, "it is not empty and holds no engine") from None
-    foreign = _unlisted_in_engine_folders(target, manifest)
+    # the rebuild would carry such a file into the new engine, whose loader refuses it
+    foreign = unlisted_in_folder(target, TOKENIZER_DIR, manifest["files"])
     if foreign is not None:
         raise _refuse(shown, f"it holds {foreign}, which the engine does not list, in {TOKENIZER_DIR}/, where an "
                              "engine holds only its own files (the loader would refuse it); move it out of "
@@ -153,20 +155,6 @@ def engine_manifest(target: Path) -> dict:
         if _digest(path) != digest:
             raise EngineError(f"engine file {rel} does not have the sha256 the manifest lists")
     return manifest
-
-
-def _unlisted_in_engine_folders(target: Path, manifest: dict) -> str | None:
-    """The first file (or link) under the engine's ``tokenizer/`` that its manifest does not
-    list: the tokenizer is read from its directory, so the loader refuses such a file, and a
-    rebuild would carry it into the new engine."""
-    folder = target / TOKENIZER_DIR
-    if not _is_real_dir(folder):
-        return None
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(target).as_posix()
-        if (path.is_symlink() or not path.is_dir()) and rel not in manifest["files"]:
-            return rel
-    return None
 
 
 # (device, inode, size, mtime, ctime) -> sha256: a build checks the target before it starts and

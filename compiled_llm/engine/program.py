@@ -15,7 +15,7 @@ import copy
 import torch
 from torch import Tensor
 
-from compiled_llm.errors import EngineError
+from compiled_llm.errors import EngineError, first_line
 from compiled_llm.graph.export import FlatProgram
 from compiled_llm.graph.logits_rows import with_logits_rows, yields_chosen_rows
 from compiled_llm.graph.spec import PackedBatch
@@ -55,7 +55,7 @@ class PortableProgram:
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as e:
-            raise EngineError(f"program.json does not run on the engine's weights ({_first_line(e)}); "
+            raise EngineError(f"program.json does not run on the engine's weights ({first_line(e)}); "
                               "rebuild the engine") from None
         if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
             raise EngineError(f"program.json returns {_described(logits)}, not logits; rebuild the engine")
@@ -68,11 +68,6 @@ class PortableProgram:
             self._rows_gm = with_logits_rows(self._run.gm)
         out = self._rows_gm(*[params[n] for n in self.param_names], *batch, kv_cache, rows)
         return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def _described(value) -> str:

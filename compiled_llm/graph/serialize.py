@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from compiled_llm.errors import EngineError
+from compiled_llm.errors import EngineError, first_line
 from compiled_llm.graph.export import PARAM_META
 from compiled_llm.graph.program_check import check_program
 
@@ -175,7 +175,7 @@ def graph_from_json(data: Any, param_names: list[str] | None = None, device: str
         # through that FX cannot write is still one line
         return torch.fx.GraphModule(torch.nn.Module(), graph)
     except Exception as e:
-        raise EngineError(f"the program graph is not valid ({_first_line(e)}); rebuild the engine") from None
+        raise EngineError(f"the program graph is not valid ({first_line(e)}); rebuild the engine") from None
 
 
 def resolve_target(name: Any, node_name: str = "?"):
@@ -224,8 +224,3 @@ def _decode(value: Any, env: dict[str, torch.fx.Node], node_name: str) -> Any:
             if isinstance(candidate, kind):
                 return candidate
     raise EngineError(f"program node {node_name} has an argument {value!r:.60} an engine may not hold")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__

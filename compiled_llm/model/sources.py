@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from compiled_llm.errors import CompiledLLMError
+from compiled_llm.errors import CompiledLLMError, first_line
 from compiled_llm.model.config import ModelConfig, load_config
 from compiled_llm.model.presets import PRESET_NAMES, PRESET_SEED, is_preset, preset_config
 from compiled_llm.model.tokenizer import byte_level_tokenizer, load_tokenizer
@@ -107,16 +107,11 @@ def _hub_snapshot(repo_id: str) -> Path:
     try:
         huggingface_hub.HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
     except Exception as e:
-        raise CompiledLLMError(f"cannot reach {repo_id!r} on the Hugging Face Hub ({_first_line(e)}); {hint}") from None
+        raise CompiledLLMError(f"cannot reach {repo_id!r} on the Hugging Face Hub ({first_line(e, limit=None)}); {hint}") from None
     try:
         return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
     except Exception as e:
-        raise CompiledLLMError(f"downloading {repo_id!r} failed ({_first_line(e)}); {hint}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+        raise CompiledLLMError(f"downloading {repo_id!r} failed ({first_line(e, limit=None)}); {hint}") from None
 
 
 def load_source_params(src: ModelSource, dtype, device) -> dict:

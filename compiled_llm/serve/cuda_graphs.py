@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from compiled_llm.errors import first_line
+
 
 def prefill_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     """Powers of two from ``smallest`` up to max_tokens (and max_tokens itself)."""
@@ -173,7 +175,7 @@ class StepGraphs:
         """``bucket``'s capture ran out of memory: it and larger uncaptured buckets run eagerly."""
         self.eager_from = bucket if self.eager_from is None else min(self.eager_from, bucket)
         warnings.warn(f"CUDA graph capture of bucket {bucket} ran out of GPU memory: steps padded to "
-                      f"{bucket} rows or more run eagerly, smaller ones keep their graphs ({_first_line(error)})",
+                      f"{bucket} rows or more run eagerly, smaller ones keep their graphs ({first_line(error, limit=None)})",
                       RuntimeWarning, stacklevel=4)
 
     def _disable(self, error: Exception) -> None:
@@ -184,9 +186,5 @@ class StepGraphs:
             torch.cuda.synchronize(self._device)
         except Exception:
             pass
-        warnings.warn(f"CUDA graph capture failed, steps run eagerly: {_first_line(error)}", RuntimeWarning,
+        warnings.warn(f"CUDA graph capture failed, steps run eagerly: {first_line(error, limit=None)}", RuntimeWarning,
                       stacklevel=3)
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
