@@ -69,7 +69,7 @@ from compiled_llm.kernels import (
 from compiled_llm.kernels import triton_paged_attention as pa
 from compiled_llm.model.presets import preset_config
 from compiled_llm.model.sources import load_source_params
-from compiled_llm.serve.cuda_graphs import StepGraphs
+from compiled_llm.serve.worker.cuda_graphs import StepGraphs
 
 DTYPE = torch.bfloat16
 ITEMSIZE = 2  # bytes of a bf16 element

@@ -10,7 +10,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
 _LAZY = {
     "LLM": "compiled_llm.serve.llm",
-    "SamplingParams": "compiled_llm.serve.sampling",
+    "SamplingParams": "compiled_llm.serve.sampling_params",
     "RequestOutput": "compiled_llm.serve.outputs",
 }
 

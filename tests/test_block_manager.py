@@ -5,9 +5,9 @@ from collections import deque
 
 import pytest
 
-from compiled_llm.serve.sampling import SamplingParams
-from compiled_llm.serve.block_manager import BlockManager, FreeBlockQueue
-from compiled_llm.serve.sequence import Sequence
+from compiled_llm.serve.sampling_params import SamplingParams
+from compiled_llm.serve.core.block_manager import BlockManager, FreeBlockQueue
+from compiled_llm.serve.core.sequence import Sequence
 
 BS = 4
 

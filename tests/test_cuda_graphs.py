@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from compiled_llm.serve.cuda_graphs import StepGraphs
+from compiled_llm.serve.worker.cuda_graphs import StepGraphs
 
 BUCKETS = [1, 2, 4, 8, 16]
 VOCAB = 5

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from compiled_llm.serve.detokenizer import IncrementalDetokenizer
+from compiled_llm.serve.core.detokenizer import IncrementalDetokenizer
 from compiled_llm.model.tokenizer import load_tokenizer
 from test_tokenizer import train_hf_tokenizer
 
@@ -145,7 +145,7 @@ def test_a_stop_string_across_many_small_pieces_cuts_and_streams_exactly():
 def test_text_pieces_read_like_the_string_they_spell_and_snapshots_keep_their_moment():
     import random
 
-    from compiled_llm.serve.text_pieces import TextPieces
+    from compiled_llm.serve.core.text_pieces import TextPieces
 
     rng = random.Random(4)
     pieces, model, snapshots = TextPieces(), "", []

@@ -37,7 +37,7 @@ def load_served_engine(source, *flags):
 
 
 def test_a_message_larger_than_the_pipe_goes_through_without_blocking_the_sender():
-    from compiled_llm.serve.message_channel import MessageChannel
+    from compiled_llm.serve.engine_process.message_channel import MessageChannel
 
     a_to_b, b_to_a = os.pipe(), os.pipe()
     a = MessageChannel(b_to_a[0], a_to_b[1])
@@ -60,7 +60,7 @@ def test_a_message_larger_than_the_pipe_goes_through_without_blocking_the_sender
 
 
 def test_an_engine_that_cannot_load_is_refused_with_its_reason(tmp_path):
-    from compiled_llm.serve.engine_core_client import EngineCoreClient
+    from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
 
     missing = tmp_path / "not-an-engine"
     missing.mkdir()
@@ -69,9 +69,9 @@ def test_an_engine_that_cannot_load_is_refused_with_its_reason(tmp_path):
 
 
 def test_a_dead_engine_process_fails_its_requests_with_one_clear_error(lively_bpe_engine):
-    from compiled_llm.serve.async_engine import AsyncEngine
-    from compiled_llm.serve.engine_core_client import EngineCoreClient
-    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     core = EngineCoreClient.start_process(load_served_engine(lively_bpe_engine))
     assert core.info.max_model_len > 0 and core.tokenizer is not None
@@ -168,7 +168,7 @@ def llm(lively_bpe_engine):
 
 
 def run_front(engine, requests, stream: bool):
-    from compiled_llm.serve.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine
 
     async def main():
         front = AsyncEngine.in_thread(engine)
@@ -198,7 +198,7 @@ def run_front(engine, requests, stream: bool):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_front_end_text_equals_the_engines_own(llm, stream):
-    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     prompts = ["Once upon a time", "hello world", "tokens per second"]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -212,7 +212,7 @@ def test_front_end_text_equals_the_engines_own(llm, stream):
 
 
 def test_stop_strings_are_still_found_by_the_engine(llm):
-    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     base = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     (full,) = llm.generate(["Once upon a time"], base, use_tqdm=False)
@@ -254,8 +254,8 @@ class _StubCore:
 def test_a_step_wakes_new_streams_at_once_and_running_ones_a_batch_per_turn():
     """The event loop must not spend a whole turn on every running stream's next chunk: new
     requests and first tokens wait behind at most WAKE_BATCH of them."""
-    from compiled_llm.serve import async_engine as ae
-    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.serve.engine_process import async_engine as ae
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     n = 3 * ae.WAKE_BATCH + 5
 
@@ -310,8 +310,8 @@ def test_a_step_wakes_new_streams_at_once_and_running_ones_a_batch_per_turn():
 def test_a_later_prompts_first_token_is_not_paced_behind_running_streams():
     """In a streamed call with several prompts, each prompt's first output is woken at once,
     not only the call's first."""
-    from compiled_llm.serve import async_engine as ae
-    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.serve.engine_process import async_engine as ae
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     def request():
         return (None, [1, 2, 3], SamplingParams(max_tokens=10, detokenize=False))

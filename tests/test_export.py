@@ -95,8 +95,8 @@ def test_an_engine_whose_program_cannot_yield_chosen_rows_refuses_prompt_logprob
     instead of failing inside a step beside other requests."""
     from compiled_llm.engine.program import PortableProgram
     from compiled_llm.errors import InvalidRequestError
-    from compiled_llm.serve.request_validator import RequestValidator
-    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.serve.core.request_validator import RequestValidator
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     _, params, cap = captured
     assert PortableProgram(cap.gm, list(params)).yields_chosen_rows

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pytest
 
 from compiled_llm import LLM, SamplingParams
-from compiled_llm.serve.block_manager import cdiv
+from compiled_llm.serve.core.block_manager import cdiv
 from compiled_llm.engine.loader import load_model
 from lively import greedy_continuation
 from test_tokenizer import WORDS

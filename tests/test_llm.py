@@ -306,7 +306,7 @@ def test_single_prompt_and_output_conveniences(tiny):
 def test_decode_padded_to_buckets_matches_unpadded(tiny):
     """The CUDA-graph input layout (rows padded to the bucket with slot -1 / seq_len 0, block
     tables at full width), exercised eagerly on the CPU."""
-    from compiled_llm.serve.cuda_graphs import decode_buckets
+    from compiled_llm.serve.worker.cuda_graphs import decode_buckets
 
     prompts, params = mixed_requests(tiny.model.config.vocab_size, n=20, seed=7)
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -322,7 +322,7 @@ def test_decode_padded_to_buckets_matches_unpadded(tiny):
 
 
 def test_decode_buckets_cover_every_batch_size():
-    from compiled_llm.serve.cuda_graphs import decode_buckets
+    from compiled_llm.serve.worker.cuda_graphs import decode_buckets
 
     b = decode_buckets(256)
     assert b[:4] == [1, 2, 4, 8] and b[-1] == 256
@@ -437,7 +437,7 @@ def test_capturing_every_graph_runs_in_inference_mode_like_the_steps(tiny, monke
     """Build warm-ups and benchmarks capture every CUDA graph outside generate(): the step
     buffers the captures write were made in inference mode, which refuses in-place writes from
     outside it, so the capture must run in it too (on a CPU, with the captures stubbed)."""
-    from compiled_llm.serve.cuda_graphs import StepGraphs
+    from compiled_llm.serve.worker.cuda_graphs import StepGraphs
 
     tiny.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # buffers made
     inside = []

@@ -10,7 +10,7 @@ from compiled_llm.model.config import load_config
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.model.weights import load_params
 from compiled_llm.serve.reference import generate_reference
-from compiled_llm.serve.sampling import SamplingParams
+from compiled_llm.serve.sampling_params import SamplingParams
 from hf_checkpoints import make_checkpoint
 
 

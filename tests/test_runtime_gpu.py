@@ -147,7 +147,7 @@ def test_prompt_logprobs_and_min_tokens_on_a_cuda_engine_leave_graphed_requests_
     from compiled_llm.engine.loader import load_model
     from compiled_llm.graph.batch import ScheduledSeq, pack_batch
     from compiled_llm.graph.spec import forward
-    from compiled_llm.serve import kv_cache as kvc
+    from compiled_llm.serve.worker import kv_cache as kvc
 
     engine = build(tmp_path_factory, "tiny-qwen2", "float32")
     llm = LLM(engine, device="cuda", gpu_memory_utilization=0.4, max_num_batched_tokens=128)

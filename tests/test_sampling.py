@@ -9,9 +9,8 @@ import torch
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.graph import ops
 from compiled_llm.kernels import registry
-from compiled_llm.serve.sampling import (
-    SamplingParams, SamplingTensors, greedy_ids, make_generator, sample, truncate_logits,
-)
+from compiled_llm.serve.worker.sampler import SamplingTensors, greedy_ids, make_generator, sample, truncate_logits
+from compiled_llm.serve.sampling_params import SamplingParams
 
 V = 8
 # fixed logits with distinct, known probabilities

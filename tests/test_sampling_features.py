@@ -14,9 +14,9 @@ import torch
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.serve.detokenizer import IncrementalDetokenizer
-from compiled_llm.serve.sampling import (SamplingTensors, apply_penalties, sample, stop_tokens, suppress_tokens,
-                                         truncate_logits)
+from compiled_llm.serve.core.detokenizer import IncrementalDetokenizer
+from compiled_llm.serve.worker.sampler import SamplingTensors, apply_penalties, sample, suppress_tokens, truncate_logits
+from compiled_llm.serve.sampling_params import stop_tokens
 
 V = 12
 
@@ -231,7 +231,7 @@ def test_a_long_prompt_logprobs_prefill_runs_in_budget_chunks_while_another_requ
     from compiled_llm.engine.loader import load_model
     from compiled_llm.graph.batch import ScheduledSeq, pack_batch
     from compiled_llm.graph.spec import forward
-    from compiled_llm.serve import kv_cache as kvc
+    from compiled_llm.serve.worker import kv_cache as kvc
     from compiled_llm.serve.engine_config import EngineConfig
     from compiled_llm.serve.llm_engine import LLMEngine
 

@@ -7,7 +7,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from compiled_llm.serve.sampling import SamplingParams, SamplingTensors, sample  # noqa: E402
+from compiled_llm.serve.worker.sampler import SamplingTensors, sample  # noqa: E402
+from compiled_llm.serve.sampling_params import SamplingParams  # noqa: E402
 
 V = 151_936
 

@@ -1,10 +1,10 @@
 """Scheduler: token budget, decodes before prefills, chunked prefill, preemption by recompute,
 aborts and stop conditions."""
 
-from compiled_llm.serve.sampling import SamplingParams
-from compiled_llm.serve.block_manager import BlockManager
-from compiled_llm.serve.scheduler import Scheduler, SchedulerConfig
-from compiled_llm.serve.sequence import Sequence, SequenceStatus
+from compiled_llm.serve.sampling_params import SamplingParams
+from compiled_llm.serve.core.block_manager import BlockManager
+from compiled_llm.serve.core.scheduler import Scheduler, SchedulerConfig
+from compiled_llm.serve.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 EOS = 0

@@ -725,7 +725,7 @@ def engine(lively_bpe_engine):
 
 
 def requests_of(engine, prompts, max_tokens: int, **params):
-    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
     return [engine.validate(p, sp) for p in prompts]
@@ -747,7 +747,7 @@ def test_the_models_root_is_the_model_as_given_not_its_engine(engine):
     # "tiny-qwen2", as vLLM's is the --model given
     from fastapi.testclient import TestClient
 
-    from compiled_llm.serve.engine_core_client import EngineCoreClient
+    from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
     from compiled_llm.serve.openai.api_server import build_app
     from compiled_llm.serve.server_config import ServerConfig
 
@@ -757,7 +757,7 @@ def test_the_models_root_is_the_model_as_given_not_its_engine(engine):
 
 
 def test_streamed_deltas_add_up_to_the_final_output(engine):
-    from compiled_llm.serve.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine
 
     async def main():
         front = AsyncEngine.in_thread(engine)
@@ -784,7 +784,7 @@ def test_streamed_deltas_add_up_to_the_final_output(engine):
 
 
 def test_a_busy_event_loop_gets_the_steps_it_missed_as_one_output(engine):
-    from compiled_llm.serve.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine
 
     async def main():
         front = AsyncEngine.in_thread(engine)
@@ -812,7 +812,7 @@ def test_a_busy_event_loop_gets_the_steps_it_missed_as_one_output(engine):
 
 def test_admission_counts_requests_not_yet_scheduled(engine):
     from compiled_llm.errors import InvalidRequestError
-    from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine, ServiceUnavailableError
 
     async def main():
         front = AsyncEngine.in_thread(engine, max_waiting_requests=2, max_waiting_prompt_tokens=64)
@@ -840,7 +840,7 @@ def test_admission_counts_requests_not_yet_scheduled(engine):
 
 
 def test_a_request_past_its_timeout_is_aborted_and_frees_its_blocks(engine):
-    from compiled_llm.serve.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine
 
     async def main():
         front = AsyncEngine.in_thread(engine, request_timeout=0.2)
@@ -861,7 +861,7 @@ def test_a_request_past_its_timeout_is_aborted_and_frees_its_blocks(engine):
 
 
 def test_release_mid_stream_aborts_at_once(engine):
-    from compiled_llm.serve.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine
 
     async def main():
         front = AsyncEngine.in_thread(engine)
@@ -880,7 +880,7 @@ def test_release_mid_stream_aborts_at_once(engine):
 
 
 def test_drain_refuses_new_calls_and_aborts_what_outlives_the_grace(engine):
-    from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine, ServiceUnavailableError
 
     async def main():
         front = AsyncEngine.in_thread(engine)
@@ -909,8 +909,8 @@ def test_drain_refuses_new_calls_and_aborts_what_outlives_the_grace(engine):
 def test_metrics_count_the_engine_and_log_a_stats_line_while_busy(engine, caplog):
     import logging
 
-    from compiled_llm.serve.async_engine import AsyncEngine
-    from compiled_llm.serve.engine_messages import EngineSnapshot
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_process.engine_messages import EngineSnapshot
     from compiled_llm.serve.metrics import ServerMetrics
 
     caplog.set_level(logging.INFO, logger="compiled_llm.serve.metrics")
@@ -946,7 +946,7 @@ def app_client(engine, **config):
     """A TestClient over ``build_app`` with ``engine`` stepped by a thread; enter it to start."""
     from starlette.testclient import TestClient
 
-    from compiled_llm.serve.engine_core_client import EngineCoreClient
+    from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
     from compiled_llm.serve.openai.api_server import build_app
     from compiled_llm.serve.server_config import ServerConfig
 

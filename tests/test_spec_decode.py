@@ -18,11 +18,11 @@ from compiled_llm import LLM, SamplingParams
 from compiled_llm.engine.build import build_engine
 from compiled_llm.engine.loader import load_model
 from compiled_llm.errors import InvalidOptionError
-from compiled_llm.serve.sampling import SamplingTensors, make_generator, sample
-from compiled_llm.serve.sequence import Sequence
-from compiled_llm.serve.spec_decode.config import SpeculativeConfig
-from compiled_llm.serve.spec_decode.ngram_proposer import NgramIndex
-from compiled_llm.serve.spec_decode.speculator import Speculator
+from compiled_llm.serve.worker.sampler import SamplingTensors, make_generator, sample
+from compiled_llm.serve.core.sequence import Sequence
+from compiled_llm.serve.core.spec_decode.config import SpeculativeConfig
+from compiled_llm.serve.core.spec_decode.ngram_proposer import NgramIndex
+from compiled_llm.serve.core.spec_decode.speculator import Speculator
 from hf_checkpoints import make_checkpoint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -308,8 +308,8 @@ def test_the_servers_metrics_count_drafts_and_acceptance_under_vllms_names(famil
     import asyncio
     import logging
 
-    from compiled_llm.serve.async_engine import AsyncEngine
-    from compiled_llm.serve.engine_messages import EngineInfo, EngineSnapshot
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_process.engine_messages import EngineInfo, EngineSnapshot
     from compiled_llm.serve.metrics import ServerMetrics
 
     engine = LLM.from_loaded(family_engine, speculative_config=NGRAM).engine

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from compiled_llm.model.config import ModelConfig
-from compiled_llm.serve.sampling import SamplingParams
+from compiled_llm.serve.sampling_params import SamplingParams
 from compiled_llm.serve.llm_engine import EngineConfig, LLMEngine
 from compiled_llm.engine.loaded_model import LoadedModel
 

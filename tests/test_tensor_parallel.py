@@ -347,7 +347,7 @@ def test_compare_checks_a_tp_engine_over_both_ranks(qwen2):
 def test_shutdown_drops_the_runners_graphs_while_the_group_still_stands(qwen2, monkeypatch):
     """NCCL's teardown waits for every CUDA graph that captured one of its collectives, so rank
     0's runner lets its graphs go before the group ends (the workers do the same)."""
-    from compiled_llm.serve.model_runner import ModelRunner
+    from compiled_llm.serve.worker.model_runner import ModelRunner
 
     seen = []
     release = ModelRunner.release_graphs

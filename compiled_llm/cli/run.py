@@ -132,7 +132,7 @@ def run_reference(args) -> int:
     from compiled_llm.model.placement import resolve_device, resolve_dtype
     from compiled_llm.model.sources import load_source_params, load_source_tokenizer, resolve_source, source_eos_token_ids
     from compiled_llm.serve.reference import check_request, generate_reference
-    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     sampling = sampling_from_args(args)  # bad values fail before anything loads
     device = resolve_device(args.device)

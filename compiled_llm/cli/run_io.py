@@ -23,7 +23,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 def sampling_from_args(args):
     """One SamplingParams for every prompt of the command (validated: bad values raise)."""
-    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,

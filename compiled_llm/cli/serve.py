@@ -72,7 +72,7 @@ def load_engine(args):
 
 def run(args) -> int:
     from compiled_llm.cli.main import LOGGING_LEVEL_VAR
-    from compiled_llm.serve.engine_core_client import EngineCoreClient
+    from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
     from compiled_llm.serve.openai.api_server import serve
 
     config = server_config(args)  # bad values fail before anything loads

@@ -28,6 +28,7 @@ config (weights_header.py); the program's first step checks that it runs (progra
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import threading
 import time
@@ -38,7 +39,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-import compiled_llm
 from compiled_llm.engine import kernel_cache, limits, manifest_check, weights_header
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.engine.program import PortableProgram
@@ -68,6 +68,15 @@ _PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK\x03\x0
 # ---------------------------------------------------------------------------------------------
 
 
+def package_version() -> str | None:
+    """compiled_llm's installed version; None when it runs from a checkout that is not
+    installed (through PYTHONPATH)."""
+    try:
+        return importlib.metadata.version("compiled_llm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _versions() -> dict[str, Any]:
     try:
         import triton  # optional: CPU installs may not have it
@@ -76,7 +85,7 @@ def _versions() -> dict[str, Any]:
     except ImportError:
         triton_version = None
     return {
-        "compiled_llm": getattr(compiled_llm, "__version__", "0.1.0"),
+        "compiled_llm": package_version(),
         "torch": torch.__version__,
         "triton": triton_version,
         "cuda": torch.version.cuda,

@@ -35,7 +35,6 @@ import contextlib
 import fcntl
 import functools
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -47,8 +46,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-import compiled_llm
-from compiled_llm.engine.artifact import read_manifest
+from compiled_llm.engine.artifact import package_version, read_manifest
 from compiled_llm.engine.build import build_engine, check_max_len
 from compiled_llm.cache_dir import cache_root
 from compiled_llm.errors import EngineError
@@ -122,7 +120,7 @@ def source_fingerprint(src) -> dict:
 @functools.lru_cache(maxsize=None)
 def _code_hash() -> str:
     """sha256 of compiled_llm's own source files (the passes, spec and kernels an engine is made of)."""
-    root = Path(compiled_llm.__file__).parent
+    root = Path(__file__).resolve().parents[1]  # the compiled_llm package
     h = hashlib.sha256()
     for path in sorted(root.rglob("*")):
         if path.suffix in _CODE_SUFFIXES and "__pycache__" not in path.parts and path.is_file():
@@ -139,16 +137,12 @@ def versions(device: torch.device) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    try:
-        package_version = importlib.metadata.version("compiled_llm")
-    except Exception:  # not installed (e.g. run from a checkout through PYTHONPATH)
-        package_version = getattr(compiled_llm, "__version__", None)
     arch = None
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         arch = f"sm_{major}{minor}"
     return {
-        "compiled_llm": package_version,
+        "compiled_llm": package_version(),
         "compiled_llm_code": _code_hash(),
         "torch": torch.__version__,
         "triton": triton_version,

@@ -48,7 +48,7 @@ class PortableProgram:
     def _first_call(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor) -> Tensor:
         if kv_cache.is_cuda and (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode()):
             # a CUDA graph capture (or its trial run): its failures are the capture's to handle
-            # (serve/cuda_graphs.py), and the next eager call is checked
+            # (serve/worker/cuda_graphs.py), and the next eager call is checked
             return self._run(params, *batch, kv_cache)
         try:
             logits = self._run(params, *batch, kv_cache)

@@ -149,7 +149,7 @@ def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling=None) 
 
 
 # ---------------------------------------------------------------------------------------------
-# Sampling references (the runtime's sampler, serve/sampling.py, calls the ops below on logits)
+# Sampling references (the runtime's sampler, serve/worker/sampler.py, calls the ops below on logits)
 # ---------------------------------------------------------------------------------------------
 
 

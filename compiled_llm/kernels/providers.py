@@ -130,7 +130,7 @@ TRITON_KERNELS = {  # op -> (kernel, handles)
     # tensor parallelism: custom push kernel over symmetric memory where the ranks opened it, else NCCL
     "all_reduce": (triton_all_reduce.all_reduce, triton_all_reduce.handles),
 }
-# the sampler's ops (serve/sampling.py picks them with registry.kernel_for)
+# the sampler's ops (serve/worker/sampler.py picks them with registry.kernel_for)
 SAMPLER_KERNELS = {
     "greedy_sample": (triton_sampling.greedy_argmax, None),
     "temperature_sample": (triton_sampling.gumbel_sample, None),

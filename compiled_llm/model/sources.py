@@ -44,7 +44,7 @@ GENERATION_DEFAULT_FIELDS = {
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
-# The values SamplingParams accepts for each of them (serve/sampling.py is the authority; model/
+# The values SamplingParams accepts for each of them (serve/sampling_params.py is the authority; model/
 # does not import serve/, and tests/test_generation_defaults.py checks that the two agree).
 _INTEGER_DEFAULTS = {"top_k", "max_tokens"}
 _DEFAULT_RANGES = {

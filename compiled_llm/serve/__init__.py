@@ -1,2 +1,18 @@
-"""The runtime: paged KV cache with prefix caching, continuous batching, CUDA graphs per decode
-bucket, on-device sampling, and the ``LLM`` API (see llm.py)."""
+"""The runtime: paged KV cache with prefix caching, continuous batching, CUDA graphs per step
+bucket, on-device sampling, the ``LLM`` API and the OpenAI-compatible server.
+
+Where things run, and where to find them (vLLM v1's rooms):
+
+    llm.py, sampling_params.py, outputs.py, engine_config.py   the API: LLM, its options, its types
+    llm_engine.py      the engine: one step = schedule (core/) -> run (worker/, executor/) -> outputs
+    engine_loop.py     the thread that drives an in-process engine for ``LLM``
+    core/              host scheduling: scheduler, block manager, sequences, validation,
+                       detokenizer, n-gram speculation
+    worker/            the device side of a step: model runner, CUDA graphs, KV cache, sampler
+    executor/          how rank 0 reaches the other tensor-parallel ranks
+    engine_process/    ``serve``: the engine in a process of its own, and the HTTP side's client
+    openai/            the HTTP server (FastAPI), with server_config.py and metrics.py
+    reference.py       the eager reference runtime (``run --enforce-eager``, tests)
+    kernel_warmup.py   a build's kernel warm-up: the runtime run once over a new CUDA engine
+    profiling.py       ``--profile``: a torch profiler trace of a run
+"""

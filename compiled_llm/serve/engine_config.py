@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from compiled_llm.errors import InvalidOptionError
-from compiled_llm.serve.spec_decode.config import SpeculativeConfig
+from compiled_llm.serve.core.spec_decode.config import SpeculativeConfig
 
 
 def _option(default, help: str):

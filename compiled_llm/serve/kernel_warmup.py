@@ -12,7 +12,7 @@ import torch
 
 from compiled_llm.engine.kernel_cache import KERNELS_DIR, triton_cache_at
 from compiled_llm.serve.llm import LLM
-from compiled_llm.serve.sampling import SamplingParams
+from compiled_llm.serve.sampling_params import SamplingParams
 
 # a KV cache big enough for the real steps below, small enough for several processes at once
 SHARE_KV_BLOCKS = 64

@@ -32,7 +32,7 @@ from compiled_llm.serve.engine_config import EngineConfig
 from compiled_llm.serve.engine_loop import EngineLoop, RequestQueue
 from compiled_llm.serve.llm_engine import LLMEngine
 from compiled_llm.serve.outputs import RequestOutput
-from compiled_llm.serve.sampling import SamplingParams
+from compiled_llm.serve.sampling_params import SamplingParams
 
 
 def _is_single_prompt(prompts: Any) -> bool:

@@ -21,18 +21,19 @@ import torch
 
 from compiled_llm.errors import EngineError, InvalidOptionError, InvalidRequestError
 from compiled_llm.serve.engine_config import EngineConfig
-from compiled_llm.serve.sampling import SamplingParams, make_generator
-from compiled_llm.serve import kv_cache as kvc
-from compiled_llm.serve.block_manager import BlockManager, cdiv
-from compiled_llm.serve.detokenizer import IncrementalDetokenizer
+from compiled_llm.serve.worker.sampler import make_generator
+from compiled_llm.serve.sampling_params import SamplingParams
+from compiled_llm.serve.worker import kv_cache as kvc
+from compiled_llm.serve.core.block_manager import BlockManager, cdiv
+from compiled_llm.serve.core.detokenizer import IncrementalDetokenizer
 from compiled_llm.serve.executor.multiproc import MultiprocExecutor
 from compiled_llm.engine.loaded_model import LoadedModel
-from compiled_llm.serve.model_runner import ModelRunner, _label, profile_step
-from compiled_llm.serve.request_validator import RequestValidator
+from compiled_llm.serve.worker.model_runner import ModelRunner, _label, profile_step
+from compiled_llm.serve.core.request_validator import RequestValidator
 from compiled_llm.serve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from compiled_llm.serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from compiled_llm.serve.sequence import Sequence
-from compiled_llm.serve.spec_decode.speculator import Speculator
+from compiled_llm.serve.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from compiled_llm.serve.core.sequence import Sequence
+from compiled_llm.serve.core.spec_decode.speculator import Speculator
 
 
 # After a failed step of a tensor-parallel engine: how long a rank that is ending may take to be seen

@@ -28,7 +28,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
-from compiled_llm.serve.engine_messages import EngineSnapshot
+from compiled_llm.serve.engine_process.engine_messages import EngineSnapshot
 
 logger = logging.getLogger("compiled_llm.serve.metrics")
 

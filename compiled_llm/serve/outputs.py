@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compiled_llm.serve.sequence import RequestMetrics
-from compiled_llm.serve.text_pieces import LazyText
+from compiled_llm.serve.core.sequence import RequestMetrics
+from compiled_llm.serve.core.text_pieces import LazyText
 
 
 @dataclass(frozen=True)

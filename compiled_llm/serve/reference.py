@@ -27,8 +27,8 @@ from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.spec import forward, kv_cache_shape
-from compiled_llm.serve.sampling import (SamplingParams, SamplingTensors, make_generator, sample, stop_tokens,
-                                         suppress_tokens)
+from compiled_llm.serve.worker.sampler import SamplingTensors, make_generator, sample, suppress_tokens
+from compiled_llm.serve.sampling_params import SamplingParams, stop_tokens
 
 BLOCK_SIZE = 16
 

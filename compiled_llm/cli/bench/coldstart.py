@@ -40,7 +40,7 @@ def _child_engine(engine_dir: str, device: str) -> dict:
     t0 = time.perf_counter()
     import torch
 
-    from compiled_llm.serve.sampling import SamplingParams
+    from compiled_llm.serve.sampling_params import SamplingParams
     from compiled_llm.serve.llm import LLM
     from compiled_llm.cli.bench.workloads import latency_prompt
 

@@ -74,7 +74,7 @@ def _sync():
 
 
 def compiled_latency(llm, new_tokens: int = 256, repeats: int = 3) -> Result:
-    from compiled_llm import SamplingParams
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     prompt = {"prompt_token_ids": latency_prompt(llm.model.config.vocab_size)}
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -91,7 +91,7 @@ def compiled_latency(llm, new_tokens: int = 256, repeats: int = 3) -> Result:
 
 
 def compiled_throughput(llm, num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> Result:
-    from compiled_llm import SamplingParams
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     prompts, max_tokens = throughput_requests(num_requests, max_input_len, max_output_len, llm.model.config.vocab_size)
     params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, detokenize=False) for n in max_tokens]
@@ -121,7 +121,7 @@ def compiled_throughput(llm, num_requests: int = 256, max_input_len: int = 1024,
 
 
 def compiled_prefill(llm, length: int = 1024, repeats: int = 5) -> Result:
-    from compiled_llm import SamplingParams
+    from compiled_llm.serve.sampling_params import SamplingParams
 
     prompt = {"prompt_token_ids": latency_prompt(llm.model.config.vocab_size, length, seed=1)}
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)

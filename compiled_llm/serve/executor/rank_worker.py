@@ -14,8 +14,8 @@ import torch
 
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.graph.spec import PackedBatch
-from compiled_llm.serve import kv_cache as kvc
-from compiled_llm.serve.model_runner import ModelRunner, profile_step
+from compiled_llm.serve.worker import kv_cache as kvc
+from compiled_llm.serve.worker.model_runner import ModelRunner, profile_step
 
 
 class RankWorker:

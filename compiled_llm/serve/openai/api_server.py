@@ -32,8 +32,8 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from compiled_llm.errors import CompiledLLMError, EngineError
-from compiled_llm.serve.async_engine import AsyncEngine, ServiceUnavailableError
-from compiled_llm.serve.engine_core_client import EngineCoreClient
+from compiled_llm.serve.engine_process.async_engine import AsyncEngine, ServiceUnavailableError
+from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import CONTENT_TYPE, ServerMetrics
 from compiled_llm.serve.openai.middleware import ApiKeyMiddleware, RequestIdMiddleware, RootPathMiddleware
 from compiled_llm.serve.openai.openapi import errors, honest_openapi, json_or_stream

@@ -14,13 +14,13 @@ from typing import Any, AsyncIterator, Iterable
 from starlette.requests import Request
 
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.serve.async_engine import AsyncEngine, RequestGroup, ServiceUnavailableError
-from compiled_llm.serve.engine_core_client import EngineCoreClient
+from compiled_llm.serve.engine_process.async_engine import AsyncEngine, RequestGroup, ServiceUnavailableError
+from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import ServerMetrics
 from compiled_llm.serve.openai.middleware import request_id
 from compiled_llm.serve.openai.protocol import unsupported_field
 from compiled_llm.serve.outputs import Logprob, PositionLogprobs, RequestOutput
-from compiled_llm.serve.sampling import SamplingParams
+from compiled_llm.serve.sampling_params import SamplingParams
 from compiled_llm.serve.server_config import ServerConfig
 
 # JSON has no -inf; vLLM sends this for a token the model rules out.

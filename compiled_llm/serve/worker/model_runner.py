@@ -21,19 +21,16 @@ from compiled_llm.errors import EngineError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.spec import PackedBatch
 from compiled_llm.model.config import ModelConfig
-from compiled_llm.serve import kv_cache as kvc
-from compiled_llm.serve.block_manager import cdiv
-from compiled_llm.serve.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
-from compiled_llm.serve.request_rows import RequestRows
-from compiled_llm.serve.sampling import (
-    MIN_TOKENS_COLUMN, SAMPLING_COLUMNS, SamplingParams, SamplingTensors, TokenLogprobs, greedy_ids, penalised_rows,
-    sample, stop_tokens, suppress_tokens,
-    token_logprobs,
-)
-from compiled_llm.serve.scheduler import ScheduledBatch
-from compiled_llm.serve.sequence import Sequence
-from compiled_llm.serve.step_inputs import StepInputs
-from compiled_llm.serve.token_history import TokenHistory
+from compiled_llm.serve.worker import kv_cache as kvc
+from compiled_llm.serve.core.block_manager import cdiv
+from compiled_llm.serve.worker.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
+from compiled_llm.serve.worker.request_rows import RequestRows
+from compiled_llm.serve.worker.sampler import SamplingTensors, TokenLogprobs, greedy_ids, penalised_rows, sample, suppress_tokens, token_logprobs
+from compiled_llm.serve.sampling_params import MIN_TOKENS_COLUMN, SAMPLING_COLUMNS, SamplingParams, stop_tokens
+from compiled_llm.serve.core.scheduler import ScheduledBatch
+from compiled_llm.serve.core.sequence import Sequence
+from compiled_llm.serve.worker.step_inputs import StepInputs
+from compiled_llm.serve.worker.token_history import TokenHistory
 
 Program = Callable[[dict, PackedBatch, Tensor], Tensor]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiled_llm.serve.sequence import Sequence
+from compiled_llm.serve.core.sequence import Sequence
 
 
 class RequestRows:

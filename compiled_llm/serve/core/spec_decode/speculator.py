@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from compiled_llm.serve.sequence import Sequence
-from compiled_llm.serve.spec_decode.config import SpeculativeConfig
-from compiled_llm.serve.spec_decode.ngram_proposer import NgramIndex
+from compiled_llm.serve.core.sequence import Sequence
+from compiled_llm.serve.core.spec_decode.config import SpeculativeConfig
+from compiled_llm.serve.core.spec_decode.ngram_proposer import NgramIndex
 
 MIN_ACCEPTANCE = 0.25
 MIN_STEP_GAIN = 0.25

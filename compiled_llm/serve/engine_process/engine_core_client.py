@@ -26,13 +26,13 @@ import time
 from typing import Callable
 
 from compiled_llm.errors import CompiledLLMError, EngineError
-from compiled_llm.serve.engine_core import EngineCore, run_engine_process
-from compiled_llm.serve.engine_messages import EngineInfo, EngineSnapshot
+from compiled_llm.serve.engine_process.engine_core import EngineCore, run_engine_process
+from compiled_llm.serve.engine_process.engine_messages import EngineInfo, EngineSnapshot
 from compiled_llm.serve.llm_engine import LLMEngine
-from compiled_llm.serve.message_channel import MessageChannel
-from compiled_llm.serve.request_validator import RequestValidator
+from compiled_llm.serve.engine_process.message_channel import MessageChannel
+from compiled_llm.serve.core.request_validator import RequestValidator
 
-logger = logging.getLogger("compiled_llm.serve.engine_core_client")
+logger = logging.getLogger("compiled_llm.serve.engine_process.engine_core_client")
 
 
 class EngineCoreClient:

@@ -11,7 +11,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from compiled_llm.serve.sampling import SamplingParams
+from compiled_llm.serve.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

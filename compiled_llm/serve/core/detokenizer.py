@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from compiled_llm.serve.text_pieces import TextPieces, TextSnapshot
+from compiled_llm.serve.core.text_pieces import TextPieces, TextSnapshot
 
 
 class IncrementalDetokenizer:

@@ -45,12 +45,12 @@ import time
 from typing import Callable
 
 from compiled_llm.errors import CompiledLLMError, EngineError, InvalidRequestError
-from compiled_llm.serve.engine_core_client import EngineCoreClient
-from compiled_llm.serve.engine_messages import OutputAssembler, request_error
+from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
+from compiled_llm.serve.engine_process.engine_messages import OutputAssembler, request_error
 from compiled_llm.serve.llm_engine import LLMEngine
 from compiled_llm.serve.outputs import RequestOutput
 
-logger = logging.getLogger("compiled_llm.serve.async_engine")
+logger = logging.getLogger("compiled_llm.serve.engine_process.async_engine")
 
 # Streams woken per turn of the event loop (module docstring). A stream's chunk costs the event
 # loop ~0.1 ms (fold, detokenize, JSON, socket write), so a turn stays near 1-2 ms however many

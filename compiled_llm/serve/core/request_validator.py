@@ -13,8 +13,8 @@ import numbers
 from typing import Any, Mapping
 
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.serve.block_manager import cdiv
-from compiled_llm.serve.sampling import SamplingParams
+from compiled_llm.serve.core.block_manager import cdiv
+from compiled_llm.serve.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiled_llm.serve.sequence import Sequence
+from compiled_llm.serve.core.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:

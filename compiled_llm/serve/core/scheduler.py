@@ -25,9 +25,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from compiled_llm.serve.block_manager import BlockManager
-from compiled_llm.serve.sequence import Sequence, SequenceStatus
-from compiled_llm.serve.spec_decode.speculator import Speculator
+from compiled_llm.serve.core.block_manager import BlockManager
+from compiled_llm.serve.core.sequence import Sequence, SequenceStatus
+from compiled_llm.serve.core.spec_decode.speculator import Speculator
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ import dataclasses
 from typing import NamedTuple, Sequence
 
 from compiled_llm.errors import EngineError, InvalidRequestError
-from compiled_llm.serve.detokenizer import IncrementalDetokenizer
+from compiled_llm.serve.core.detokenizer import IncrementalDetokenizer
 from compiled_llm.serve.outputs import CompletionOutput, RequestOutput
-from compiled_llm.serve.sampling import SamplingParams
-from compiled_llm.serve.sequence import RequestMetrics
-from compiled_llm.serve.text_pieces import TextPieces
+from compiled_llm.serve.sampling_params import SamplingParams
+from compiled_llm.serve.core.sequence import RequestMetrics
+from compiled_llm.serve.core.text_pieces import TextPieces
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,11 +26,11 @@ import traceback
 from typing import Callable
 
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.serve.engine_messages import EngineInfo, EngineSnapshot, encode_output
+from compiled_llm.serve.engine_process.engine_messages import EngineInfo, EngineSnapshot, encode_output
 from compiled_llm.serve.llm_engine import LLMEngine
-from compiled_llm.serve.message_channel import MessageChannel
+from compiled_llm.serve.engine_process.message_channel import MessageChannel
 
-logger = logging.getLogger("compiled_llm.serve.engine_core")
+logger = logging.getLogger("compiled_llm.serve.engine_process.engine_core")
 
 
 class EngineCore:
