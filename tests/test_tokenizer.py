@@ -15,13 +15,8 @@ from pathlib import Path
 import pytest
 
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.model.tokenizer import (
-    CHATML_TEMPLATE,
-    DEFAULT_SYSTEM_PROMPT,
-    byte_level_tokenizer,
-    load_tokenizer,
-    plain_chat_prompt,
-)
+from compiled_llm.model.tokenizer import DEFAULT_SYSTEM_PROMPT, byte_level_tokenizer, load_tokenizer, plain_chat_prompt
+from compiled_llm.model.tokenizer.byte_level import CHATML_TEMPLATE
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while the model engine compiles graphs into "

@@ -15,14 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from compiled_llm.model.tokenizer import (
-    DEFAULT_SYSTEM_PROMPT,
-    Tokenizer,
-    _Transformers,
-    byte_level_tokenizer,
-    load_tokenizer,
-    render_chat_template,
-)
+from compiled_llm.model.tokenizer import DEFAULT_SYSTEM_PROMPT, Tokenizer, byte_level_tokenizer, load_tokenizer
+from compiled_llm.model.tokenizer.chat_template import render_chat_template
+from compiled_llm.model.tokenizer.transformers_backend import TransformersBackend
 from test_tokenizer import corpus
 
 # --- chat templates as the checkpoints ship them ------------------------------------------------
@@ -502,7 +497,7 @@ CHATS = [
 
 def old_eos_ids(hf) -> tuple[int, ...]:
     """EOS ids as the transformers-backed Tokenizer computed them."""
-    return tuple(dict.fromkeys(int(i) for i in _Transformers(hf).eos_ids()))
+    return tuple(dict.fromkeys(int(i) for i in TransformersBackend(hf).eos_ids()))
 
 
 def hf_chat_ids(hf, messages, add_generation_prompt=True) -> list[int]:
@@ -599,12 +594,12 @@ def test_save_writes_files_the_fast_loader_reads(family_dirs, family, tmp_path):
 
 @pytest.mark.parametrize("family", ["llama2-hub", "llama3", "qwen3", "gpt2-clean-up"])
 def test_save_without_transformers_writes_equivalent_files(family_dirs, family, tmp_path, monkeypatch):
-    from compiled_llm.model import tokenizer as tokenizer_module
+    from compiled_llm.model.tokenizer.tokenizer_json import TokenizerJsonBackend
 
     def no_transformers(self):
         raise ImportError("no transformers")
 
-    monkeypatch.setattr(tokenizer_module._TokenizerFile, "_as_transformers", no_transformers)
+    monkeypatch.setattr(TokenizerJsonBackend, "_as_transformers", no_transformers)
     load_tokenizer(family_dirs[family]).save(tmp_path)
     want = auto_tokenizer(family_dirs[family])
     assert_same_as_transformers(load_tokenizer(tmp_path), want)
@@ -614,7 +609,7 @@ def test_save_without_transformers_writes_equivalent_files(family_dirs, family, 
 def test_in_memory_byte_level_matches_its_transformers_twin():
     from transformers import PreTrainedTokenizerFast
 
-    from compiled_llm.model.tokenizer import CHATML_TEMPLATE
+    from compiled_llm.model.tokenizer.byte_level import CHATML_TEMPLATE
 
     tok = byte_level_tokenizer()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok._backend.raw, eos_token="<|im_end|>", pad_token="<|endoftext|>",
