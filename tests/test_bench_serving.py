@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from compiled_llm.cli.bench import serving
+from compiled_llm.cli.bench import load_generator, server_launcher, serving, serving_report, sse_client
 from compiled_llm.cli.bench.workloads import Result, throughput_requests
 from compiled_llm.errors import InvalidOptionError
 
@@ -41,22 +41,22 @@ def test_sse_events_come_out_whole_wherever_the_bytes_are_split(newline):
     payloads = [completion_chunk("Hel"), completion_chunk("lo", "length", 2), usage_chunk(2), "[DONE]"]
     stream = (": a comment the server may send\n\n" + "event: completion\n").encode() + sse(*payloads, newline=newline)
     for cut in range(1, len(stream)):
-        decoder = serving.SSEDecoder()
+        decoder = sse_client.SSEDecoder()
         events = decoder.feed(stream[:cut]) + decoder.feed(stream[cut:])
         assert [e.decode() for e in events] == payloads, f"split at byte {cut}"
-    decoder = serving.SSEDecoder()  # and one byte at a time
+    decoder = sse_client.SSEDecoder()  # and one byte at a time
     assert [e.decode() for b in stream for e in decoder.feed(bytes([b]))] == payloads
 
 
 def test_sse_multi_line_data_is_joined_with_newlines():
-    assert serving.SSEDecoder().feed(b"data: a\ndata:b\n\n") == [b"a\nb"]
+    assert sse_client.SSEDecoder().feed(b"data: a\ndata:b\n\n") == [b"a\nb"]
 
 
 # ---- per-request timing -----------------------------------------------------------------------
 
 
-def timed(events: list[tuple[float, str]], prompt_len=7) -> serving.RequestRecord:
-    timer = serving.StreamTimer(sent=100.0)
+def timed(events: list[tuple[float, str]], prompt_len=7) -> sse_client.RequestRecord:
+    timer = sse_client.StreamTimer(sent=100.0)
     for now, payload in events:
         timer.on_event(payload.encode(), now)
     return timer.record(now=events[-1][0], prompt_len=prompt_len)
@@ -88,7 +88,7 @@ def test_timer_reports_streams_that_end_badly():
     assert not no_finish.ok and "finish_reason" in no_finish.error
     error = timed([(100.2, json.dumps({"error": {"message": "engine failed", "type": "InternalServerError"}}))])
     assert not error.ok and error.error == "engine failed"
-    assert serving.error_message(400, b'{"error": {"message": "top_p must be in (0, 1]", "type": "x"}}') == \
+    assert sse_client.error_message(400, b'{"error": {"message": "top_p must be in (0, 1]", "type": "x"}}') == \
         "HTTP 400: top_p must be in (0, 1]"
 
 
@@ -96,15 +96,16 @@ def test_timer_reports_streams_that_end_badly():
 
 
 def test_poisson_send_times_are_seeded_with_the_rate_as_mean():
-    times = serving.send_times(20_000, rate=50.0, seed=3)
-    assert times == serving.send_times(20_000, rate=50.0, seed=3) != serving.send_times(20_000, rate=50.0, seed=4)
+    times = load_generator.send_times(20_000, rate=50.0, seed=3)
+    assert times == load_generator.send_times(20_000, rate=50.0, seed=3)
+    assert times != load_generator.send_times(20_000, rate=50.0, seed=4)
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert times[0] == 0.0 and min(gaps) >= 0
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 50.0, rel=0.03)
     # exponential gaps: the standard deviation equals the mean
     mean = sum(gaps) / len(gaps)
     assert math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) == pytest.approx(mean, rel=0.05)
-    assert serving.send_times(5, math.inf) == [0.0] * 5
+    assert load_generator.send_times(5, math.inf) == [0.0] * 5
 
 
 def test_percentile_matches_numpy():
@@ -113,14 +114,14 @@ def test_percentile_matches_numpy():
     for n in (1, 2, 7, 100):
         values = [rng.expovariate(1.0) for _ in range(n)]
         for q in (0, 50, 90, 99, 100):
-            assert serving.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+            assert serving_report.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
 
 
 def test_summary_figures_follow_their_definitions():
-    records = [serving.RequestRecord(ok=True, prompt_tokens=10, output_tokens=5, ttft=0.1, itl=[0.01, 0.02, 0.03, 0.04], e2e=0.2),
-               serving.RequestRecord(ok=True, prompt_tokens=20, output_tokens=3, ttft=0.3, itl=[0.05, 0.05], e2e=0.4),
-               serving.RequestRecord(ok=False, error="HTTP 503: busy")]
-    m = serving.summarize(records, duration_s=2.0)
+    records = [sse_client.RequestRecord(ok=True, prompt_tokens=10, output_tokens=5, ttft=0.1, itl=[0.01, 0.02, 0.03, 0.04], e2e=0.2),
+               sse_client.RequestRecord(ok=True, prompt_tokens=20, output_tokens=3, ttft=0.3, itl=[0.05, 0.05], e2e=0.4),
+               sse_client.RequestRecord(ok=False, error="HTTP 503: busy")]
+    m = serving_report.summarize(records, duration_s=2.0)
     assert (m["completed"], m["failed"], m["output_tokens"]) == (2, 1, 8)
     assert m["request_s"] == pytest.approx(1.0)
     assert m["output_tok_s"] == pytest.approx(4.0) and m["total_tok_s"] == pytest.approx(19.0)
@@ -128,7 +129,7 @@ def test_summary_figures_follow_their_definitions():
     # TPOT = (e2e - TTFT) / (output tokens - 1): 25 ms and 50 ms
     assert m["tpot_ms_mean"] == pytest.approx(37.5)
     assert m["itl_ms_mean"] == pytest.approx(1e3 * 0.2 / 6)
-    assert m["itl_ms_p99"] == pytest.approx(serving.percentile([10, 20, 30, 40, 50, 50], 99))
+    assert m["itl_ms_p99"] == pytest.approx(serving_report.percentile([10, 20, 30, 40, 50, 50], 99))
 
 
 def test_options_are_checked_and_passed_to_the_server_as_flags():
@@ -139,14 +140,14 @@ def test_options_are_checked_and_passed_to_the_server_as_flags():
     assert serving.parse_rate("inf") == math.inf and serving.parse_rate("2.5") == 2.5
     with pytest.raises(InvalidOptionError, match="max_input_len"):
         serving.ServingOptions(max_input_len=50)
-    flags = serving.option_flags({"max_num_seqs": 8, "enforce_eager": True, "enable_prefix_caching": False,
+    flags = server_launcher.option_flags({"max_num_seqs": 8, "enforce_eager": True, "enable_prefix_caching": False,
                                   "num_blocks": None, "device": "cpu"})
     assert flags == ["--max-num-seqs", "8", "--enforce-eager", "--no-enable-prefix-caching", "--device", "cpu"]
 
 
 def test_split_load_keeps_the_schedule():
     bodies = [b"%d" % i for i in range(7)]
-    loads = serving.split_load("http://x", bodies, list(range(7)), [0.1 * i for i in range(7)], processes=3)
+    loads = load_generator.split_load("http://x", bodies, list(range(7)), [0.1 * i for i in range(7)], processes=3)
     assert sorted(b for load in loads for b in load.bodies) == sorted(bodies)
     for load in loads:  # each request keeps its own send time
         assert all(at == pytest.approx(0.1 * int(b)) for b, at in zip(load.bodies, load.send_at))
@@ -182,7 +183,7 @@ def test_bench_serving_on_cpu_reports_every_request(capsys):
         assert m["ttft_ms_p99"] <= m["e2e_ms_p99"]
         assert run.extra["client_chunks"] >= n and run.extra["client_processes"] == 2
     # the Poisson run sends its last request at the schedule's last time
-    assert runs[0].metrics["duration_s"] >= serving.send_times(n, rate)[-1]
+    assert runs[0].metrics["duration_s"] >= load_generator.send_times(n, rate)[-1]
 
-    table = serving.format_table(results)
+    table = serving_report.format_table(results)
     assert "rate=20" in table and "rate=inf" in table and "ttft_ms_p99" in table and "offline" in table

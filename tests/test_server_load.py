@@ -17,7 +17,7 @@ import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import serve_process
 
-from compiled_llm.cli.bench.serving import SSEDecoder
+from compiled_llm.cli.bench.sse_client import SSEDecoder
 
 NUM_REQUESTS = 500
 WARM_UP_REQUESTS = 50

@@ -3,8 +3,9 @@ project's workloads (``workloads.py``, ``coldstart.py``) on a built engine, with
 transformers measured in the same run (built from the engine's source config with random
 weights; for an engine built with ``--quantization``, the latency workload also with torchao's
 weight-only quantization of that scheme, ``torchao_peer.py``) and one table comparing them;
-``serving`` (``serving.py``) times ``compiled-llm serve`` from a client process against offline
-generation instead. Results are recorded in BENCHMARKS.md."""
+``serving`` (``serving.py``, with its client ``sse_client.py``, ``load_generator.py``, server
+``server_launcher.py`` and table ``serving_report.py``) times ``compiled-llm serve`` from a client
+process against offline generation instead. Results are recorded in BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -173,7 +174,7 @@ def run(args) -> int:
 def _run_serving(args, engine: str, device) -> int:
     import math
 
-    from compiled_llm.cli.bench import serving
+    from compiled_llm.cli.bench import serving, serving_report
 
     options = serving.ServingOptions(
         request_rates=tuple(args.request_rate or (math.inf,)), num_requests=args.num_requests,
@@ -182,7 +183,7 @@ def _run_serving(args, engine: str, device) -> int:
         client_processes=args.client_processes or serving.default_client_processes(device.type))
     results = serving.run_serving(engine, device, engine_options(args), options)
     dtype = next((r.extra["dtype"] for r in results if "dtype" in r.extra), None)
-    _print_results(args, results, device, dtype, serving.format_table(results))
+    _print_results(args, results, device, dtype, serving_report.format_table(results))
     return 0
 
 
