@@ -6,8 +6,8 @@ imports this module.
 
 from __future__ import annotations
 
-from compiled_llm.cli.bench import torchao_peer
-from compiled_llm.cli.bench import workloads as wl
+import compiled_llm.cli.bench.torchao_peer as torchao_peer
+import compiled_llm.cli.bench.workloads as wl
 from compiled_llm.cli.bench.workloads import Result
 
 

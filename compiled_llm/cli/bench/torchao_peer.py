@@ -85,7 +85,7 @@ def torchao_latency(hf_config: dict, dtype, device, scheme: str, variant: str = 
     """The latency workload on the HF model (random weights, as the bf16 peer) after torchao's
     weight-only quantization. Import and quantization failures come back as a note; a failure
     while compiling or generating raises, so ``run_hf_child`` tries the next compile variant."""
-    from compiled_llm.cli.bench import workloads as wl
+    from compiled_llm.cli.bench.workloads import PrepareError, hf_latency
 
     if scheme not in SCHEMES:
         return not_run(scheme, f"no torchao config for scheme {scheme!r}")
@@ -101,8 +101,8 @@ def torchao_latency(hf_config: dict, dtype, device, scheme: str, variant: str = 
         return f"torchao {version} {scheme} weight-only on {done} of {total} linears{skipped}"
 
     try:
-        return wl.hf_latency(hf_config, dtype, device, new_tokens, repeats, variant, prepare=prepare,
-                             system=system_name(scheme))
-    except wl.PrepareError as e:
+        return hf_latency(hf_config, dtype, device, new_tokens, repeats, variant, prepare=prepare,
+                          system=system_name(scheme))
+    except PrepareError as e:
         return not_run(scheme, f"torchao {version} cannot quantize {scheme} on {device} in "
                                f"{str(dtype).removeprefix('torch.')} ({_first_line(e.__cause__ or e)})")
