@@ -6,7 +6,7 @@ import torch
 
 from compiled_llm.model.config import load_config
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-from compiled_llm.graph.spec import forward, kv_cache_shape
+from compiled_llm.model.spec import forward, kv_cache_shape
 from compiled_llm.model.weights import load_params
 from hf_checkpoints import make_checkpoint
 

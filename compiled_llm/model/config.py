@@ -1,6 +1,6 @@
 """ModelConfig: the few numbers and switches that tell the model families apart.
 
-GPT-2, Llama, Qwen2 and Qwen3 are one spec (``graph/spec.py``); a family is a set of values of
+GPT-2, Llama, Qwen2 and Qwen3 are one spec (``model/spec.py``); a family is a set of values of
 this dataclass, read from a Hugging Face ``config.json``.
 """
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from compiled_llm.errors import WeightLoadError
-from compiled_llm.graph.spec import derived_params, param_shapes
+from compiled_llm.model.spec import derived_params, param_shapes
 from compiled_llm.model.config import ModelConfig
 
 # A mapping rule: HF tensor -> list of (spec name, tensor) pairs.

@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# the op vocabulary (graph/ops.py) sits a layer below the model; `import ... as` names only
+# that module, not the graph package, whose capture and serialization build on this spec
+import compiled_llm.graph.ops as ops
 from compiled_llm.model.config import ModelConfig
-from compiled_llm.graph import ops
 
 ROPE_PARAM = "rope.cos_sin"
 
