@@ -1,7 +1,7 @@
 """The model, written once: a pure function of (params, packed batch, paged KV cache).
 
 One function serves GPT-2, Llama, Qwen2 and Qwen3; the families differ only by ModelConfig
-fields. Batches are flat as in vLLM v1, so prefill, decode and mixed steps are the same code
+fields (how each reads its checkpoint is ``model/families/``). Batches are flat as in vLLM v1, so prefill, decode and mixed steps are the same code
 with different shapes:
 
     token_ids[T], positions[T]       every scheduled token of every sequence, packed
