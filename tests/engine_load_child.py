@@ -20,7 +20,7 @@ def use_once(path: str) -> None:
 
     from compiled_llm.engine import artifact
     from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-    from compiled_llm.graph.spec import kv_cache_shape
+    from compiled_llm.model.spec import kv_cache_shape
 
     loaded = artifact.load_engine(path)
     batch = pack_batch([ScheduledSeq([5, 6, 7], 0, [1]), ScheduledSeq([9], 4, [0])], 16)

@@ -12,7 +12,7 @@ from compiled_llm.engine import artifact, kernel_cache
 from compiled_llm.engine.build import build_engine
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-from compiled_llm.graph.spec import forward, kv_cache_shape
+from compiled_llm.model.spec import forward, kv_cache_shape
 from compiled_llm.model.sources import load_source_params, resolve_source
 
 

@@ -303,7 +303,7 @@ def edit_model_config(engine_dir, **changes):
 def run_first_step(engine_dir):
     """Load the engine and run its program once, as the first step of a run does."""
     from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-    from compiled_llm.graph.spec import kv_cache_shape
+    from compiled_llm.model.spec import kv_cache_shape
 
     loaded = artifact.load_engine(engine_dir)
     batch = pack_batch([ScheduledSeq([5, 6, 7], 0, [1]), ScheduledSeq([9], 4, [0])], 16)

@@ -7,7 +7,7 @@ import torch
 
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.export import INPUT_NAMES, PARAM_META, FlatProgram, capture, param_placeholder_names
-from compiled_llm.graph.spec import forward, kv_cache_shape
+from compiled_llm.model.spec import forward, kv_cache_shape
 from compiled_llm.model.weights import random_params
 from compiled_llm.model.presets import preset_config
 

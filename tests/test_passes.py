@@ -18,7 +18,7 @@ from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph import ops
 from compiled_llm.graph.export import FlatProgram, capture, param_placeholder_names
-from compiled_llm.graph.spec import forward, kv_cache_shape
+from compiled_llm.model.spec import forward, kv_cache_shape
 from compiled_llm.model.weights import random_params
 from compiled_llm.kernels import registry
 from compiled_llm.passes import default_pass_names, get_pass, pipeline

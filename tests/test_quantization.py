@@ -11,7 +11,7 @@ from compiled_llm.engine.build import build_engine, lower
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.export import FlatProgram, param_placeholder_names
 from compiled_llm.graph.quantized_ops import dequantize, int4_group_size, quantize
-from compiled_llm.graph.spec import forward
+from compiled_llm.model.spec import forward
 from compiled_llm.model.presets import PRESET_NAMES, preset_config
 from compiled_llm.model.weights import random_params
 from compiled_llm.passes import default_pass_names

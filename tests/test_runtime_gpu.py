@@ -146,7 +146,7 @@ def test_prompt_logprobs_and_min_tokens_on_a_cuda_engine_leave_graphed_requests_
     tokens out of the first tokens."""
     from compiled_llm.engine.loader import load_model
     from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-    from compiled_llm.graph.spec import forward
+    from compiled_llm.model.spec import forward
     from compiled_llm.serve.worker import kv_cache as kvc
 
     engine = build(tmp_path_factory, "tiny-qwen2", "float32")

@@ -230,7 +230,7 @@ def test_a_long_prompt_logprobs_prefill_runs_in_budget_chunks_while_another_requ
     gets a token at every one of those steps, and steps without it compute last rows only."""
     from compiled_llm.engine.loader import load_model
     from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-    from compiled_llm.graph.spec import forward
+    from compiled_llm.model.spec import forward
     from compiled_llm.serve.worker import kv_cache as kvc
     from compiled_llm.serve.engine_config import EngineConfig
     from compiled_llm.serve.llm_engine import LLMEngine

@@ -13,7 +13,7 @@ import torch
 
 from compiled_llm.model.config import config_from_hf, load_config
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.graph.spec import param_shapes
+from compiled_llm.model.spec import param_shapes
 from compiled_llm.model.weights import load_params
 from compiled_llm.model.presets import PRESET_NAMES, preset_config, preset_hf_config
 from compiled_llm.model.sources import (

@@ -5,15 +5,16 @@ import pytest
 import torch
 
 from compiled_llm.model.config import load_config
+from compiled_llm.model.families import FAMILIES
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-from compiled_llm.graph.spec import forward, kv_cache_shape
+from compiled_llm.model.spec import forward, kv_cache_shape
 from compiled_llm.model.weights import load_params
 from hf_checkpoints import make_checkpoint
 
 BLOCK = 16
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gpt2"])
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
 def test_prefill_and_decode_match_transformers(family, tmp_path):
     shard = "20KB" if family == "llama" else None  # llama: sharded weights
     hf = make_checkpoint(family, tmp_path, max_shard_size=shard)

@@ -35,7 +35,7 @@ from compiled_llm.engine.program import PortableProgram
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.graph.quantized_ops import dequantize, quantize
-from compiled_llm.graph.spec import forward, kv_cache_shape
+from compiled_llm.model.spec import forward, kv_cache_shape
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.sharding import local_config
 from compiled_llm.model.sources import load_source_params, resolve_source

@@ -14,7 +14,7 @@ import torch
 from compiled_llm.engine.artifact import MANIFEST, load_engine
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.graph.spec import SpecProgram
+from compiled_llm.model.spec import SpecProgram
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.placement import dtype_name, parse_dtype, resolve_device, resolve_dtype
 from compiled_llm.model.sources import (

@@ -18,7 +18,7 @@ from torch import Tensor
 from compiled_llm.errors import EngineError, first_line
 from compiled_llm.graph.export import FlatProgram
 from compiled_llm.graph.logits_rows import with_logits_rows, yields_chosen_rows
-from compiled_llm.graph.spec import PackedBatch
+from compiled_llm.model.spec import PackedBatch
 from compiled_llm.kernels import registry
 
 

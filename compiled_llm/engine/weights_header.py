@@ -21,7 +21,7 @@ from typing import Any
 from compiled_llm.engine import limits
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.quantized_ops import int4_group_size
-from compiled_llm.graph.spec import ROPE_PARAM, param_shapes
+from compiled_llm.model.spec import ROPE_PARAM, param_shapes
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from compiled_llm.graph.spec import PackedBatch
+from compiled_llm.model.spec import PackedBatch
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from torch.export import Dim
 
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-from compiled_llm.graph.spec import BATCH_FIELDS, PackedBatch, SpecModule, kv_cache_shape
+from compiled_llm.model.spec import BATCH_FIELDS, PackedBatch, SpecModule, kv_cache_shape
 
 INPUT_NAMES = (*BATCH_FIELDS, "kv_cache")
 PARAM_META = "cllm_param"

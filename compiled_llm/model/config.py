@@ -1,7 +1,8 @@
 """ModelConfig: the few numbers and switches that tell the model families apart.
 
-GPT-2, Llama, Qwen2 and Qwen3 are one spec (``graph/spec.py``); a family is a set of values of
-this dataclass, read from a Hugging Face ``config.json``.
+GPT-2, Llama, Qwen2 and Qwen3 are one spec (``model/spec.py``); a family is a set of values of
+this dataclass, read from a Hugging Face ``config.json`` by the family's module in
+``model/families/``.
 """
 
 from __future__ import annotations
@@ -12,14 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from compiled_llm.errors import CompiledLLMError, UnsupportedArchitectureError
-
-SUPPORTED_ARCHITECTURES = (
-    "GPT2LMHeadModel",
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from compiled_llm.errors import CompiledLLMError
+from compiled_llm.model.families import SUPPORTED_ARCHITECTURES, architecture_of, family_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,96 +105,15 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope_settings(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """rope_theta and llama3 scaling from either the transformers 4.x keys (rope_theta,
-    rope_scaling) or the 5.x key rope_parameters."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    merged = {**scaling, **params}
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise UnsupportedArchitectureError(
-            f"unsupported rope scaling type {rope_type!r}; supported: default, llama3"
-        )
-    return theta, RopeScaling(
-        factor=float(merged["factor"]),
-        low_freq_factor=float(merged["low_freq_factor"]),
-        high_freq_factor=float(merged["high_freq_factor"]),
-        original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
-    )
-
-
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Build a ModelConfig from the dict of a Hugging Face config.json."""
-    arch = check_architecture(hf)
+    """Build a ModelConfig from the dict of a Hugging Face config.json: its family's fields,
+    and the token ids every family names alike."""
+    arch = architecture_of(hf)
     eos = _eos_ids(hf.get("eos_token_id"))
-    if arch == "GPT2LMHeadModel":
-        h = hf["n_embd"]
-        act = hf.get("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise UnsupportedArchitectureError(f"unsupported GPT-2 activation {act!r}; supported: gelu_new")
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=h,
-            intermediate_size=hf.get("n_inner") or 4 * h,
-            num_layers=hf["n_layer"],
-            num_heads=hf["n_head"],
-            num_kv_heads=hf["n_head"],
-            head_dim=h // hf["n_head"],
-            max_position_embeddings=hf["n_positions"],
-            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-            norm_type="layer",
-            mlp_type="gelu_tanh",
-            position_type="learned",
-            qkv_bias=True,
-            o_bias=True,
-            tie_word_embeddings=True,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos,
-        )
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedArchitectureError(f"unsupported activation {act!r}; supported: silu")
-    theta, scaling = _rope_settings(hf)
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    qkv_bias = arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        norm_type="rms",
-        mlp_type="silu_glu",
-        position_type="rope",
-        rope_theta=theta,
-        rope_scaling=scaling,
-        qkv_bias=qkv_bias,
-        o_bias=arch == "LlamaForCausalLM" and bool(hf.get("attention_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos,
+    fields = family_of(arch).config_fields(hf)
+    return ModelConfig.from_dict(
+        {"architecture": arch, **fields, "bos_token_id": hf.get("bos_token_id"), "eos_token_ids": eos}
     )
-
-
-def _arch_from_model_type(model_type: str | None) -> str:
-    return {
-        "gpt2": "GPT2LMHeadModel",
-        "llama": "LlamaForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-    }.get(model_type or "", str(model_type))
 
 
 def load_config(model_dir: Path) -> ModelConfig:
@@ -214,7 +128,7 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise CompiledLLMError(f"{path} does not hold a JSON object")
     # Check the architecture on the raw file first so an unknown model gets our message, then
     # let transformers fill in the class defaults that save_pretrained leaves out of the file.
-    arch = check_architecture(raw)
+    arch = architecture_of(raw)
     from transformers import AutoConfig  # seconds to import: only checkpoints need it, engines never
 
     try:
@@ -229,16 +143,6 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise CompiledLLMError(f"{path} lacks the field {e.args[0]!r} that {arch} needs") from None
     except (TypeError, ValueError) as e:
         raise CompiledLLMError(f"{path} has an invalid value: {e}") from None
-
-
-def check_architecture(hf: dict[str, Any]) -> str:
-    archs = hf.get("architectures") or []
-    arch = archs[0] if archs else _arch_from_model_type(hf.get("model_type"))
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return arch
 
 
 # ---------------------------------------------------------------------------------------------

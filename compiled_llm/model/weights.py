@@ -1,4 +1,5 @@
-"""Checkpoint weights (safetensors, single file or sharded) mapped onto the spec's params.
+"""Checkpoint weights (safetensors, single file or sharded) mapped onto the spec's params, by
+the rules of the checkpoint's family (``model/families/``).
 
 Tensors are read one at a time with ``safe_open``, reshaped, cast and moved to the target
 device before the next is read, so a checkpoint never sits in memory twice.
@@ -7,117 +8,51 @@ device before the next is read, so a checkpoint never sits in memory twice.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from torch import Tensor
 
 from compiled_llm.errors import WeightLoadError
-from compiled_llm.graph.spec import derived_params, param_shapes
 from compiled_llm.model.config import ModelConfig
-
-# A mapping rule: HF tensor -> list of (spec name, tensor) pairs.
-Mapper = Callable[[Tensor], list[tuple[str, Tensor]]]
-
-_LLAMA_RULES: list[tuple[str, str]] = [
-    (r"model\.embed_tokens\.weight", "embed.weight"),
-    (r"model\.norm\.weight", "final_norm.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{0}.attn_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.mlp_norm.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.(weight|bias)", "layers.{0}.{1}.{2}"),
-    (r"model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight", "layers.{0}.{1}_norm.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers.{0}.{1}.weight"),
-]
-
-# GPT-2 stores its linears as Conv1D ([in, out]) and q/k/v fused in c_attn.
-_GPT2_RULES: list[tuple[str, str]] = [
-    (r"wte\.weight", "embed.weight"),
-    (r"wpe\.weight", "pos_embed.weight"),
-    (r"ln_f\.(weight|bias)", "final_norm.{0}"),
-    (r"h\.(\d+)\.ln_1\.(weight|bias)", "layers.{0}.attn_norm.{1}"),
-    (r"h\.(\d+)\.ln_2\.(weight|bias)", "layers.{0}.mlp_norm.{1}"),
-    (r"h\.(\d+)\.attn\.c_attn\.(weight|bias)", "layers.{0}.qkv.{1}"),
-    (r"h\.(\d+)\.attn\.c_proj\.(weight|bias)", "layers.{0}.o.{1}"),
-    (r"h\.(\d+)\.mlp\.c_fc\.(weight|bias)", "layers.{0}.fc.{1}"),
-    (r"h\.(\d+)\.mlp\.c_proj\.(weight|bias)", "layers.{0}.proj.{1}"),
-]
-# Buffers some GPT-2 checkpoints carry that are not weights.
-_GPT2_IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
+from compiled_llm.model.families import family_of
+from compiled_llm.model.families.base import Family, layer_projection
+from compiled_llm.model.spec import derived_params, param_shapes
 
 
-def _spec_name(config: ModelConfig, hf_name: str) -> str | None:
-    if config.architecture == "GPT2LMHeadModel":
-        name = hf_name.removeprefix("transformer.")
-        if name == "lm_head.weight" or _GPT2_IGNORED.fullmatch(name):
-            return None
-        rules = _GPT2_RULES
-    else:
-        name = hf_name
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            return None  # tied: the embedding serves as lm_head
-        rules = _LLAMA_RULES
-    for pattern, template in rules:
-        m = re.fullmatch(pattern, name)
-        if m:
-            return template.format(*m.groups())
-    return ""
-
-
-# Spec name -> checkpoint name, for error messages about tensors the checkpoint lacks.
-_LLAMA_HF_NAMES: list[tuple[str, str]] = [
-    (r"embed\.weight", "model.embed_tokens.weight"),
-    (r"final_norm\.weight", "model.norm.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
-    (r"layers\.(\d+)\.attn_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
-    (r"layers\.(\d+)\.mlp_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
-    (r"layers\.(\d+)\.(q|k|v|o)\.(weight|bias)", "model.layers.{0}.self_attn.{1}_proj.{2}"),
-    (r"layers\.(\d+)\.(q|k)_norm\.weight", "model.layers.{0}.self_attn.{1}_norm.weight"),
-    (r"layers\.(\d+)\.(gate|up|down)\.weight", "model.layers.{0}.mlp.{1}_proj.weight"),
-]
-_GPT2_HF_NAMES: list[tuple[str, str]] = [
-    (r"embed\.weight", "transformer.wte.weight"),
-    (r"pos_embed\.weight", "transformer.wpe.weight"),
-    (r"final_norm\.(weight|bias)", "transformer.ln_f.{0}"),
-    (r"layers\.(\d+)\.attn_norm\.(weight|bias)", "transformer.h.{0}.ln_1.{1}"),
-    (r"layers\.(\d+)\.mlp_norm\.(weight|bias)", "transformer.h.{0}.ln_2.{1}"),
-    (r"layers\.(\d+)\.(?:q|k|v)\.(weight|bias)", "transformer.h.{0}.attn.c_attn.{1}"),
-    (r"layers\.(\d+)\.o\.(weight|bias)", "transformer.h.{0}.attn.c_proj.{1}"),
-    (r"layers\.(\d+)\.fc\.(weight|bias)", "transformer.h.{0}.mlp.c_fc.{1}"),
-    (r"layers\.(\d+)\.proj\.(weight|bias)", "transformer.h.{0}.mlp.c_proj.{1}"),
-]
+def _spec_name(family: Family, config: ModelConfig, hf_name: str) -> str | None:
+    """The spec param checkpoint tensor ``hf_name`` holds: None for one to skip, "" for one
+    with no place in the spec."""
+    name = family.spec_name(hf_name)
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return None  # tied: the embedding serves as lm_head
+    return name
 
 
 def checkpoint_name(config: ModelConfig, spec_name: str) -> str:
     """The checkpoint tensor that holds spec param ``spec_name`` (the spec name if none does)."""
-    rules = _GPT2_HF_NAMES if config.architecture == "GPT2LMHeadModel" else _LLAMA_HF_NAMES
-    for pattern, template in rules:
-        m = re.fullmatch(pattern, spec_name)
-        if m:
-            return template.format(*m.groups())
-    return spec_name
+    return family_of(config.architecture).checkpoint_name(spec_name)
 
 
-def _convert(config: ModelConfig, spec_name: str, t: Tensor) -> list[tuple[str, Tensor]]:
-    """HF layout -> spec layout for one tensor."""
-    if config.architecture != "GPT2LMHeadModel":
+def _to_spec_layout(
+    family: Family, expected: dict[str, tuple[int, ...]], spec_name: str, t: Tensor
+) -> list[tuple[str, Tensor]]:
+    """A checkpoint tensor in the spec's layout: [out, in] linears, fused ones split into their
+    parts by the rows the spec gives each."""
+    projection = layer_projection(spec_name)
+    if projection in family.transposed and spec_name.endswith(".weight"):
+        t = t.t()  # stored [in, out] (GPT-2's Conv1D) -> linear [out, in]
+    names = family.spec_params(spec_name)
+    if names == (spec_name,):
         return [(spec_name, t)]
-    is_linear_weight = spec_name.endswith(".weight") and any(
-        f".{n}." in spec_name for n in ("qkv", "o", "fc", "proj")
-    )
-    if is_linear_weight:
-        t = t.t()  # Conv1D [in, out] -> linear [out, in]
-    if ".qkv." in spec_name:
-        h = config.hidden_size
-        if t.shape[0] != 3 * h:
-            raise WeightLoadError(
-                f"tensor for {spec_name} has shape {tuple(t.shape)}; expected first dim {3 * h}"
-            )
-        return [(spec_name.replace(".qkv.", f".{n}."), part) for n, part in zip("qkv", t.split(h, dim=0))]
-    return [(spec_name, t)]
+    rows = [expected[n][0] for n in names]
+    if t.shape[0] != sum(rows):
+        raise WeightLoadError(
+            f"tensor for {spec_name} has shape {tuple(t.shape)}; expected first dim {sum(rows)}"
+        )
+    return list(zip(names, t.split(rows, dim=0)))
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -187,17 +122,16 @@ def load_params(
     table). Fails naming the tensor on a missing, unexpected, misshapen or non-finite (NaN/Inf,
     in the file or after the cast to ``dtype``) one; every path that loads a checkpoint (build,
     eager ``LLM``/``run --eager``, ``compare``) comes through here."""
+    family = family_of(config.architecture)
     expected = param_shapes(config)
     params: dict[str, Tensor] = {}
     for file, hf_name, tensor in _iter_checkpoint(checkpoint_files(model_dir)):
-        spec_name = _spec_name(config, hf_name)
+        spec_name = _spec_name(family, config, hf_name)
         if spec_name is None:
             continue
-        if spec_name == "" or (spec_name not in expected and ".qkv." not in spec_name):
+        if spec_name == "" or any(n not in expected for n in family.spec_params(spec_name)):
             raise WeightLoadError(f"unexpected tensor {hf_name!r} in checkpoint (no place for it in {config.architecture})")
-        for name, t in _convert(config, spec_name, tensor):
-            if name not in expected:
-                raise WeightLoadError(f"unexpected tensor {hf_name!r} in checkpoint (no place for it in {config.architecture})")
+        for name, t in _to_spec_layout(family, expected, spec_name, tensor):
             if tuple(t.shape) != expected[name]:
                 raise WeightLoadError(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; {config.architecture} with this config expects {expected[name]} for {name}"

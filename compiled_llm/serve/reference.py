@@ -26,7 +26,7 @@ from torch import Tensor
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import InvalidRequestError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-from compiled_llm.graph.spec import forward, kv_cache_shape
+from compiled_llm.model.spec import forward, kv_cache_shape
 from compiled_llm.serve.worker.sampler import SamplingTensors, make_generator, sample, suppress_tokens
 from compiled_llm.serve.sampling_params import SamplingParams, stop_tokens
 

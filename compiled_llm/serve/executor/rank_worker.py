@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from compiled_llm.engine.loaded_model import LoadedModel
-from compiled_llm.graph.spec import PackedBatch
+from compiled_llm.model.spec import PackedBatch
 from compiled_llm.serve.worker import kv_cache as kvc
 from compiled_llm.serve.worker.model_runner import ModelRunner, profile_step
 

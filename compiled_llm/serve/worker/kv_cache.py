@@ -13,7 +13,7 @@ import torch
 
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.graph.spec import kv_cache_shape
+from compiled_llm.model.spec import kv_cache_shape
 
 DEFAULT_CPU_KV_GIB = 0.5
 

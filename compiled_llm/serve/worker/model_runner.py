@@ -19,7 +19,7 @@ from torch import Tensor
 
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-from compiled_llm.graph.spec import PackedBatch
+from compiled_llm.model.spec import PackedBatch
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.serve.worker import kv_cache as kvc
 from compiled_llm.serve.core.block_manager import cdiv

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from compiled_llm.graph.spec import PackedBatch
+from compiled_llm.model.spec import PackedBatch
 
 FIELDS = (("tok", torch.int64), ("pos", torch.int64), ("slot", torch.int64), ("sl", torch.int32),
           ("qsl", torch.int32), ("bt", torch.int32))

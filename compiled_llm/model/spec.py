@@ -1,7 +1,7 @@
 """The model, written once: a pure function of (params, packed batch, paged KV cache).
 
 One function serves GPT-2, Llama, Qwen2 and Qwen3; the families differ only by ModelConfig
-fields. Batches are flat as in vLLM v1, so prefill, decode and mixed steps are the same code
+fields (how each reads its checkpoint is ``model/families/``). Batches are flat as in vLLM v1, so prefill, decode and mixed steps are the same code
 with different shapes:
 
     token_ids[T], positions[T]       every scheduled token of every sequence, packed
@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# the op vocabulary (graph/ops.py) sits a layer below the model; `import ... as` names only
+# that module, not the graph package, whose capture and serialization build on this spec
+import compiled_llm.graph.ops as ops
 from compiled_llm.model.config import ModelConfig
-from compiled_llm.graph import ops
 
 ROPE_PARAM = "rope.cos_sin"
 
