@@ -13,7 +13,7 @@ One idea a module, in the order a comparison uses them:
   steps.py       step functions (program, spec, a rebuilt program) and running one over the prompts
   references.py  the reference's logits: the spec (dequantized for a quantized engine) or transformers
   verdict.py     the tolerance: judging logits against the reference's, and the summary line
-  ranks.py       a tensor-parallel engine's other ranks, driven through the executor
+  ranks.py       a tensor-parallel engine's other ranks, driven through the executor's run_on_ranks
   bisection.py   naming the first pass that breaks the numbers
   driver.py      compare_engine: all of the above, as ``compiled-llm compare`` runs it
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from compiled_llm.engine.artifact import tp_size_of
-from compiled_llm.engine.compare.ranks import sharded_step
+from compiled_llm.engine.compare.ranks import rebuild_on_ranks, sharded_step
 from compiled_llm.engine.compare.source import quantization_of, whole_config
 from compiled_llm.engine.compare.steps import program_step, rebuilt_program
 from compiled_llm.engine.compare.verdict import check_candidate
@@ -28,11 +28,12 @@ def bisect_passes(engine, ref_kind: str, prompts, max_tokens: int, on_step=None,
     scheme = quantization_of(manifest)
     size = tp_size_of(manifest)
     for k in range(len(names) + 1):
+        if executor is not None:
+            rebuild_on_ranks(executor, names[:k])
         program, params = rebuilt_program(manifest, names[:k], engine.dtype, engine.device)
         step = program_step(program, params)
         config = whole_config(engine)
         if executor is not None:
-            executor.send("use_rebuilt_program", names[:k])
             step = sharded_step(dataclasses.replace(engine, program=program, params=params), executor)
             if "shard" in names[:k]:
                 config = local_config(config, size)
