@@ -9,7 +9,12 @@
   and vocabulary rows, and the program carries one all-reduce per row-parallel linear (o and
   down/proj; each adds the residual) plus one after the embedding, and one all-gather of the
   logits.
-- ``compare`` checks a TP engine over both ranks.
+- The executor runs a function on every other rank (``run_on_ranks``), with that rank's model
+  and a state the rank keeps between calls, and brings back each rank's result; a function that
+  meets rank 0 in a collective is sent without waiting; one that raises fails the ranks, naming
+  the rank.
+- ``compare`` checks a TP engine over both ranks, and names a wrong pass planted after ``shard``
+  while every rank rebuilds its own program with each prefix of the pass list.
 - A rank that dies fails the generation running and every later one with an ``EngineError``
   naming it, and the process can start a tensor-parallel engine again; a killed rank 0 takes
   its worker with it. Shutdown drops the CUDA graphs before the group ends.
@@ -34,16 +39,20 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from hf_checkpoints import make_checkpoint
 from lively import INIT_RANGE, greedy_continuation
 from rank_processes import run_ranks
 from safetensors import safe_open
 
 from compiled_llm import LLM, SamplingParams
+from compiled_llm.engine.artifact import load_engine
 from compiled_llm.engine.build import build_engine
 from compiled_llm.engine.compare import compare_engine
 from compiled_llm.errors import CompiledLLMError, EngineError, InvalidOptionError
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
+from compiled_llm.passes import default_pass_names, register_pass, unregister_pass
+from compiled_llm.passes.base import Pass, aten, finish, is_call, param_name
 from compiled_llm.serve.executor.multiproc import start_ranks
 
 RANKS = 2
@@ -327,6 +336,59 @@ def test_gpt2_vocabulary_is_padded_with_zero_rows_to_split_evenly(built):
     assert not r1["layers.0.o.bias"].any()
 
 
+# ---- running a function on every other rank (the executor's run_on_ranks) ---------------------
+# What is sent runs in the worker, found there by name: module-level functions of this module.
+
+
+def param_shape(model, state, name: str) -> tuple[int, tuple[int, ...]]:
+    """This rank's number and the shape of its shard of ``name``."""
+    return model.tp_rank, tuple(model.params[name].shape)
+
+
+def count_calls(model, state) -> int:
+    """How often this rank has run it, kept in the rank's state."""
+    state["calls"] = state.get("calls", 0) + 1
+    return state["calls"]
+
+
+def all_reduce_rank_numbers(model, state) -> None:
+    """Meets rank 0 in an all-reduce of every rank's number + 1 and keeps the sum."""
+    total = torch.tensor([model.tp_rank + 1.0])
+    torch.distributed.all_reduce(total)
+    state["sum"] = total.item()
+
+
+def kept_sum(model, state) -> float:
+    return state["sum"]
+
+
+def refuse(model, state) -> None:
+    raise ValueError(f"rank {model.tp_rank} refuses")
+
+
+def test_a_function_runs_on_every_other_rank_on_that_ranks_model_and_state(qwen2):
+    executor = start_ranks(load_engine(qwen2.engine))
+    try:
+        assert executor.run_on_ranks(param_shape, "embed.weight") == [(1, (128, 64))]  # half the vocabulary
+        q_and_kv_rows = HEADS // RANKS * HEAD_DIM + 2 * HEAD_DIM  # half the q heads, one KV head
+        assert executor.run_on_ranks(param_shape, "layers.0.qkv.weight") == [(1, (q_and_kv_rows, 64))]
+        assert [executor.run_on_ranks(count_calls) for _ in range(3)] == [[1], [2], [3]]
+    finally:
+        executor.shutdown()
+
+
+def test_a_function_that_meets_rank_0_in_a_collective_is_sent_without_waiting(qwen2):
+    executor = start_ranks(load_engine(qwen2.engine))
+    try:
+        assert executor.run_on_ranks(all_reduce_rank_numbers, wait=False) is None
+        total = torch.tensor([1.0])  # rank 0's side of the all-reduce
+        torch.distributed.all_reduce(total)
+        assert total.item() == 3.0
+        assert executor.run_on_ranks(kept_sum) == [3.0]
+    finally:
+        executor.shutdown()
+
+
 # ---- compare ----------------------------------------------------------------------------------
 
 
@@ -339,6 +401,45 @@ def test_compare_checks_a_tp_engine_over_both_ranks(qwen2):
     assert culprit is None
     assert any("2 tensor-parallel ranks" in line for line in lines), lines
     assert worker_children() == before  # the worker it started is gone
+
+
+def _drop_q_bias(gm, ctx):
+    """A wrong rewrite: the q projection loses its bias."""
+    count = 0
+    for node in gm.graph.nodes:
+        if is_call(node, aten.linear.default) and len(node.args) == 3 and (param_name(node.args[1]) or "").endswith("q.weight"):
+            node.args = node.args[:2]
+            count += 1
+    finish(gm)
+    return count
+
+
+def plant_drop_q_bias(model, state) -> None:
+    """On the other rank: the wrong pass, known there too, since every rank rebuilds its program."""
+    register_pass(Pass("drop_q_bias", _drop_q_bias, "test: a wrong rewrite"))
+
+
+def start_ranks_knowing_drop_q_bias(engine):
+    executor = start_ranks(engine)
+    executor.run_on_ranks(plant_drop_q_bias)
+    return executor
+
+
+def test_compare_names_a_wrong_pass_planted_after_shard(tmp_path):
+    make_checkpoint("qwen2", tmp_path / "checkpoint")  # its q bias is not zero, unlike a fresh init's
+    register_pass(Pass("drop_q_bias", _drop_q_bias, "test: a wrong rewrite"))
+    try:
+        names = default_pass_names()
+        names.insert(names.index("shard") + 1, "drop_q_bias")
+        build_engine(str(tmp_path / "checkpoint"), tmp_path / "engine", pass_names=names, dtype="float32", device="cpu",
+                     progress=False, tensor_parallel_size=RANKS)
+        lines: list[str] = []
+        verdict, culprit = compare_engine(tmp_path / "engine", num_prompts=2, max_tokens=4, out=lines.append,
+                                         start_ranks=start_ranks_knowing_drop_q_bias)
+    finally:
+        unregister_pass("drop_q_bias")
+    assert not verdict.ok and culprit == "drop_q_bias", "\n".join(lines)
+    assert any("after shard" in line and line.endswith("ok") for line in lines), lines
 
 
 # ---- shutdown and bench ---------------------------------------------------------------------
@@ -382,6 +483,18 @@ def test_bench_runs_a_tp_engine_and_holds_it_to_the_asked_size(qwen2, capsys):
 
 # ---- failures (last: after a rank dies, this process keeps the broken group, so no other
 # tensor-parallel engine can start in it) ---------------------------------------------------------
+
+
+def test_a_function_that_raises_on_a_rank_fails_the_ranks_naming_it(qwen2):
+    executor = start_ranks(load_engine(qwen2.engine))
+    try:
+        with pytest.raises(EngineError, match=r"^tensor-parallel rank 1 failed: ValueError: rank 1 refuses$"):
+            executor.run_on_ranks(refuse)
+        with pytest.raises(EngineError, match=r"^tensor-parallel rank 1 failed: ValueError"):
+            executor.run_on_ranks(count_calls)  # and every later call
+    finally:
+        executor.shutdown()
+    assert not torch.distributed.is_initialized()  # the failed ranks' gloo group ended with them
 
 
 def test_a_killed_worker_fails_the_running_generate_and_every_later_one(qwen2):

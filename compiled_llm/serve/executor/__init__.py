@@ -6,13 +6,22 @@ sent to the other ranks, which run the same operation on their own weights and K
 collectives inside the program (``graph/collective_ops.py``) meet there. An executor is that
 channel and the life of the ranks behind it:
 
-    send(method, *args)   have every other rank call ``RankWorker.<method>(*args)``, in order
-    check()               raise ``EngineError`` if a rank has failed (naming it)
-    shutdown()            stop every rank; no process is left behind
+    send(method, *args)          have every other rank call ``RankWorker.<method>(*args)``, in order
+    run_on_ranks(fn, *args,      have every other rank call ``fn(model, state, *args)``, in the same
+                 wait=True)      order: its ``LoadedModel`` and a dict it keeps for such functions;
+                                 returns their results, rank 1 first (``wait=False``: returns at once,
+                                 for a function that meets rank 0 in a collective)
+    check()                      raise ``EngineError`` if a rank has failed (naming it)
+    shutdown()                   stop every rank; no process is left behind
+
+``send`` is the runtime's own channel; ``run_on_ranks`` is for callers that drive the ranks
+themselves (``compiled-llm compare`` rebuilds a rank's program and runs steps into a
+scratch KV cache), with functions of their own: ``fn`` must be picklable by name (a module-level
+function), and raising in it fails the ranks as a dying rank does, named.
 
 ``multiproc.MultiprocExecutor`` runs the ranks as processes of this host (torch.multiprocessing,
 torch.distributed over NCCL on CUDA and gloo on CPU). A multi-node backend is one more file:
 start a ``RankWorker`` per GPU of the other nodes (as Ray actors, say), rendezvous
-torch.distributed through a TCP store that rank 0 hosts, and carry ``send`` over the actors'
-calls; nothing in the engine or the runner changes.
+torch.distributed through a TCP store that rank 0 hosts, and carry ``send`` and ``run_on_ranks``
+over the actors' calls; nothing in the engine or the runner changes.
 """

@@ -1,11 +1,17 @@
 """``MultiprocExecutor``: tensor-parallel ranks 1..N-1 as processes of this host; this process
 is rank 0.
 
-Start-up: every worker process loads its rank's weights from the engine directory (only its
-own file) and says so; then all ranks join one torch.distributed group through a file store:
-NCCL on CUDA (rank r on cuda:r), gloo on CPU. A worker that fails to load is an error here,
-before anyone waits in a collective. On CUDA the ranks then open the custom all-reduce's
-workspace together (kernels/triton_all_reduce.py), unless asked not to; all use it or none do.
+Start-up: every worker process, a fresh interpreter on this process's ``sys.path`` (so that the
+functions ``run_on_ranks`` sends are found by the same names), loads its rank's weights from the
+engine directory (only its own file) and says so; then all ranks join one torch.distributed
+group through a file store: NCCL on CUDA (rank r on cuda:r), gloo on CPU. A worker that fails to
+load is an error here, before anyone waits in a collective. On CUDA the ranks then open the
+custom all-reduce's workspace together (kernels/triton_all_reduce.py), unless asked not to; all
+use it or none do.
+
+Messages: rank 0 sends each call pickled once (plain pickle: a tensor travels by value, as
+multiprocessing's handles to shared memory open only in processes it started); a worker answers
+only the calls that wait for its result (``run_on_ranks``), and says so when it fails.
 
 Failure: a monitor thread watches every worker. When one dies or reports an error, the others
 are killed at once: a collective rank 0 waits in then fails (gloo and NCCL see the closed
@@ -19,8 +25,11 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import logging
 import os
+import pickle
+import queue
 import shutil
 import socket
 import subprocess
@@ -31,12 +40,12 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from compiled_llm.errors import EngineError
+from compiled_llm.errors import EngineError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +56,7 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = {"gloo": 20.0, "nccl": 300.0}
 LOAD_TIMEOUT_S = 900.0
 _STOP_GRACE_S = 5.0
+_RESULT_POLL_S = 0.05  # how often a wait for the ranks' results looks for a failed rank
 
 
 def backend_for(device: torch.device) -> str:
@@ -120,11 +130,18 @@ class MultiprocExecutor:
         store = self._dir / "store"
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
+        # each rank's answers to run_on_ranks, in order; the monitor thread reads every socket
+        self._results: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(1, size)]
+        # one reader of the sockets at a time (the monitor, or check() finding a dead rank), each
+        # acting on what it read before the other reads: a dying rank's error is never lost
+        # between them, and its text, not "exited", names the failure
+        self._receive_lock = threading.Lock()
         try:
             for rank in range(1, size):
                 ours, theirs = socket.socketpair()
                 cmd = [sys.executable, "-m", __name__, str(engine_dir), str(rank), str(size), device.type, str(store),
-                       str(theirs.fileno()), str(os.getpid()), str(timeout_s), str(int(custom_all_reduce))]
+                       str(theirs.fileno()), str(os.getpid()), str(timeout_s), str(int(custom_all_reduce)),
+                       json.dumps([str(p) for p in sys.path])]
                 # a fresh interpreter, not multiprocessing: nothing of the caller's __main__ is
                 # re-run, and a daemonic engine process may start it too
                 self._procs.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL))
@@ -143,13 +160,22 @@ class MultiprocExecutor:
     # ---- the interface (see the package docstring) ----------------------------------------------
 
     def send(self, method: str, *args) -> None:
-        self.check()
-        for rank, conn in enumerate(self._conns, start=1):
-            try:
-                conn.send((method, args))
-            except OSError:
-                self._fail(f"tensor-parallel rank {rank} is gone (its pipe closed)")
-                self.check()
+        self._post(method, args, reply=False)
+
+    def run_on_ranks(self, fn: Callable[..., Any], *args, wait: bool = True) -> list[Any] | None:
+        """Have every other rank call ``fn(model, state, *args)``, in order with what ``send``
+        sends: ``model`` is the rank's ``LoadedModel``, ``state`` a dict the rank keeps for such
+        functions between calls. ``fn`` travels by name (a module-level function, importable in
+        the workers), ``args`` by value.
+
+        Returns the ranks' results, rank 1 first. With ``wait=False`` it returns at once and the
+        results are dropped: what a function that meets rank 0 in a collective needs, since
+        rank 0 must run its own side before any rank returns. A function that raises fails the
+        ranks as a dying rank does: ``EngineError`` naming the rank, now or at the next call."""
+        self._post("run", (fn, *args), reply=wait)
+        if not wait:
+            return None
+        return [self._result(rank) for rank in range(1, self.size)]
 
     def check(self, wait_s: float = 0.0) -> None:
         """Raise EngineError if a rank has failed or the engine was shut down; with ``wait_s``,
@@ -160,7 +186,9 @@ class MultiprocExecutor:
         while self.failure is None:
             dead = next((r for r, p in enumerate(self._procs, start=1) if p.poll() is not None), None)
             if dead is not None:
-                self._fail(self._describe(dead, self._receive(dead) if self._conns[dead - 1].poll() else None))
+                with self._receive_lock:
+                    last = self._receive(dead) if self._conns[dead - 1].poll() else None
+                    self._fail(self._describe(dead, last))
             elif time.monotonic() >= deadline:
                 return
             else:
@@ -196,6 +224,28 @@ class MultiprocExecutor:
         self._kill_workers()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    # ---- messages ----------------------------------------------------------------------------------
+
+    def _post(self, method: str, args: tuple, reply: bool) -> None:
+        """``RankWorker.<method>(*args)`` on every other rank; ``reply``: each answers with its
+        result."""
+        self.check()
+        message = pickle.dumps((method, args, reply))  # before any rank is sent anything
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send_bytes(message)
+            except OSError:
+                self._fail(f"tensor-parallel rank {rank} is gone (its pipe closed)")
+                self.check()
+
+    def _result(self, rank: int) -> Any:
+        """Rank ``rank``'s answer to the call that waits for it; EngineError once a rank fails."""
+        while True:
+            try:
+                return self._results[rank - 1].get(timeout=_RESULT_POLL_S)
+            except queue.Empty:
+                self.check()
+
     # ---- start-up and failure ---------------------------------------------------------------------
 
     def _wait_ready(self) -> None:
@@ -229,15 +279,27 @@ class MultiprocExecutor:
         return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {status}"
 
     def _watch(self) -> None:
-        """Any message or end of a worker's socket after start-up is a failure."""
+        """After start-up a worker sends only its results (``run_on_ranks``), which go to its
+        queue; any other message, or the end of its socket, is a failure."""
         ranks = {c: r for r, c in enumerate(self._conns, start=1)}
         while not self._stopping and self.failure is None:
             ready = wait(list(ranks), timeout=1.0)
             if self._stopping:
                 return
-            if ready:
-                rank = ranks[ready[0]]
-                self._fail(self._describe(rank, self._receive(rank)))
+            for conn in ready:
+                rank = ranks[conn]
+                with self._receive_lock:
+                    if self.failure is not None:  # check() read and failed it first
+                        return
+                    try:
+                        message = self._receive(rank)
+                    except Exception as e:  # noqa: BLE001 - a result this process cannot unpickle
+                        self._fail(f"tensor-parallel rank {rank} sent a result rank 0 cannot read: {first_line(e)}")
+                        return
+                    if message is None or message[0] != "result":
+                        self._fail(self._describe(rank, message))
+                        return
+                    self._results[rank - 1].put(message[1])
 
     def _fail(self, why: str) -> None:
         with self._state_lock:
@@ -301,8 +363,10 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
             if message is None:
                 worker.release_graphs()  # before the group ends: see MultiprocExecutor.before_teardown
                 break
-            method, args = message
-            getattr(worker, method)(*args)
+            method, args, reply = message
+            result = getattr(worker, method)(*args)
+            if reply:
+                conn.send_bytes(pickle.dumps(("result", result)))
     except EOFError:  # rank 0 is gone
         os._exit(1)
     except BaseException as e:
@@ -322,7 +386,8 @@ def start_ranks(engine) -> MultiprocExecutor:
 
 
 if __name__ == "__main__":
-    _engine_dir, _rank, _size, _device_type, _store, _fd, _parent, _timeout, _custom = sys.argv[1:]
+    _engine_dir, _rank, _size, _device_type, _store, _fd, _parent, _timeout, _custom, _sys_path = sys.argv[1:]
+    sys.path[:] = json.loads(_sys_path)  # rank 0's, as multiprocessing's spawn gives its children
     threading.Thread(target=_exit_with_parent, args=(int(_parent),), daemon=True).start()
     _worker_main(_engine_dir, int(_rank), int(_size), _device_type, _store, Connection(int(_fd)), float(_timeout),
                  _custom == "1")

@@ -3,17 +3,17 @@
 It holds the rank's weights (``load_engine(rank=...)``), KV cache and ``ModelRunner``, and runs
 what rank 0 sends, in order: the KV-sizing step, making the runner, graph captures and the
 device part of every step (``ModelRunner.replay_step``). It samples nothing and keeps no request
-state: every step's inputs arrive filled.
+state: every step's inputs arrive filled. Tools that drive the ranks themselves (``compare``) send
+plain functions instead (``run``), which see the rank's model and a state of their own.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from compiled_llm.engine.loaded_model import LoadedModel
-from compiled_llm.model.spec import PackedBatch
 from compiled_llm.serve.worker import kv_cache as kvc
 from compiled_llm.serve.worker.model_runner import ModelRunner, profile_step
 
@@ -22,6 +22,8 @@ class RankWorker:
     def __init__(self, model: LoadedModel):
         self.model = model
         self.runner: ModelRunner | None = None
+        # what functions sent through ``run_on_ranks`` keep between calls on this rank
+        self.state: dict[str, Any] = {}
 
     def profile_step(self, num_tokens: int, num_seqs: int, block_size: int) -> None:
         m = self.model
@@ -49,22 +51,10 @@ class RankWorker:
     def replay_step(self, step, host) -> None:
         self.runner.replay_step(step, host)
 
-    # ---- compare: this rank's side of a sharded program's steps ------------------------------------
-
-    def use_rebuilt_program(self, pass_names: list[str]) -> None:
-        """Compare's bisection: this rank's program rebuilt from the source with ``pass_names``."""
-        from compiled_llm.engine.compare import rebuilt_program
-
-        m = self.model
-        self._compare_program = rebuilt_program(m.manifest, pass_names, m.dtype, m.device, m.tp_rank)
-
-    @torch.inference_mode()
-    def compare_step(self, batch: tuple, kv_shape: tuple, fresh: bool) -> None:
-        m = self.model
-        if fresh:
-            self._compare_kv = torch.zeros(kv_shape, dtype=m.dtype, device=m.device)
-        program, params = getattr(self, "_compare_program", None) or (m.program, m.params)
-        program(params, PackedBatch(*(torch.from_numpy(a).to(m.device) for a in batch)), self._compare_kv)
+    def run(self, fn: Callable[..., Any], *args) -> Any:
+        """``fn(model, state, *args)`` on this rank (the executor's ``run_on_ranks``): ``state``
+        is a dict the rank keeps for such functions from one call to the next."""
+        return fn(self.model, self.state, *args)
 
     def synchronize(self) -> None:
         if self.model.device.type == "cuda":
