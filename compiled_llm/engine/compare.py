@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from compiled_llm.engine.artifact import load_engine, tp_size_of
+from compiled_llm.engine.artifact import build_config, load_engine, tp_size_of
 from compiled_llm.engine.build import lower
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.engine.program import PortableProgram
@@ -191,7 +191,7 @@ def source_of(manifest: dict):
 
 
 def quantization_of(manifest: dict) -> str | None:
-    return manifest["build_options"].get("quantization")
+    return build_config(manifest).quantization
 
 
 def dequantized_model(config, params: dict[str, Tensor], scheme: str):
@@ -262,7 +262,7 @@ def rebuilt_program(manifest: dict, pass_names: Sequence[str], dtype, device, ra
     ``rank`` of a tensor-parallel engine computes it."""
     src = source_of(manifest)
     params = load_source_params(src, dtype, device)
-    lowered = lower(src.config, params, pass_names, device.type, dtype, manifest["build_options"].get("kernel_prefs") or {},
+    lowered = lower(src.config, params, pass_names, device.type, dtype, build_config(manifest).kernel_prefs,
                     quantization=quantization_of(manifest), tp_rank=rank, tp_size=tp_size_of(manifest))
     return PortableProgram(lowered.gm, lowered.param_names), lowered.params
 
