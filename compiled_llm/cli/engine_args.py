@@ -59,7 +59,8 @@ def add_dataclass_arguments(parser, cls: type, defaults: dict | None = None, *, 
         default = (defaults or {}).get(f.name, field_default(f))
         kind = _base_type(hints[f.name])
         names = [field_flag(f), *meta.get("aliases", ())]
-        shown = "" if default is None or kind is bool else f" (default {option_text(default)})"
+        unstated = default is None or kind is bool or (kind in (tuple, list, dict) and not default)
+        shown = "" if unstated else f" (default {option_text(default)})"
         common = dict(dest=f.name, default=None if unset else default, help=meta["help"] + shown)
         if kind is bool:
             parser.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
