@@ -14,6 +14,8 @@ from compiled_llm.errors import EngineError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.model.spec import forward, kv_cache_shape
 from compiled_llm.model.sources import load_source_params, resolve_source
+from compiled_llm.serve import kernel_warmup
+from compiled_llm.serve.kernel_warmup import warm_kernels
 
 
 @pytest.fixture
@@ -135,7 +137,7 @@ def test_cuda_build_ships_its_kernels_and_a_load_compiles_none(tmp_path, monkeyp
 
     monkeypatch.setenv("COMPILED_LLM_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "eng"
-    m = build_engine("tiny-qwen2", out, dtype="bfloat16", device="cuda", progress=False)
+    m = build_engine("tiny-qwen2", out, dtype="bfloat16", device="cuda", progress=False, warm_up=warm_kernels)
     kernels = [f for f in m["files"] if f.startswith(m["kernel_cache"] + "/")]
     assert m["kernel_cache"] == kernel_cache.KERNELS_DIR and any(f.endswith(".cubin") for f in kernels)
     e = artifact.load_engine(out)
@@ -151,9 +153,9 @@ def test_cuda_build_ships_its_kernels_and_a_load_compiles_none(tmp_path, monkeyp
 def test_kernel_warm_up_starts_no_more_processes_than_fit_on_the_gpu(monkeypatch):
     """Each warm-up process holds the weights: on a 16-core host with 130 GB free, a 1 GB engine
     gets 8 processes, an 8B one (16 GB) 6, and a model that barely fits still gets one."""
-    monkeypatch.setattr(kernel_cache.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(kernel_warmup.os, "cpu_count", lambda: 16)
     gib = 1 << 30
-    assert kernel_cache.warm_workers() == 8
-    assert kernel_cache.warm_workers(1 * gib, 130 * gib) == 8
-    assert kernel_cache.warm_workers(16 * gib, 130 * gib) == 6
-    assert kernel_cache.warm_workers(100 * gib, 90 * gib) == 1
+    assert kernel_warmup.warm_workers() == 8
+    assert kernel_warmup.warm_workers(1 * gib, 130 * gib) == 8
+    assert kernel_warmup.warm_workers(16 * gib, 130 * gib) == 6
+    assert kernel_warmup.warm_workers(100 * gib, 90 * gib) == 1

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.engine import cache as engine_cache
 from compiled_llm.engine.artifact import read_manifest
-from compiled_llm.engine.build import build_engine
+from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.model.placement import auto_dtype, checkpoint_dtype, resolve_device, resolve_dtype
 from compiled_llm.cli.main import main, make_parser
 from compiled_llm.engine.cache import cached_engine, engine_path, engines_dir
@@ -101,8 +100,7 @@ def test_the_checkpoint_dtype_is_read_from_dtype_or_torch_dtype(tmp_path):
 
 @no_gpu
 def test_build_defaults_resolve_to_cpu_and_float32_here(tmp_path, capsys):
-    params = inspect.signature(build_engine).parameters
-    assert params["dtype"].default == "auto" and params["device"].default == "auto"
+    assert (BuildConfig().dtype, BuildConfig().device) == ("auto", "auto")
     sub = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
     args = sub.choices["build"].parse_args(["tiny-gpt2", "-o", "x"])
     assert (args.dtype, args.device) == ("auto", "auto")

@@ -12,6 +12,7 @@ import pytest
 from compiled_llm import LLM
 from compiled_llm.cli.engine_args import engine_options, flag
 from compiled_llm.cli.main import make_parser
+from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.errors import InvalidOptionError
 from compiled_llm.serve.engine_config import EngineConfig
 
@@ -51,8 +52,8 @@ def test_flags_parse_into_the_options_llm_takes():
 
 
 def test_llm_takes_every_option_by_name_and_refuses_others(tiny_engine):
-    assert set(inspect.signature(LLM).parameters) == {"model", "dtype", "device", "quantization", "tensor_parallel_size",
-                                                       "engine_options"}
+    build = {f.name for f in dataclasses.fields(BuildConfig)} - set(FIELDS)  # max_model_len: the engine's
+    assert set(inspect.signature(LLM).parameters) == {"model", *build, "engine_options"}
     llm = LLM(str(tiny_engine), device="cpu", **{n: f.default for n, f in FIELDS.items()})
     assert llm.engine.config == EngineConfig()
     llm = LLM(str(tiny_engine), device="cpu", max_num_seqs=3, enable_prefix_caching=False)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from compiled_llm.cli.engine_args import add_build_arguments, build_config
+
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
@@ -14,39 +16,9 @@ def add_parser(subparsers):
     )
     p.add_argument("source", metavar="SOURCE", help="checkpoint directory, preset name (e.g. tiny-qwen2) or hub id")
     p.add_argument("-o", "--output", required=True, metavar="ENGINE_DIR", help="engine directory to write (replaced if it holds an engine)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
-                   help="weight and activation dtype; auto (the default) = the checkpoint's float16/bfloat16 on "
-                        "a GPU (bfloat16 when it is float32 or says nothing), float32 on a CPU")
-    p.add_argument("--device", default="auto",
-                   help="target device: auto (the default: cuda when available, else cpu), cpu or cuda")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="longest context the engine serves (default: the model's maximum)")
-    p.add_argument("--disable-pass", action="append", default=[], metavar="NAME",
-                   help="skip a pass (repeatable); see `compiled-llm inspect` for the pass names")
-    p.add_argument("--kernel", action="append", default=[], metavar="OP=PROVIDER",
-                   help="force a kernel provider for a cllm op, e.g. paged_attention=triton (repeatable)")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
-                   help="weight-only quantization of the linear layers and the lm_head: int8 (per output "
-                        "channel) or int4 (groups of 128 along K); default: none")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="shard the model over N GPUs (N processes over gloo on a CPU): heads and MLP columns "
-                        "split, one weights file per rank; default: 1")
-    p.add_argument("--dump-ir", action="store_true",
-                   help="keep the graph code after every pass in ENGINE_DIR/ir (default: captured and final only)")
+    add_build_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=run)
-
-
-def parse_kernel_prefs(items: list[str]) -> dict[str, str]:
-    from compiled_llm.errors import CompiledLLMError
-
-    prefs = {}
-    for item in items:
-        op, sep, provider = item.partition("=")
-        if not sep or not op or not provider:
-            raise CompiledLLMError(f"--kernel {item!r} is not OP=PROVIDER")
-        prefs[op] = provider
-    return prefs
 
 
 def format_summary(manifest: dict) -> str:
@@ -63,18 +35,16 @@ def format_summary(manifest: dict) -> str:
 
 def run(args) -> int:
     from compiled_llm.engine.build import build_engine
+    from compiled_llm.engine.artifact import build_config as built_with
+    from compiled_llm.serve.kernel_warmup import warm_kernels
 
-    manifest = build_engine(
-        args.source, args.output,
-        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        disabled_passes=args.disable_pass, dump_ir=args.dump_ir,
-        kernel_prefs=parse_kernel_prefs(args.kernel), progress=not args.quiet and sys.stderr.isatty(),
-        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
-    )
+    config = build_config(args)  # bad values fail before anything loads
+    manifest = build_engine(args.source, args.output, config, progress=not args.quiet and sys.stderr.isatty(),
+                            warm_up=warm_kernels)
     print(format_summary(manifest))
-    opts = manifest["build_options"]
-    quant = f", {opts['quantization']} weights" if opts.get("quantization") else ""
-    if (opts.get("tensor_parallel_size") or 1) > 1:
-        quant += f", tensor parallel over {opts['tensor_parallel_size']} ranks"
-    print(f"engine written to {args.output} ({opts['device']}, {opts['dtype']}{quant})")
+    built = built_with(manifest)
+    quant = f", {built.quantization} weights" if built.quantization else ""
+    if built.tensor_parallel_size > 1:
+        quant += f", tensor parallel over {built.tensor_parallel_size} ranks"
+    print(f"engine written to {args.output} ({built.device}, {built.dtype}{quant})")
     return 0

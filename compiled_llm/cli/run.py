@@ -17,14 +17,15 @@ import statistics
 import sys
 import time
 
-from compiled_llm.cli.engine_args import add_engine_arguments, engine_options
+from compiled_llm.cli.engine_args import (add_build_arguments, add_engine_arguments, build_config, build_options,
+                                          engine_options, field_flag)
 from compiled_llm.cli.run_io import (check_prompt_args, format_perf, print_outputs, print_run_header, prompts_from_args,
                                      sampling_from_args)
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.model.tokenizer import DEFAULT_SYSTEM_PROMPT
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
+BUILD_GROUP = ("how a SOURCE is built into the engine cache (each option a cache entry of its own), and where it "
+               "runs; given for an engine directory, an option must be what the engine was built with")
 
 
 def add_parser(subparsers):
@@ -70,12 +71,6 @@ def add_parser(subparsers):
     p.add_argument("--eager", action="store_true",
                    help="run a model source on the eager reference loop (one prompt at a time, no build, "
                         "no engine cache) instead of compiling it; not for engine directories")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weight and activation dtype; auto = the checkpoint's float16/bfloat16 on cuda "
-                        "(bfloat16 when it is float32 or says nothing), float32 on cpu")
-    p.add_argument("--device", choices=DEVICES, default="auto",
-                   help="where to run; auto = cuda when available, else cpu")
-    add_quantization_argument(p)
     p.add_argument("--chat", action="store_true",
                    help="wrap each text prompt in the tokenizer's chat template (a plain "
                         "'User:/Assistant:' transcript when it has none)")
@@ -84,6 +79,7 @@ def add_parser(subparsers):
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt per line: prompt_token_ids, token_ids, "
                         "text, finish_reason; no perf summary")
+    add_build_arguments(p.add_argument_group("build", BUILD_GROUP), for_source=True)
     # --- compiled-runtime options ---
     eng = p.add_argument_group("compiled runtime (engine directories, and sources without --eager)")
     eng.add_argument("--stream", action="store_true",
@@ -110,6 +106,7 @@ def add_parser(subparsers):
 def run(args) -> int:
     from compiled_llm.engine.loader import is_engine_dir
 
+    build_config(args, for_source=True)  # bad values fail before anything loads
     if is_engine_dir(args.source):
         if args.eager:
             raise CompiledLLMError(
@@ -118,14 +115,25 @@ def run(args) -> int:
             )
         return run_engine(args)
     if args.eager:
-        if args.quantization:
-            raise CompiledLLMError("--quantization needs the compiled path: --eager runs the original weights")
         if args.speculative_config:
             raise CompiledLLMError("--speculative-config needs the compiled runtime: --eager runs the reference loop")
-        if (args.tensor_parallel_size or 1) > 1:
-            raise CompiledLLMError("--tensor-parallel-size needs the compiled path: --eager runs the reference loop")
+        check_eager_build_options(args)
         return run_reference(args)
     return run_engine(args)
+
+
+def check_eager_build_options(args) -> None:
+    """--eager runs the original weights on the reference loop: no build option but the dtype
+    and device applies there."""
+    import dataclasses
+
+    from compiled_llm.engine.build_config import BuildConfig
+
+    given, config, default = build_options(args, for_source=True), build_config(args, for_source=True), BuildConfig()
+    for f in dataclasses.fields(BuildConfig):
+        if f.name in given and f.name not in ("dtype", "device") and getattr(config, f.name) != getattr(default, f.name):
+            raise CompiledLLMError(f"{field_flag(f)} needs the compiled path: --eager runs the original model "
+                                   "on the reference loop")
 
 
 def run_reference(args) -> int:
@@ -170,35 +178,24 @@ def run_reference(args) -> int:
     return 0
 
 
-def add_quantization_argument(p) -> None:
-    """--quantization and --tensor-parallel-size: how a SOURCE is built, what an engine must be."""
-    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
-                   help="weight-only quantized linear layers (a SOURCE is built so, into an engine cache entry "
-                        "of its own; an engine directory must have been built so); default: none")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
-                   help="shard over N GPUs, one process each (a SOURCE is built so; an engine directory must "
-                        "have been built so); default: the engine's own, 1 for a SOURCE")
-
-
-def engine_of(args, device) -> str:
-    """The engine directory to run: SOURCE itself, or its cached engine (built on first use)."""
+def engine_of(args) -> str:
+    """The engine directory to run: SOURCE itself, or its cached engine (built on first use as
+    the build flags say)."""
     from compiled_llm.engine.cache import cached_engine
     from compiled_llm.engine.loader import is_engine_dir
+    from compiled_llm.serve.kernel_warmup import warm_kernels
 
     if is_engine_dir(args.source):
         return args.source
-    return str(cached_engine(args.source, dtype=args.dtype, device=device, quantization=args.quantization,
-                             tensor_parallel_size=args.tensor_parallel_size or 1))
+    return str(cached_engine(args.source, build_config(args, for_source=True), warm_up=warm_kernels))
 
 
 def build_llm(args):
-    from compiled_llm.model.placement import resolve_device
+    """The LLM of ``run`` / ``serve``: the engine of ``engine_of``, loaded with the build options
+    given (which an engine directory must have been built with) and the engine options."""
     from compiled_llm.serve.llm import LLM
 
-    device = resolve_device(args.device)
-    dtype = None if args.dtype == "auto" else args.dtype
-    return LLM(engine_of(args, device), dtype=dtype, device=device, quantization=args.quantization,
-               tensor_parallel_size=args.tensor_parallel_size, **engine_options(args))
+    return LLM(engine_of(args), **build_options(args, for_source=True), **engine_options(args))
 
 
 def run_engine(args) -> int:

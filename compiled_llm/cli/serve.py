@@ -1,8 +1,9 @@
 """`compiled-llm serve ENGINE|SOURCE`: an OpenAI-compatible HTTP server (``compiled_llm.serve.openai``).
 
 The model loads as in ``run`` (a SOURCE is built into the engine cache on first use), in the
-engine process the server starts (``serve.engine_core``); the server options are
-``ServerConfig``'s fields and the engine options ``EngineConfig``'s, both as flags.
+engine process the server starts (``serve.engine_core``); the build options are ``BuildConfig``'s
+fields, the server options ``ServerConfig``'s and the engine options ``EngineConfig``'s, all as
+flags.
 
 Unlike ``run``, which captures each CUDA graph when its bucket first runs (so that nothing stands
 before the first token), the server captures all of them before it says ready, as vLLM's does: a
@@ -17,8 +18,9 @@ import logging
 import os
 import time
 
-from compiled_llm.cli.engine_args import add_dataclass_arguments, add_engine_arguments, dataclass_options
-from compiled_llm.cli.run import DEVICES, DTYPES, add_quantization_argument
+from compiled_llm.cli.engine_args import (add_build_arguments, add_dataclass_arguments, add_engine_arguments,
+                                          build_config, dataclass_options)
+from compiled_llm.cli.run import BUILD_GROUP
 from compiled_llm.serve.server_config import API_KEY_VAR, ServerConfig
 
 logger = logging.getLogger("compiled_llm.serve")
@@ -40,10 +42,7 @@ def add_parser(subparsers):
     p.add_argument("source", metavar="ENGINE|SOURCE",
                    help="an engine directory made by 'compiled-llm build', or a model source (checkpoint "
                         "directory, preset, hub id) built into the engine cache on first use")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weight and activation dtype; auto = the checkpoint's float16/bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--device", choices=DEVICES, default="auto", help="where to run; auto = cuda when available")
-    add_quantization_argument(p)
+    add_build_arguments(p.add_argument_group("build", BUILD_GROUP), for_source=True)
     add_dataclass_arguments(p.add_argument_group("server"), ServerConfig)
     add_engine_arguments(p.add_argument_group("engine"))
     p.set_defaults(handler=run)
@@ -76,6 +75,7 @@ def run(args) -> int:
     from compiled_llm.serve.openai.api_server import serve
 
     config = server_config(args)  # bad values fail before anything loads
+    build_config(args, for_source=True)
     if not os.environ.get(LOGGING_LEVEL_VAR):
         # a server's log is its output: the ready line and the stats lines show without a
         # terminal too, in the engine process as well (it reads the variable)

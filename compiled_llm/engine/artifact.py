@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from compiled_llm.engine import kernel_cache, limits, manifest_check, weights_header
+from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.engine.program import PortableProgram
 from compiled_llm.errors import EngineError
@@ -144,8 +145,13 @@ def weights_file(rank: int = 0, tp_size: int = 1) -> str:
     return WEIGHTS_FILE if tp_size == 1 else f"weights.rank{rank}.safetensors"
 
 
+def build_config(manifest: dict) -> BuildConfig:
+    """The config the engine of ``manifest`` (one ``read_manifest`` checked) was built with."""
+    return BuildConfig.from_manifest(manifest["build_options"])
+
+
 def tp_size_of(manifest: dict) -> int:
-    return int(manifest["build_options"].get("tensor_parallel_size") or 1)
+    return build_config(manifest).tensor_parallel_size
 
 
 def save_weights(engine_dir: Path, params: dict[str, Tensor], name: str = WEIGHTS_FILE) -> None:
@@ -362,7 +368,7 @@ def _config(manifest: dict) -> ModelConfig:
 
 
 def _device(manifest: dict, device: str | torch.device | None) -> torch.device:
-    built_for = manifest["build_options"]["device"]
+    built_for = build_config(manifest).device
     dev = torch.device(device) if device is not None else torch.device(built_for)
     if dev.type != built_for:
         raise EngineError(f"engine was built for {built_for} but {dev.type} was asked for; rebuild with --device {dev.type}")
@@ -395,14 +401,14 @@ def _load_program(engine_dir: Path, manifest: dict) -> torch.fx.GraphModule:
         data = json.loads(data)
     except (ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
         raise EngineError(f"cannot read {rel} as a JSON program ({type(e).__name__}); rebuild the engine") from None
-    return graph_from_json(data, manifest["program"]["param_names"], manifest["build_options"]["device"])
+    return graph_from_json(data, manifest["program"]["param_names"], build_config(manifest).device)
 
 
 def _load_weights(engine_dir: Path, manifest: dict, device: torch.device, rank: int,
                   config: ModelConfig) -> dict[str, Tensor]:
     name = weights_file(rank, tp_size_of(manifest))
     path = inside(engine_dir, name)
-    weights_header.check_header(path, name, config, manifest["build_options"], manifest["program"]["param_names"])
+    weights_header.check_header(path, name, config, build_config(manifest), manifest["program"]["param_names"])
     try:
         tensors = load_file(str(path), device=str(device))
     except Exception as e:
@@ -432,9 +438,7 @@ def load_engine(
     checks = _Background(lambda: verify_files(engine_dir, manifest)) if verify else None
     config = _config(manifest)
     dev = _device(manifest, device)
-    dtype = getattr(torch, manifest["build_options"]["dtype"], None)
-    if not isinstance(dtype, torch.dtype):
-        raise EngineError(f"manifest dtype {manifest['build_options']['dtype']!r} is not valid; rebuild the engine")
+    dtype = getattr(torch, build_config(manifest).dtype)  # one of BuildConfig's DTYPES: read_manifest checked it
     t1 = time.perf_counter()
     times["manifest"] = t1 - t0
     params = _load_weights(engine_dir, manifest, dev, rank, config)

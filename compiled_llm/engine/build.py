@@ -4,8 +4,10 @@ Stages, each timed and shown as a tqdm bar: load (config, weights, tokenizer, th
 defaults and EOS ids of generation_config.json), capture
 (torch.export of the spec), passes (the PassManager, one bar step per pass), write (program.json,
 weights, tokenizer, ir/, manifest with checksums), kernels (CUDA: the runtime run once over the
-written engine so every Triton kernel it launches is compiled into the engine; kernel_cache.py).
-The finished engine is swapped into place only at the end (output_dir.py).
+written engine so every Triton kernel it launches is compiled into the engine: the ``warm_up``
+its caller passes, ``warm_kernels`` of ``serve/kernel_warmup.py``, since the runtime lives above this
+layer; kernel_cache.py keeps the files). The finished engine is swapped into place only at the
+end (output_dir.py). What to build is a ``BuildConfig`` (build_config.py).
 
 ``lower`` is the in-memory part (capture + passes) that ``compare`` also uses to rebuild with a
 prefix of the pass list.
@@ -14,9 +16,10 @@ prefix of the pass list.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -24,9 +27,9 @@ from tqdm import tqdm
 
 from compiled_llm.engine import artifact, kernel_cache
 from compiled_llm.engine import output_dir as engine_output
+from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.export import capture, param_placeholder_names
-from compiled_llm.graph.quantized_ops import SCHEMES
 from compiled_llm.kernels import registry
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
@@ -43,6 +46,8 @@ from compiled_llm.model.sources import (
 from compiled_llm.passes import get_pass, pipeline
 from compiled_llm.passes.base import PassContext
 from compiled_llm.passes.manager import PassManager
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -142,46 +147,60 @@ class _Stage:
         return False
 
 
+def resolve_config(config: BuildConfig, src) -> tuple[BuildConfig, torch.device, torch.dtype]:
+    """(``config`` with nothing left to "auto", the device, the dtype) for the model source
+    ``src`` (a ``sources.ModelSource``) on this machine: the device "auto" is cuda when
+    available, else cpu; the dtype "auto" is ``auto_dtype`` (the checkpoint's float16/bfloat16 on
+    a GPU, float32 on a CPU); an unset max_model_len is the model's maximum."""
+    dev = resolve_device(config.device)
+    torch_dtype = resolve_dtype(config.dtype, dev, src)
+    resolved = dataclasses.replace(config, dtype=dtype_name(torch_dtype), device=str(dev),
+                                   max_model_len=check_max_len(config.max_model_len, src.config))
+    return resolved, dev, torch_dtype
+
+
+WarmUp = Callable[[Path, torch.device], None]
+
+
 def build_engine(
     source: str,
     out_dir: str | Path,
+    config: BuildConfig | None = None,
     *,
-    dtype: str | torch.dtype = "auto",
-    device: str | torch.device = "auto",
-    max_model_len: int | None = None,
-    disabled_passes: Sequence[str] = (),
-    pass_names: Sequence[str] | None = None,
-    dump_ir: bool = False,
-    kernel_prefs: dict[str, str] | None = None,
     progress: bool = True,
-    quantization: str | None = None,
-    tensor_parallel_size: int = 1,
+    warm_up: WarmUp | None = None,
+    pass_names: Sequence[str] | None = None,
+    **options,
 ) -> dict:
-    """Build ``source`` (checkpoint dir, preset or hub id) into an engine directory; returns the
-    manifest. ``device`` "auto" is cuda when available, else cpu; ``dtype`` "auto" is
-    ``auto_dtype`` (the checkpoint's float16/bfloat16 on a GPU, float32 on a CPU).
-    ``pass_names`` replaces the default pipeline (tests plant passes this way); ``quantization``
-    ("int8", "int4") makes the weights of the linear ops weight-only quantized;
-    ``tensor_parallel_size`` N > 1 shards the program over N ranks (the shard pass), one weights
-    file per rank."""
+    """Build ``source`` (checkpoint dir, preset or hub id) into an engine directory as
+    ``config`` says (``BuildConfig``; or, for short, its fields as keyword ``options``); returns
+    the manifest, whose ``build_options`` is the config resolved (``resolve_config``).
 
-    if quantization is not None and quantization not in SCHEMES:
-        raise CompiledLLMError(f"unknown quantization {quantization!r}; the choices are: {', '.join(SCHEMES)}")
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev, source)
+    ``warm_up(engine_dir, device)``: on a CUDA build, runs the runtime over the engine just
+    written with Triton compiling into ``engine_dir/kernels/triton`` (the runtime's layer passes
+    ``warm_kernels`` of ``serve/kernel_warmup.py``), before the engine is swapped into place; None ships
+    no compiled kernels (a load then compiles them on first use). ``pass_names`` replaces the
+    default pipeline (tests plant passes this way)."""
+
+    if config is None:
+        config = BuildConfig.from_options(options)
+    elif options:
+        raise TypeError(f"build_engine takes a BuildConfig or its options, not both ({', '.join(options)})")
+    resolve_device(config.device)  # a device this machine lacks is refused before the output is touched
     out_dir = engine_output.prepare_output_dir(out_dir)
-    passes = [p.name for p in pipeline(list(pass_names) if pass_names is not None else None, tuple(disabled_passes))]
-    if quantization is not None and "quantize_weights" not in passes:
-        raise CompiledLLMError(f"--quantization {quantization} needs the quantize_weights pass, which is disabled")
+    passes = [p.name for p in pipeline(list(pass_names) if pass_names is not None else None,
+                                       tuple(config.disabled_passes))]
+    if config.quantization is not None and "quantize_weights" not in passes:
+        raise CompiledLLMError(f"--quantization {config.quantization} needs the quantize_weights pass, which is disabled")
+    size = config.tensor_parallel_size
     times: dict[str, float] = {}
 
     with _Stage("load", times, progress):
         src = resolve_source(str(source))
-        config = src.config
-        max_len = check_max_len(max_model_len, config)
-        sharding.plan(config, tensor_parallel_size)  # refuses a shape that does not split, before any work
-        if tensor_parallel_size > 1 and "shard" not in passes:
-            raise CompiledLLMError(f"--tensor-parallel-size {tensor_parallel_size} needs the shard pass, which is disabled")
+        resolved, dev, torch_dtype = resolve_config(config, src)
+        sharding.plan(src.config, size)  # refuses a shape that does not split, before any work
+        if size > 1 and "shard" not in passes:
+            raise CompiledLLMError(f"--tensor-parallel-size {size} needs the shard pass, which is disabled")
         params = load_source_params(src, torch_dtype, dev)
         tokenizer = load_source_tokenizer(src)
         generation_file = read_generation_config(src.model_dir)
@@ -196,23 +215,23 @@ def build_engine(
         raise CompiledLLMError(f"cannot write into {out_dir.parent}: {e.strerror or e}") from None
     try:
         lowered = None
-        for rank in range(tensor_parallel_size):
+        for rank in range(size):
             rank_lowered = lower(
-                config, params, passes, dev.type, torch_dtype, kernel_prefs,
+                src.config, params, passes, dev.type, torch_dtype, resolved.kernel_prefs,
                 ir_dir=work / artifact.IR_DIR if rank == 0 else None, dump_code=True, progress=progress and rank == 0,
-                quantization=quantization, tp_rank=rank, tp_size=tensor_parallel_size,
+                quantization=resolved.quantization, tp_rank=rank, tp_size=size,
             )
-            if tensor_parallel_size > 1:
+            if size > 1:
                 _check_same_program(lowered, rank_lowered, rank)
                 with _Stage("write", times, progress):
-                    artifact.save_weights(work, rank_lowered.params, artifact.weights_file(rank, tensor_parallel_size))
+                    artifact.save_weights(work, rank_lowered.params, artifact.weights_file(rank, size))
             if rank == 0:
                 lowered = rank_lowered
             del rank_lowered
         del params
         times["capture"] = lowered.capture_seconds
         times["passes"] = lowered.passes_seconds
-        if not dump_ir:
+        if not resolved.dump_ir:
             _keep_first_and_last_code(work / artifact.IR_DIR)
 
         with _Stage("write", times, progress):
@@ -221,31 +240,32 @@ def build_engine(
             except ValueError as e:  # the graph calls something an engine may not carry
                 raise CompiledLLMError(f"cannot store the post-pass program: {e}") from None
             manifest = artifact.make_manifest(
-                config=config,
+                config=src.config,
                 source={"name": src.name, "model_dir": str(src.model_dir.resolve()) if src.model_dir else None,
                         "preset": src.preset},
-                build_options={
-                    "dtype": dtype_name(torch_dtype), "device": dev.type, "max_model_len": max_len,
-                    "disabled_passes": list(disabled_passes), "kernel_prefs": dict(kernel_prefs or {}),
-                    "dump_ir": dump_ir, "quantization": quantization, "tensor_parallel_size": tensor_parallel_size,
-                },
+                build_options=resolved.to_manifest(),
                 lowered=lowered,
                 stage_seconds=times,
                 generation_config=generation,
             )
-            artifact.save_engine(work, manifest, lowered.params if tensor_parallel_size == 1 else None, tokenizer)
+            artifact.save_engine(work, manifest, lowered.params if size == 1 else None, tokenizer)
         del lowered
+        warmed = dev.type == "cuda" and warm_up is not None
         host = None
-        if dev.type == "cuda":
+        if warmed:
             with _Stage("kernels", times, progress):
-                kernel_cache.warm_kernels(work, dev)
+                (work / kernel_cache.KERNELS_DIR).mkdir(parents=True, exist_ok=True)
+                warm_up(work, dev)
+                kernel_cache.remove_partial_entries(work)
                 host = kernel_cache.split_host_binaries(work)
+        elif dev.type == "cuda":
+            log.info("no kernel warm-up given: the engine ships no compiled kernels (a load compiles them)")
         manifest = artifact.write_manifest(work, {
             **artifact.read_manifest(work),
-            "kernel_cache": kernel_cache.KERNELS_DIR if dev.type == "cuda" else None,
+            "kernel_cache": kernel_cache.KERNELS_DIR if warmed else None,
             "stage_seconds": {k: round(v, 4) for k, v in times.items()},
         })
-        if dev.type == "cuda":
+        if warmed:
             kernel_cache.install_local(work, manifest, host)
         engine_output.swap_into_place(work, out_dir)
     finally:

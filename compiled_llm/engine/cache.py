@@ -17,8 +17,9 @@ The key (``engine_key``) is the sha256 of a canonical JSON (sorted keys, no spac
 - the source: a preset's name; for a checkpoint directory (a hub id's local snapshot included)
   every file's relative path with the sha256 of its content, or, for files over 64 MiB, their
   size, mtime_ns and the sha256 of their first and last MiB;
-- the build options, resolved (never "auto"): dtype, device type, max_model_len, disabled
-  passes, kernel preferences, and the weight-only quantization when there is one;
+- the build options (``BuildConfig``), resolved (never "auto"): dtype, device type,
+  max_model_len, disabled passes, kernel preferences, and the quantization, tensor-parallel
+  size and ``dump_ir`` when they are not their defaults;
 - the versions: compiled_llm (and a hash of its own source files, so an edited pass or kernel
   never serves an engine built by the old code), torch, triton when importable, and the GPU
   architecture on CUDA.
@@ -42,15 +43,15 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 
 from compiled_llm.engine.artifact import package_version, read_manifest
-from compiled_llm.engine.build import build_engine, check_max_len
+from compiled_llm.engine.build import WarmUp, build_engine, resolve_config
+from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.cache_dir import cache_root
 from compiled_llm.errors import EngineError
-from compiled_llm.model.placement import resolve_device, resolve_dtype
 from compiled_llm.model.sources import resolve_source
 
 log = logging.getLogger(__name__)
@@ -151,29 +152,24 @@ def versions(device: torch.device) -> dict:
     }
 
 
-def key_payload(
-    src,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_model_len: int,
-    disabled_passes: Sequence[str] = (),
-    kernel_prefs: dict[str, str] | None = None,
-    quantization: str | None = None,
-    tensor_parallel_size: int = 1,
-) -> dict:
-    """Everything the key hashes; every value already resolved (no "auto", no None length)."""
+def key_payload(src, resolved: BuildConfig, device: torch.device) -> dict:
+    """Everything the key hashes, of a config ``resolve_config`` resolved (no "auto", no unset
+    length) for ``device``."""
     build = {
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": resolved.dtype,
         "device": device.type,
-        "max_model_len": int(max_model_len),
-        "disabled_passes": sorted(set(disabled_passes)),
-        "kernel_prefs": dict(sorted((kernel_prefs or {}).items())),
+        "max_model_len": int(resolved.max_model_len),
+        "disabled_passes": sorted(set(resolved.disabled_passes)),
+        "kernel_prefs": dict(sorted(resolved.kernel_prefs.items())),
     }
-    if quantization is not None:  # absent otherwise: unquantized engines keep their keys
-        build["quantization"] = quantization
-    if tensor_parallel_size != 1:  # likewise
-        build["tensor_parallel_size"] = tensor_parallel_size
+    # options at their defaults are left out, so that the entries built before each option
+    # existed keep their keys
+    if resolved.quantization is not None:
+        build["quantization"] = resolved.quantization
+    if resolved.tensor_parallel_size != 1:
+        build["tensor_parallel_size"] = resolved.tensor_parallel_size
+    if resolved.dump_ir:
+        build["dump_ir"] = True
     return {
         "key_version": KEY_VERSION,
         "source": source_fingerprint(src),
@@ -228,53 +224,33 @@ def _is_engine(path: Path) -> bool:
         return False
 
 
-def _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs, quantization=None,
-          tensor_parallel_size=1):
+def _plan(source, config: BuildConfig):
     src = resolve_source(str(source))
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev, src)
-    max_len = check_max_len(max_model_len, src.config)
-    payload = key_payload(src, dtype=torch_dtype, device=dev, max_model_len=max_len,
-                          disabled_passes=disabled_passes, kernel_prefs=kernel_prefs, quantization=quantization,
-                          tensor_parallel_size=tensor_parallel_size)
-    path = engines_dir() / f"{_entry_name(src)}-{engine_key(payload)[:KEY_CHARS]}"
-    return src, dev, torch_dtype, max_len, path
+    resolved, dev, _ = resolve_config(config, src)
+    path = engines_dir() / f"{_entry_name(src)}-{engine_key(key_payload(src, resolved, dev))[:KEY_CHARS]}"
+    return src, resolved, path
 
 
-def engine_path(
-    source: str,
-    *,
-    dtype: str | torch.dtype | None = "auto",
-    device: str | torch.device | None = "auto",
-    max_model_len: int | None = None,
-    disabled_passes: Sequence[str] = (),
-    kernel_prefs: dict[str, str] | None = None,
-    quantization: str | None = None,
-    tensor_parallel_size: int = 1,
-) -> Path:
-    """Where ``cached_engine`` keeps (or would build) the engine of ``source`` with these
-    options; builds nothing."""
-    return _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs, quantization,
-                 tensor_parallel_size)[-1]
+def engine_path(source: str, config: BuildConfig | None = None, **options) -> Path:
+    """Where ``cached_engine`` keeps (or would build) the engine of ``source`` built as
+    ``config`` says (or, for short, its fields as keyword ``options``); builds nothing."""
+    return _plan(source, _config(config, options))[-1]
 
 
 def cached_engine(
     source: str,
+    config: BuildConfig | None = None,
     *,
-    dtype: str | torch.dtype | None = "auto",
-    device: str | torch.device | None = "auto",
-    max_model_len: int | None = None,
-    disabled_passes: Sequence[str] = (),
-    kernel_prefs: dict[str, str] | None = None,
     progress: bool | None = None,
-    quantization: str | None = None,
-    tensor_parallel_size: int = 1,
+    warm_up: WarmUp | None = None,
+    **options,
 ) -> Path:
-    """The engine directory of ``source`` built with these options: the cached one, or built
-    now (under the entry's lock) when there is none or it is not a valid engine.
-    ``progress``: build progress bars; None (the default) shows them when stderr is a terminal."""
-    src, dev, torch_dtype, max_len, path = _plan(source, dtype, device, max_model_len, disabled_passes, kernel_prefs,
-                                                 quantization, tensor_parallel_size)
+    """The engine directory of ``source`` built as ``config`` says (or, for short, its fields as
+    keyword ``options``): the cached one, or built now (under the entry's lock) when there is
+    none or it is not a valid engine. ``progress``: build progress bars; None (the default)
+    shows them when stderr is a terminal. ``warm_up``: the CUDA kernel warm-up ``build_engine``
+    runs (``warm_kernels`` of ``serve/kernel_warmup.py``, passed by the runtime's layer)."""
+    src, resolved, path = _plan(source, _config(config, options))
     path.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(path.parent / f"{path.name}.lock"):
         if _is_engine(path):
@@ -283,10 +259,14 @@ def cached_engine(
         if path.exists():  # not an engine (say, its manifest was damaged): build it afresh
             shutil.rmtree(path)
         log.info("building engine for %s into %s (first use; cached for next time)", src.name, path)
-        build_engine(
-            str(source), path, dtype=torch_dtype, device=dev, max_model_len=max_len,
-            disabled_passes=list(disabled_passes), kernel_prefs=kernel_prefs,
-            progress=sys.stderr.isatty() if progress is None else progress, quantization=quantization,
-            tensor_parallel_size=tensor_parallel_size,
-        )
+        build_engine(str(source), path, resolved, progress=sys.stderr.isatty() if progress is None else progress,
+                     warm_up=warm_up)
     return path
+
+
+def _config(config: BuildConfig | None, options: dict) -> BuildConfig:
+    if config is None:
+        return BuildConfig.from_options(options)
+    if options:
+        raise TypeError(f"give a BuildConfig or its options, not both ({', '.join(options)})")
+    return config

@@ -3,10 +3,12 @@
 Triton compiles a kernel the first time each specialisation of it is launched (dtypes, constant
 block sizes, argument alignments), which cost a fresh process some 20 s before its first token.
 A CUDA build therefore runs the runtime over the engine it just wrote, with Triton's
-compile cache pointed at the engine's ``kernels/triton/`` (``warm_kernels``): the KV-cache
+compile cache pointed at the engine's ``kernels/triton/`` (``triton_cache_at``): the KV-cache
 sizing step, every decode and prefill graph bucket and both sampler variants, which is what the
-runtime launches, split over several processes so that the compiles run in parallel. The cache files are listed and checksummed in the manifest like every other
-file.
+runtime launches, split over several processes so that the compiles run in parallel. That
+warm-up belongs to the runtime's layer (``serve/kernel_warmup.py``), which hands it to
+``build_engine``; this module keeps what an engine's kernel files are before and after it. The
+cache files are listed and checksummed in the manifest like every other file.
 
 At load (``use_engine_kernels``) those files are copied, once per distinct set, into a cache
 directory of this user (``<compiled_llm cache>/triton/<digest>``) and Triton is pointed there:
@@ -27,16 +29,12 @@ built or trust.
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -68,85 +66,11 @@ def triton_cache_at(path: Path) -> Iterator[None]:
         knobs.dir = previous
 
 
-def warm_kernels(engine_dir: Path, device: torch.device, workers: int | None = None) -> int:
-    """Run the runtime over the engine in ``engine_dir`` with Triton compiling into
-    ``engine_dir/kernels/triton``; the number of cache files written.
-
-    Triton compiles on the host, one kernel at a time per process, so the work is split over
-    ``workers`` processes (``warm_workers()``) that share the cache directory (Triton writes
-    each entry with an atomic rename): each captures its share of the graph buckets, and one
-    also runs the KV-sizing step and real steps (``compiled_llm.serve.kernel_warmup``). If any
-    of them fails, one process warms everything, compiling only what is still missing."""
-    cache = Path(engine_dir) / KERNELS_DIR
-    cache.mkdir(parents=True, exist_ok=True)
-    gc.collect()
-    torch.cuda.empty_cache()  # the build's own copies of the weights must not shrink the KV cache
-    sharded = json.loads((Path(engine_dir) / "manifest.json").read_text())["build_options"].get("tensor_parallel_size", 1) > 1
-    if sharded:
-        workers = 1  # each share would start a process per rank, on every GPU
-    elif workers is None:
-        weight_bytes = sum(f.stat().st_size for f in Path(engine_dir).glob("*.safetensors"))
-        workers = warm_workers(weight_bytes, torch.cuda.mem_get_info(device)[0])
-    if not _warm_in_children(Path(engine_dir), device, workers) and workers > 1:
-        # a share failed (say, several processes did not fit on the GPU at once): one process
-        # does all of it, compiling only what is still missing
-        if not _warm_in_children(Path(engine_dir), device, 1):
-            raise EngineError("the build's kernel warm-up failed (see the warning above)")
-    for tmp in list(cache.rglob("tmp.pid_*")):  # half-written entries of a process killed mid-write
+def remove_partial_entries(engine_dir: Path) -> None:
+    """Remove the half-written cache entries a warm-up process killed mid-write left behind
+    (Triton writes each entry through a ``tmp.pid_*`` file or directory, then renames it)."""
+    for tmp in list((Path(engine_dir) / KERNELS_DIR).rglob("tmp.pid_*")):
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-    gc.collect()
-    torch.cuda.empty_cache()
-    return sum(1 for p in cache.rglob("*") if p.is_file())
-
-
-# what a warm-up process holds besides the weights: CUDA context, a small KV cache, the largest
-# step's activations and sampling rows, the graph pool
-_WARM_PROCESS_OVERHEAD = 3 << 30
-
-
-def warm_workers(weight_bytes: int = 0, free_gpu_bytes: int | None = None) -> int:
-    """Processes a build compiles its kernels in: half the cores (compiling is CPU-bound), at
-    most 8, and no more than fit on the GPU at once, each holding the weights (an 8B model's 16
-    GB eight times over does not fit even an H200)."""
-    by_cpu = max(1, min(8, (os.cpu_count() or 1) // 2))
-    if free_gpu_bytes is None:
-        return by_cpu
-    return max(1, min(by_cpu, free_gpu_bytes // (weight_bytes + _WARM_PROCESS_OVERHEAD)))
-
-
-def _warm_in_children(engine_dir: Path, device: torch.device, parts: int) -> bool:
-    """Run the warm-up's ``parts`` shares in as many fresh processes at once; True when every
-    one of them succeeded. None is left running, whatever happens here."""
-    cmd = [sys.executable, "-m", "compiled_llm.serve.kernel_warmup", str(engine_dir), str(device), str(parts)]
-    deadline = time.monotonic() + _CHILD_TIMEOUT_S
-    with tempfile.TemporaryDirectory(prefix="cllm-warm-") as logs:
-        procs = []
-        try:
-            for part in range(parts):
-                # stderr to a file: a full pipe would stall a child until it is read
-                with open(Path(logs) / f"{part}.err", "w") as err:
-                    procs.append(subprocess.Popen([*cmd, str(part)], stdout=subprocess.DEVNULL, stderr=err))
-            ok = True
-            for part, proc in enumerate(procs):
-                try:
-                    proc.wait(timeout=max(deadline - time.monotonic(), 0))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                if proc.returncode != 0:
-                    ok = False
-                    last = (Path(logs) / f"{part}.err").read_text(errors="replace").strip().splitlines()[-1:]
-                    log.warning("kernel warm-up process %d of %d failed (%s)",
-                                part, parts, last[0] if last else f"exit status {proc.returncode}")
-            return ok
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-
-
-_CHILD_TIMEOUT_S = 900
 
 
 def split_host_binaries(engine_dir: Path) -> Path | None:

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.tokenizer import Tokenizer
 
@@ -42,6 +43,10 @@ class LoadedModel:
     @property
     def max_model_len(self) -> int | None:
         """An engine's build-time limit (None for a model source)."""
-        if self.manifest is None:
-            return None
-        return int(self.manifest["build_options"].get("max_model_len") or self.config.max_position_embeddings)
+        build = self.build_config
+        return None if build is None else build.max_model_len
+
+    @property
+    def build_config(self) -> BuildConfig | None:
+        """The config an engine was built with (None for a model source)."""
+        return None if self.manifest is None else BuildConfig.from_manifest(self.manifest["build_options"])

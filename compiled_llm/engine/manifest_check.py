@@ -17,8 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from compiled_llm.errors import CompiledLLMError, EngineError
-from compiled_llm.graph.quantized_ops import SCHEMES
+from compiled_llm.engine.build_config import BuildConfig
+from compiled_llm.errors import CompiledLLMError, EngineError, InvalidOptionError
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
 
@@ -27,8 +27,6 @@ REQUIRED_KEYS = {
     1: ("model_config", "build_options", "program", "files", "backend", "kernels"),
     2: ("model_config", "build_options", "program", "files", "kernels"),
 }
-DTYPES = ("float32", "float16", "bfloat16")
-DEVICES = ("cpu", "cuda")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 MAX_FILES = 1 << 16  # a CUDA engine lists a few hundred kernel files
 MAX_PATH_CHARS = 1024
@@ -36,7 +34,6 @@ MAX_NAME_CHARS = 255  # one path component (NAME_MAX)
 MAX_PARAMS = 1 << 16
 MAX_PARAM_NAME_CHARS = 256
 MAX_KERNEL_ENTRIES = 1024
-MAX_TENSOR_PARALLEL = 64
 
 
 def malformed(path: Path, field: str, why: str | None = None) -> EngineError:
@@ -107,36 +104,31 @@ def check_older_manifest(manifest: dict, version: int, path: Path) -> None:
     for key in ("model_config", "build_options", "program", "kernels"):
         if not isinstance(manifest[key], dict):
             raise malformed(path, key)
+    _build_config(manifest["build_options"], path)  # BuildConfig reads what every format wrote
     check_files_map(manifest["files"], path)
     if manifest["program"].get("file") not in manifest["files"]:
         raise malformed(path, "program", "its file is not one the manifest lists")
 
 
-def _check_build_options(opts: Any, config: ModelConfig, path: Path) -> None:
-    if not isinstance(opts, dict):
-        raise malformed(path, "build_options")
-    if opts.get("device") not in DEVICES:
-        raise malformed(path, "build_options", f"device must be one of {', '.join(DEVICES)}")
-    if opts.get("dtype") not in DTYPES:
-        raise malformed(path, "build_options", f"dtype must be one of {', '.join(DTYPES)}")
-    max_len = opts.get("max_model_len")
-    if type(max_len) is not int or not 2 <= max_len <= config.max_position_embeddings:
+def _check_build_options(opts: Any, config: ModelConfig, path: Path) -> BuildConfig:
+    """The build options as a ``BuildConfig`` (which checks each one's type and choices), with a
+    length and a tensor-parallel size this model can have."""
+    build = _build_config(opts, path)
+    if not 2 <= build.max_model_len <= config.max_position_embeddings:
         raise malformed(path, "build_options",
                         f"max_model_len must be an integer in 2..{config.max_position_embeddings}")
-    size = opts.get("tensor_parallel_size", 1)
-    if type(size) is not int or not 1 <= size <= MAX_TENSOR_PARALLEL:
-        raise malformed(path, "build_options", f"tensor_parallel_size must be an integer in 1..{MAX_TENSOR_PARALLEL}")
     try:
-        sharding.plan(config, size)
+        sharding.plan(config, build.tensor_parallel_size)
     except CompiledLLMError as e:
-        raise malformed(path, "build_options", f"tensor_parallel_size {size}: {e}") from None
-    if opts.get("quantization") not in (None, *SCHEMES):
-        raise malformed(path, "build_options", f"quantization must be null or one of {', '.join(SCHEMES)}")
-    disabled = opts.get("disabled_passes", [])
-    if not isinstance(disabled, list) or not all(isinstance(p, str) for p in disabled):
-        raise malformed(path, "build_options", "disabled_passes must be a list of pass names")
-    if not is_map(opts.get("kernel_prefs", {})):
-        raise malformed(path, "build_options", "kernel_prefs must map ops to providers")
+        raise malformed(path, "build_options", f"tensor_parallel_size {build.tensor_parallel_size}: {e}") from None
+    return build
+
+
+def _build_config(opts: Any, path: Path) -> BuildConfig:
+    try:
+        return BuildConfig.from_manifest(opts)
+    except InvalidOptionError as e:
+        raise malformed(path, "build_options", str(e)) from None
 
 
 def _check_program_entry(program: Any, path: Path) -> None:

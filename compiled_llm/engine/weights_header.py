@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from compiled_llm.engine import limits
+from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.quantized_ops import int4_group_size
 from compiled_llm.model.spec import ROPE_PARAM, param_shapes
@@ -106,13 +107,13 @@ def _check_tiling(rel: str, ranges: list[tuple[int, int, str]], data_bytes: int)
 # ---------------------------------------------------------------------------------------------
 
 
-def expected_tensors(config: ModelConfig, build_options: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{name: (dtype, shape)} of every tensor an engine of ``config`` built with
-    ``build_options`` may hold (one rank's, under tensor parallelism): the spec's weights, the
+def expected_tensors(config: ModelConfig, build: BuildConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} of every tensor an engine of ``config`` built with ``build`` may
+    hold (one rank's, under tensor parallelism): the spec's weights, the
     passes' merged qkv and gate_up, and each linear's quantized form."""
-    size = build_options.get("tensor_parallel_size") or 1
+    size = build.tensor_parallel_size
     local = sharding.local_config(config, size)
-    dtype, scheme = build_options["dtype"], build_options.get("quantization")
+    dtype, scheme = build.dtype, build.quantization
     shapes = dict(param_shapes(local))
     if size > 1:
         rows = sharding.plan(config, size).vocab_per_rank
@@ -145,11 +146,11 @@ def _quantized(base: str, shape: tuple[int, ...], scheme: str) -> dict[str, tupl
             f"{base}.weight.zero": ("float32", (n, groups))}
 
 
-def check_header(path: Path, rel: str, config: ModelConfig, build_options: dict, param_names: list[str]) -> None:
+def check_header(path: Path, rel: str, config: ModelConfig, build: BuildConfig, param_names: list[str]) -> None:
     """The header of the weights file ``rel`` holds exactly the weights the program reads, each
     with the dtype and shape the config implies, and every layer of the config."""
     tensors = read_header(path, rel)
-    expected = expected_tensors(config, build_options)
+    expected = expected_tensors(config, build)
     for name in param_names:
         if name not in tensors:
             raise _bad(rel, f"it lacks {name[:80]!r}, which the program reads")

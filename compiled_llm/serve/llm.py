@@ -15,21 +15,27 @@ the model's own from its generation_config.json (temperature, top_p, ...) on top
 from __future__ import annotations
 
 import collections
+import dataclasses
+import inspect
 import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
-from compiled_llm.engine.artifact import read_manifest
+from compiled_llm.engine.artifact import build_config, read_manifest
+from compiled_llm.engine.build_config import BuildConfig, option_flags, option_text
 from compiled_llm.engine.cache import cached_engine
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.engine.loader import is_engine_dir, load_model
 from compiled_llm.errors import CompiledLLMError, InvalidOptionError, InvalidRequestError
+from compiled_llm.model.placement import dtype_name
 from compiled_llm.model.tokenizer import plain_chat_prompt
 from compiled_llm.serve.engine_config import EngineConfig
 from compiled_llm.serve.engine_loop import EngineLoop, RequestQueue
+from compiled_llm.serve.kernel_warmup import warm_kernels
 from compiled_llm.serve.llm_engine import LLMEngine
 from compiled_llm.serve.outputs import RequestOutput
 from compiled_llm.serve.sampling_params import SamplingParams
@@ -89,26 +95,35 @@ def _plain_transcript(conversation: Sequence[Mapping], add_generation_prompt: bo
     )
 
 
-def check_quantization(engine_dir, quantization: str | None) -> None:
-    """An engine directory asked for with a quantization scheme must have been built with it."""
-    if quantization is None:
-        return
-    built = read_manifest(Path(engine_dir))["build_options"].get("quantization")
-    if built != quantization:
-        raise InvalidOptionError(
-            f"{engine_dir} was built with quantization {built or 'none'}, not {quantization}; build it with "
-            f"'compiled-llm build SOURCE --quantization {quantization}', or pass its source instead")
+# LLM's keywords for how a SOURCE is built: BuildConfig's fields, but max_model_len, which is the
+# engine option (the runtime's limit; a SOURCE is built for the model's maximum)
+BUILD_KEYWORDS = tuple(f.name for f in dataclasses.fields(BuildConfig)
+                       if f.name not in {g.name for g in dataclasses.fields(EngineConfig)})
 
 
-def check_tensor_parallel_size(engine_dir, size: int | None) -> None:
-    """An engine directory is sharded at build time: a size asked for must be the one it has."""
-    if size is None:
-        return
-    built = read_manifest(Path(engine_dir))["build_options"].get("tensor_parallel_size") or 1
-    if built != size:
+def build_keywords(options: dict) -> dict:
+    """The build options among LLM's keyword ``options`` (taken out of it) that were given:
+    None is "not given", and a torch.dtype or torch.device is given by its name."""
+    given = {}
+    for name in BUILD_KEYWORDS:
+        value = options.pop(name, None)
+        if isinstance(value, torch.dtype):
+            value = dtype_name(value)
+        elif isinstance(value, torch.device):
+            value = str(value)
+        if value is not None:
+            given[name] = value
+    return given
+
+
+def check_built_with(engine_dir, asked: BuildConfig, given: Iterable[str]) -> None:
+    """An engine directory is built once: every build option ``given`` must be what it was
+    built with ("auto" matches any dtype and device)."""
+    built = build_config(read_manifest(Path(engine_dir)))
+    for name, want, was in asked.mismatches(built, given):
         raise InvalidOptionError(
-            f"{engine_dir} was built for tensor_parallel_size {built}, not {size}; build it with "
-            f"'compiled-llm build SOURCE --tensor-parallel-size {size}', or pass its source instead")
+            f"{engine_dir} was built with {name} {option_text(was)}, not {option_text(want)}; build it with "
+            f"'compiled-llm build SOURCE {' '.join(option_flags(name, want))}', or pass its source instead")
 
 
 class LLM:
@@ -120,15 +135,17 @@ class LLM:
     - ``LLM(ENGINE_DIR)`` loads the engine;
     - ``LLM(SOURCE)`` takes the compiled path too: the source is built into the engine cache
       (``compiled_llm.engine.cache``, ``~/.cache/compiled_llm`` or ``$COMPILED_LLM_CACHE_DIR``)
-      on first use and loaded from there afterwards, in this and any later process. ``dtype``
-      and ``device`` ("auto" or None: cuda when available; the checkpoint's float16/bfloat16
-      on a GPU, float32 on a CPU) are part of the cached engine's key;
-    - ``quantization`` ("int8", "int4"; vLLM's name) builds a SOURCE with weight-only quantized
-      linear layers (``compiled-llm build --quantization``), a cache entry of its own; an
-      engine directory must have been built with the scheme asked for;
-    - ``tensor_parallel_size`` N (vLLM's name) builds a SOURCE sharded over N ranks (``compiled-llm
-      build --tensor-parallel-size``); loading an engine so built starts N - 1 worker processes,
-      one per GPU (gloo on a CPU), which ``shutdown()`` (or the end of this process) stops;
+      on first use and loaded from there afterwards, in this and any later process;
+    - the build keywords are ``BuildConfig``'s fields (but ``max_model_len``, the engine option
+      below), with vLLM's names where vLLM has the option: ``dtype`` and ``device`` ("auto":
+      cuda when available; the checkpoint's float16/bfloat16 on a GPU, float32 on a CPU),
+      ``quantization`` ("int8", "int4": weight-only quantized linear layers),
+      ``tensor_parallel_size`` N (sharded over N ranks; loading the engine starts N - 1 worker
+      processes, one per GPU, gloo on a CPU, which ``shutdown()`` or the end of this process
+      stops), ``disabled_passes``, ``kernel_prefs``, ``dump_ir``. A SOURCE is built so, each set
+      of options into a cache entry of its own; an engine directory must have been built with
+      every option given (None, the default, gives none; "auto" matches any dtype and device).
+      ``device`` is also where the engine runs;
     - ``enforce_eager=True`` decodes without CUDA graphs. For a SOURCE it also skips the
       build: the eager spec program runs in the runtime (the uncompiled model, for checking
       the runtime against the reference loop);
@@ -139,20 +156,20 @@ class LLM:
     defaults; an unknown name is refused.
     """
 
-    def __init__(self, model: str, dtype=None, device=None, quantization: str | None = None,
-                 tensor_parallel_size: int | None = None, **engine_options):
-        config = EngineConfig.from_options(engine_options)
+    def __init__(self, model: str, **options):
+        given = build_keywords(options)
+        config = EngineConfig.from_options(options)
+        build = BuildConfig.from_options(given)  # bad values fail before anything loads
         if is_engine_dir(model):
-            check_quantization(model, quantization)
-            check_tensor_parallel_size(model, tensor_parallel_size)
-        elif quantization is not None and config.enforce_eager:
-            raise InvalidOptionError("quantization needs the compiled path: the eager model runs the original weights")
-        elif (tensor_parallel_size or 1) > 1 and config.enforce_eager:
-            raise InvalidOptionError("tensor_parallel_size needs the compiled path: the shard pass splits the model")
-        elif not config.enforce_eager:
-            model = cached_engine(str(model), dtype=dtype, device=device, quantization=quantization,
-                                  tensor_parallel_size=tensor_parallel_size or 1)
-        self._init_engine(load_model(model, dtype=dtype, device=device), config)
+            check_built_with(model, build, given)
+        elif config.enforce_eager:
+            for name in given:
+                if name not in ("dtype", "device") and getattr(build, name) != getattr(BuildConfig(), name):
+                    raise InvalidOptionError(f"{name} needs the compiled path: with enforce_eager a SOURCE runs the "
+                                             "eager model on its original weights, unbuilt")
+        else:
+            model = cached_engine(str(model), build, warm_up=warm_kernels)
+        self._init_engine(load_model(model, dtype=build.dtype, device=build.device), config)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, **engine_options) -> "LLM":
@@ -286,6 +303,18 @@ class LLM:
         (request,) = self._validate(prompt, sampling_params)
         (queue,) = self._loop.submit([request], stream=True)
         return TextStream(self._loop, queue)
+
+
+def _signature() -> inspect.Signature:
+    """``LLM(model, *, <each build keyword>=None, **engine_options)``: what ``__init__`` takes."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in BUILD_KEYWORDS]
+    params.append(inspect.Parameter("engine_options", inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+LLM.__init__.__signature__ = _signature()
 
 
 class TextStream:

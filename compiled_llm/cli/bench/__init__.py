@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from compiled_llm.cli.engine_args import add_engine_arguments, engine_options
-from compiled_llm.cli.run import add_quantization_argument
+from compiled_llm.cli.engine_args import (add_build_arguments, add_engine_arguments, build_config, build_options,
+                                          engine_options)
+from compiled_llm.cli.run import BUILD_GROUP
 
 
 def add_parser(subparsers):
@@ -36,8 +37,6 @@ def add_parser(subparsers):
                         "first token (ours and transformers') and a fresh build; serving starts a server "
                         "and is not part of all")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers peer")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where to run; auto = cuda when available")
     p.add_argument("--num-requests", type=int, default=256, metavar="N",
                    help="requests of the throughput and serving workloads (default 256)")
     serving = p.add_argument_group("serving workload")
@@ -53,9 +52,8 @@ def add_parser(subparsers):
     serving.add_argument("--client-processes", type=int, metavar="N",
                          help="client processes sending the requests (default 1 on a CPU; on a GPU half the "
                               "cores, up to 8: one process reads about 13k chunks/s)")
-    engine_group = p.add_argument_group("engine options")
-    add_quantization_argument(engine_group)
-    add_engine_arguments(engine_group)
+    add_build_arguments(p.add_argument_group("build", BUILD_GROUP), for_source=True)
+    add_engine_arguments(p.add_argument_group("engine options"))
     p.add_argument("--no-cuda-graphs", dest="enforce_eager", action="store_true",
                    help=argparse.SUPPRESS)  # the old name of --enforce-eager
     p.add_argument("--json", action="store_true", help="print the results as one JSON list instead of a table")
@@ -108,20 +106,20 @@ def run(args) -> int:
     from compiled_llm.cli.bench import workloads as wl
 
     workloads = (*wl.WORKLOADS, "coldstart") if args.workload == "all" else (args.workload,)
-    device = resolve_device(args.device)
+    config = build_config(args, for_source=True)  # bad values fail before anything loads
+    device = resolve_device(config.device)
     engine = args.engine
     if not is_engine_dir(engine):  # a model source: its cached engine (so --enforce-eager still compiles)
         from compiled_llm.engine.cache import cached_engine
+        from compiled_llm.serve.kernel_warmup import warm_kernels
 
-        engine = str(cached_engine(engine, device=device, quantization=args.quantization,
-                                   tensor_parallel_size=args.tensor_parallel_size or 1))
+        engine = str(cached_engine(engine, config, warm_up=warm_kernels))
     if args.max_model_len is None:
         # the workloads' longest sequence is 2,048 tokens: a shorter limit than a model's keeps
         # the block tables (and the graphs' inputs) small
-        from compiled_llm.engine.artifact import read_manifest
+        from compiled_llm.engine.artifact import build_config as built_with, read_manifest
 
-        limit = read_manifest(engine)["build_options"].get("max_model_len") or BENCH_MAX_MODEL_LEN
-        args.max_model_len = min(BENCH_MAX_MODEL_LEN, int(limit))
+        args.max_model_len = min(BENCH_MAX_MODEL_LEN, built_with(read_manifest(engine)).max_model_len)
     if args.workload == "serving":
         return _run_serving(args, engine, device)
     cold = []
@@ -133,8 +131,7 @@ def run(args) -> int:
         if not workloads:
             _print_results(args, cold, device, None, coldstart.format_table(cold))
             return 0
-    llm = LLM(engine, device=device, quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
-              **engine_options(args))
+    llm = LLM(engine, **{**build_options(args, for_source=True), "device": device}, **engine_options(args))
     results = []
     for w in workloads:
         if w == "throughput":
@@ -143,7 +140,7 @@ def run(args) -> int:
             results.extend(wl.run_compiled(llm, (w,)))
     hf_cfg = None if args.no_hf else hf_config_of(llm)
     dtype = llm.model.dtype
-    scheme = ((llm.model.manifest or {}).get("build_options") or {}).get("quantization")
+    scheme = llm.model.build_config.quantization if llm.model.is_engine else None
     llm.shutdown()  # a tensor-parallel engine's workers end here
     del llm  # free the engine's memory for the peer
     if hf_cfg is not None:

@@ -117,26 +117,23 @@ def _hf_checkpoint(manifest: dict, dtype: str, scratch: Path) -> str | None:
 
 
 def _build_args(manifest: dict, out: Path) -> list[str]:
+    """``compiled-llm build`` of the engine's source with the options it was built with."""
+    from compiled_llm.cli.engine_args import build_flags
+    from compiled_llm.engine.artifact import build_config
+
     source = manifest.get("source") or {}
-    opts = manifest["build_options"]
     src = source.get("preset") or source.get("model_dir")
-    args = ["-m", "compiled_llm.cli.main", "build", src, "-o", str(out), "--quiet",
-            "--dtype", opts["dtype"], "--device", opts["device"], "--max-model-len", str(opts["max_model_len"])]
-    for name in opts.get("disabled_passes", []):
-        args += ["--disable-pass", name]
-    for op, provider in (opts.get("kernel_prefs") or {}).items():
-        args += ["--kernel", f"{op}={provider}"]
-    return args
+    return ["-m", "compiled_llm.cli.main", "build", src, "-o", str(out), "--quiet", *build_flags(build_config(manifest))]
 
 
 def measure(engine_dir: str | Path, device: str, with_hf: bool = True, with_build: bool = True):
     """Results of the cold-start workload (``workloads.Result``): ours cold and warm, the
     transformers peer, and the build."""
-    from compiled_llm.engine.artifact import read_manifest
+    from compiled_llm.engine.artifact import build_config, read_manifest
     from compiled_llm.cli.bench.workloads import Result
 
     manifest = read_manifest(engine_dir)
-    dtype = manifest["build_options"]["dtype"]
+    dtype = build_config(manifest).dtype
     results = []
     with tempfile.TemporaryDirectory(prefix="coldstart-") as tmp:
         scratch = Path(tmp)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 
-SCHEMES = ("int8", "int4")
+from compiled_llm.engine.build_config import QUANTIZATIONS
 INT4_GROUP_SIZE = 128
 
 
@@ -62,7 +62,7 @@ def torchao_config(scheme: str):
         return Int8WeightOnlyConfig()
     if scheme == "int4":
         return Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, int4_packing_format="tile_packed_to_4d")
-    raise ValueError(f"no torchao config for scheme {scheme!r}; choose one of {SCHEMES}")
+    raise ValueError(f"no torchao config for scheme {scheme!r}; choose one of {QUANTIZATIONS}")
 
 
 def quantize_model(model, scheme: str) -> tuple[int, int]:
@@ -87,7 +87,7 @@ def torchao_latency(hf_config: dict, dtype, device, scheme: str, variant: str = 
     while compiling or generating raises, so ``run_hf_child`` tries the next compile variant."""
     from compiled_llm.cli.bench.workloads import PrepareError, hf_latency
 
-    if scheme not in SCHEMES:
+    if scheme not in QUANTIZATIONS:
         return not_run(scheme, f"no torchao config for scheme {scheme!r}")
     try:
         import torchao

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from compiled_llm.engine.artifact import build_config
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.sources import resolve_source
@@ -26,7 +27,7 @@ def source_of(manifest: dict):
 
 
 def quantization_of(manifest: dict) -> str | None:
-    return manifest["build_options"].get("quantization")
+    return build_config(manifest).quantization
 
 
 def whole_config(engine):

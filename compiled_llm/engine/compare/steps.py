@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from compiled_llm.engine.artifact import tp_size_of
+from compiled_llm.engine.artifact import build_config, tp_size_of
 from compiled_llm.engine.build import lower
 from compiled_llm.engine.compare.source import quantization_of, source_of
 from compiled_llm.engine.program import PortableProgram
@@ -37,7 +37,7 @@ def rebuilt_program(manifest: dict, pass_names: Sequence[str], dtype, device, ra
     ``rank`` of a tensor-parallel engine computes it."""
     src = source_of(manifest)
     params = load_source_params(src, dtype, device)
-    lowered = lower(src.config, params, pass_names, device.type, dtype, manifest["build_options"].get("kernel_prefs") or {},
+    lowered = lower(src.config, params, pass_names, device.type, dtype, build_config(manifest).kernel_prefs,
                     quantization=quantization_of(manifest), tp_rank=rank, tp_size=tp_size_of(manifest))
     return PortableProgram(lowered.gm, lowered.param_names), lowered.params
 
