@@ -6,7 +6,7 @@
 #   bash benchmarks/api_conformance.sh                 # EXAMPLES=100 per operation and run
 #   EXAMPLES=20 SEED=3 bash benchmarks/api_conformance.sh
 # Exits non-zero when a run finds a failure. The in-suite counterpart, without schemathesis, is
-# tests/test_server.py::test_each_response_is_one_the_openapi_document_lists.
+# tests/serve/openai/test_server.py::test_each_response_is_one_the_openapi_document_lists.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD

@@ -32,10 +32,10 @@ for phase in "$@"; do
     tests)
       python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests 2>&1 | tee "$LOG/gpu_tests.log" | tail -40 ;;
     kernel-tests)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/test_kernels_gpu.py tests/test_attention_gpu.py \
-        tests/test_sampling_gpu.py tests/test_kernel_bench.py 2>&1 | tee "$LOG/kernel_tests.log" | tail -25 ;;
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/kernels/test_kernels_gpu.py tests/kernels/test_attention_gpu.py \
+        tests/serve/worker/test_sampling_gpu.py tests/benchmarks/test_kernel_bench.py 2>&1 | tee "$LOG/kernel_tests.log" | tail -25 ;;
     runtime-tests)
-      timeout 400 python3 -m pytest -q -s -p no:cacheprovider -rfE tests/test_runtime_gpu.py 2>&1 | tee "$LOG/runtime_tests.log" | tail -30 ;;
+      timeout 400 python3 -m pytest -q -s -p no:cacheprovider -rfE tests/serve/test_runtime_gpu.py 2>&1 | tee "$LOG/runtime_tests.log" | tail -30 ;;
     bench)
       for w in ${BENCH_WORKLOADS:-latency throughput prefill}; do
         compiled-llm bench "${BENCH_SOURCE:-qwen2.5-0.5b}" --workload "$w" ${BENCH_ARGS:-}

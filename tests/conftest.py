@@ -1,6 +1,7 @@
 import sys
 from pathlib import Path
 
+# tests/ itself: the test modules import what they share as helpers.<module>
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest
@@ -44,7 +45,7 @@ def pytest_addoption(parser):
 def lively_bpe_checkpoint(tmp_path_factory):
     """(directory, transformers model) of ``lively.make_lively_checkpoint``: greedy outputs
     that vary, a BPE tokenizer with tokens of several characters."""
-    from lively import make_lively_checkpoint
+    from helpers.lively import make_lively_checkpoint
 
     out = tmp_path_factory.mktemp("lively") / "checkpoint"
     return out, make_lively_checkpoint(out)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from compiled_llm.cli.main import main
-from hf_checkpoints import make_checkpoint
+from helpers.hf_checkpoints import make_checkpoint
 
 
 @pytest.fixture

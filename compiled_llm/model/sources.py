@@ -45,7 +45,7 @@ GENERATION_DEFAULT_FIELDS = {
     "max_new_tokens": "max_tokens",
 }
 # The values SamplingParams accepts for each of them (serve/sampling_params.py is the authority; model/
-# does not import serve/, and tests/test_generation_defaults.py checks that the two agree).
+# does not import serve/, and tests/model/test_generation_defaults.py checks that the two agree).
 _INTEGER_DEFAULTS = {"top_k", "max_tokens"}
 _DEFAULT_RANGES = {
     "temperature": (lambda v: v >= 0.0, ">= 0"),

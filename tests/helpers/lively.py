@@ -1,0 +1,64 @@
+"""A lively checkpoint and its oracle, for tests that compare the runtime with transformers.
+
+Random-init checkpoints with tied embeddings (and the presets) repeat one token forever: the
+logits are dominated by the current token's embedding dotted with itself. Such outputs cannot
+tell a decode position off by one from a correct one, nor exercise stops and detokenization.
+This checkpoint unties the embeddings and initialises with a wide spread, so greedy outputs vary
+from token to token, and pairs it with a byte-level BPE (tokens of several characters) trained on
+a small text, whose specials include the EOS id the model emits now and then.
+
+The oracle is transformers' own ``generate`` (greedy, one request at a time), run to a fixed
+length without stopping, so every request's expected output is a prefix of its continuation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from helpers.trained_tokenizers import train_hf_tokenizer
+
+# A wide initialisation: attention and MLP move the residual stream, so the next token depends
+# on the context, not only on the current token.
+INIT_RANGE = 0.2
+
+
+def make_lively_checkpoint(out: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """Write a Qwen2 checkpoint (fp32, random init, untied) with a BPE tokenizer to ``out``;
+    returns the transformers model."""
+    _, tok = train_hf_tokenizer(vocab_size=200, all_bytes=False)
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=INIT_RANGE, rope_theta=10000.0,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), bos_token_id=None,
+    )
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return model
+
+
+@dataclass(frozen=True)
+class Continuation:
+    prompt: tuple[int, ...]
+    token_ids: tuple[int, ...]  # greedy, never stopped
+    min_margin: float  # smallest top-1 minus top-2 logit gap along the way
+
+
+@torch.no_grad()
+def greedy_continuation(model, prompt: list[int], max_new_tokens: int) -> Continuation:
+    """transformers' greedy generate, run to ``max_new_tokens`` whatever it emits."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    assert len(tokens) == max_new_tokens, "transformers stopped early"
+    gaps = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+    return Continuation(tuple(prompt), tuple(tokens), min(gaps))

@@ -1,0 +1,112 @@
+"""The model families (``model/families/``): every family in the registry reads the checkpoint
+transformers itself writes for it, config and every weight, with or without ``architectures`` in
+its config.json; and a checkpoint of any other family is refused in one line that names the
+supported ones. (That the weights compute transformers' logits is tests/test_spec_parity.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from compiled_llm.errors import UnsupportedArchitectureError
+from compiled_llm.model.config import load_config
+from compiled_llm.model.families import FAMILIES, SUPPORTED_ARCHITECTURES, architecture_of, family_of
+from compiled_llm.model.families.base import TensorName
+from compiled_llm.model.spec import derived_params, param_shapes
+from compiled_llm.model.weights import checkpoint_files, checkpoint_name, load_params
+from helpers.hf_checkpoints import make_checkpoint
+
+FAMILY_NAMES = [f.name for f in FAMILIES]
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def written(request, tmp_path_factory):
+    """(family name, checkpoint directory, the transformers model that wrote it)."""
+    d = tmp_path_factory.mktemp(request.param)
+    return request.param, d, make_checkpoint(request.param, d)
+
+
+def test_each_family_reads_the_config_transformers_writes(written):
+    name, d, hf = written
+    config = load_config(d)
+    assert family_of(config.architecture).name == name
+    assert config.architecture == type(hf).__name__
+    c = hf.config  # transformers' own names (GPT-2's n_embd, n_layer... answer to these too)
+    assert (config.vocab_size, config.hidden_size, config.num_layers, config.num_heads, config.max_position_embeddings) == (
+        c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.max_position_embeddings)
+    tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    assert config.tie_word_embeddings == tied
+    # every matrix transformers built, counted once when shared: the head and MLP sizes, the
+    # KV heads and the head_dim have to be right for the counts to agree
+    matrices = sum(p.numel() for p in hf.parameters() if p.dim() == 2)
+    assert config.num_params() == matrices
+
+
+def test_a_config_that_gives_only_a_model_type_reads_the_same(written, tmp_path):
+    _, d, hf = written
+    for f in d.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    raw = json.loads((d / "config.json").read_text())
+    del raw["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_config(tmp_path) == load_config(d)
+
+
+def test_each_family_reads_every_weight_transformers_writes(written):
+    _, d, _ = written
+    config = load_config(d)
+    family = family_of(config.architecture)
+    params = load_params(config, d)
+    assert set(params) == set(param_shapes(config))
+    derived = derived_params(config, "cpu")
+    from_checkpoint = {n for n in params if n not in derived}
+    read = set()
+    for file in checkpoint_files(d):
+        with safe_open(str(file), framework="pt") as sf:
+            for stored in sf.keys():
+                tensor = sf.get_tensor(stored)
+                names = family.spec_params(family.spec_name(stored))
+                read.update(names)
+                # the error for a missing tensor names the one transformers wrote
+                assert {checkpoint_name(config, n) for n in names} == {stored}
+                # each value lands in the spec once, whatever the layout (transposed, split)
+                values = torch.cat([params[n].flatten() for n in names])
+                assert torch.equal(values.sort().values, tensor.flatten().sort().values), stored
+    assert read == from_checkpoint
+
+
+@pytest.mark.parametrize("raw", [
+    {"model_type": "mistral"},
+    {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+])
+def test_an_unknown_family_is_refused_in_one_line_naming_the_supported_ones(tmp_path, raw):
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "vocab_size": 32, "hidden_size": 8}))
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        load_config(tmp_path)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"unsupported architecture {(raw.get('architectures') or ['mistral'])[0]!r}")
+    for family in FAMILIES:
+        assert all(a in message for a in family.architectures), family.name
+
+
+def test_the_registry_names_each_model_type_and_architecture_once():
+    model_types = [t for f in FAMILIES for t in f.model_types]
+    assert len(model_types) == len(set(model_types))
+    assert sorted(SUPPORTED_ARCHITECTURES) == sorted(a for f in FAMILIES for a in f.architectures)
+    assert len(SUPPORTED_ARCHITECTURES) == len(set(SUPPORTED_ARCHITECTURES))
+    for f in FAMILIES:
+        for t in f.model_types:
+            assert architecture_of({"model_type": t}) == f.architectures[0]
+
+
+def test_a_tensor_name_reads_both_ways():
+    rule = TensorName("model.layers.{layer}.mlp.{proj:gate|up}_proj.weight", "layers.{layer}.{proj}.weight")
+    assert rule.to_spec("model.layers.12.mlp.up_proj.weight") == "layers.12.up.weight"
+    assert rule.to_checkpoint("layers.3.gate.weight") == "model.layers.3.mlp.gate_proj.weight"
+    assert rule.to_spec("model.layers.1.mlp.down_proj.weight") is None  # not an alternative
+    assert rule.to_spec("model.layers.x.mlp.up_proj.weight") is None  # a layer is a number
+    assert rule.to_spec("model.layers.1.mlp.up_proj.weight.extra") is None  # the whole name

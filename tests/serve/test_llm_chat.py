@@ -1,0 +1,129 @@
+"""``LLM.chat`` as vLLM's: one conversation ({"role", "content"} dicts) or a list of them, each
+rendered by the tokenizer's chat template and generated like a prompt, one output each. Greedy
+output equals transformers' generate on the ids of the same tokenizer's
+``apply_chat_template(messages, add_generation_prompt=True)``. A tokenizer without a template
+takes what ``run --chat`` takes; bad messages are a one-line InvalidRequestError."""
+
+import json
+import shutil
+
+import pytest
+import transformers
+
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.errors import InvalidRequestError
+from helpers.hf_checkpoints import make_checkpoint
+from helpers.lively import greedy_continuation
+from helpers.trained_tokenizers import train_hf_tokenizer
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ONE = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "How do I build a mini inference loop?"},
+]
+MULTI_TURN = [
+    {"role": "user", "content": "What is a token?"},
+    {"role": "assistant", "content": "A piece of text."},
+    {"role": "user", "content": "And a tokenizer?"},
+]
+
+
+@pytest.fixture(scope="module")
+def llm(lively_bpe_engine):
+    return LLM(str(lively_bpe_engine), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(lively_bpe_checkpoint):
+    return transformers.AutoTokenizer.from_pretrained(str(lively_bpe_checkpoint[0]))
+
+
+def hf_chat_ids(hf_tok, messages, add_generation_prompt=True) -> list[int]:
+    out = hf_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
+
+
+def test_one_conversation_matches_transformers(llm, lively_bpe_checkpoint, hf_tokenizer):
+    hf_model = lively_bpe_checkpoint[1]
+    assert llm.tokenizer.has_chat_template
+    (out,) = llm.chat(ONE, GREEDY, use_tqdm=False)
+    ids = hf_chat_ids(hf_tokenizer, ONE)
+    assert out.prompt_token_ids == ids
+    assert out.token_ids == list(greedy_continuation(hf_model, ids, GREEDY.max_tokens).token_ids)
+
+
+def test_the_output_prompt_is_the_rendered_conversation(tiny_engine):
+    # the preset's byte-level tokenizer spells every text exactly, as real checkpoints' do
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tiny_engine / "tokenizer"))
+    (out,) = LLM(str(tiny_engine), device="cpu").chat(ONE, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out.prompt == hf_tok.apply_chat_template(ONE, add_generation_prompt=True, tokenize=False)
+    assert out.prompt_token_ids == hf_chat_ids(hf_tok, ONE)
+
+
+def test_a_batch_of_conversations_gives_one_output_each_in_order(llm, lively_bpe_checkpoint, hf_tokenizer):
+    hf_model = lively_bpe_checkpoint[1]
+    outs = llm.chat([MULTI_TURN, ONE], GREEDY, use_tqdm=False)
+    assert len(outs) == 2
+    for out, messages in zip(outs, [MULTI_TURN, ONE]):
+        ids = hf_chat_ids(hf_tokenizer, messages)
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == list(greedy_continuation(hf_model, ids, GREEDY.max_tokens).token_ids)
+
+
+def test_without_generation_prompt_the_conversation_is_rendered_as_it_stands(llm, hf_tokenizer):
+    one_token = SamplingParams(temperature=0.0, max_tokens=1)
+    (out,) = llm.chat(MULTI_TURN, one_token, use_tqdm=False, add_generation_prompt=False)
+    assert out.prompt_token_ids == hf_chat_ids(hf_tokenizer, MULTI_TURN, add_generation_prompt=False)
+    assert out.prompt_token_ids != hf_chat_ids(hf_tokenizer, MULTI_TURN)
+
+
+def test_chat_without_sampling_params_uses_the_generation_defaults(lively_bpe_checkpoint, tmp_path, hf_tokenizer):
+    path = shutil.copytree(lively_bpe_checkpoint[0], tmp_path / "checkpoint")
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 6}))
+    llm = LLM(str(path), device="cpu", enforce_eager=True)
+    (out,) = llm.chat(ONE, use_tqdm=False)
+    # greedy, 6 tokens or up to the first EOS, as the file asks
+    expected = list(greedy_continuation(lively_bpe_checkpoint[1], hf_chat_ids(hf_tokenizer, ONE), 6).token_ids)
+    stop = next((i + 1 for i, t in enumerate(expected) if t in llm.model.eos_token_ids), len(expected))
+    assert out.token_ids == expected[:stop]
+
+
+@pytest.mark.parametrize("messages, problem", [
+    ("hello", "messages must be a list"),
+    ([], "conversation is empty"),
+    ([[]], "conversation 0 is empty"),
+    (["hello"], "message 0 must be a dict"),
+    ([{"content": "hi"}], "message 0 needs a 'role' string"),
+    ([{"role": "user"}], "message 0 (user) has no 'content'"),
+    ([{"role": "user", "content": 3}], "message 0 (user) content must be a string, got int"),
+    ([ONE, [{"role": "user", "content": None}]], "conversation 1: message 0 (user) content must be a string"),
+])
+def test_bad_messages_are_one_line_errors(llm, messages, problem):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert problem in str(e.value) and "\n" not in str(e.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+# --- a tokenizer without a chat template -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def no_template_llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("no_template")
+    make_checkpoint("qwen2", path)
+    _, tok = train_hf_tokenizer(vocab_size=200, chat_template=None, all_bytes=False)
+    tok.save_pretrained(path)
+    return LLM(str(path), device="cpu", enforce_eager=True)
+
+
+def test_without_a_template_one_turn_is_the_run_chat_transcript(no_template_llm):
+    tok = no_template_llm.tokenizer
+    assert not tok.has_chat_template
+    (out,) = no_template_llm.chat(ONE, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert out.prompt_token_ids == tok.encode_chat(ONE[1]["content"], ONE[0]["content"])
+
+
+def test_without_a_template_a_longer_conversation_is_refused(no_template_llm):
+    with pytest.raises(InvalidRequestError, match="has no chat template"):
+        no_template_llm.chat(MULTI_TURN, GREEDY, use_tqdm=False)
