@@ -10,8 +10,9 @@ from compiled_llm.cli.main import main
 from compiled_llm.engine.compare import compare_engine, judge
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.passes import default_pass_names, register_pass, unregister_pass
-from compiled_llm.passes.base import Pass, aten, finish, is_call, param_name
+from compiled_llm.passes.base import Pass
 from helpers.hf_checkpoints import make_checkpoint
+from helpers.wrong_passes import drop_q_bias
 
 FAMILIES = ["qwen2", "qwen3", "llama", "gpt2"]
 
@@ -30,19 +31,8 @@ def test_engine_agrees_with_spec_and_transformers(family, tmp_path, capsys):
         assert lines[-1].startswith(f"PASS: vs {reference}: greedy agreement 100.00% (256/256)")
 
 
-def _drop_q_bias(gm, ctx):
-    """A wrong rewrite: the q projection loses its bias."""
-    count = 0
-    for node in gm.graph.nodes:
-        if is_call(node, aten.linear.default) and len(node.args) == 3 and (param_name(node.args[1]) or "").endswith("q.weight"):
-            node.args = node.args[:2]
-            count += 1
-    finish(gm)
-    return count
-
-
 def test_planted_wrong_pass_is_named(tmp_path, capsys):
-    register_pass(Pass("drop_q_bias", _drop_q_bias, "test: a wrong rewrite"))
+    register_pass(Pass("drop_q_bias", drop_q_bias, "test: a wrong rewrite"))
     try:
         names = default_pass_names()
         names.insert(names.index("fuse_qkv_rope"), "drop_q_bias")

@@ -42,6 +42,7 @@ import transformers
 from helpers.hf_checkpoints import make_checkpoint
 from helpers.lively import INIT_RANGE, greedy_continuation
 from helpers.rank_processes import run_ranks
+from helpers.wrong_passes import drop_q_bias
 from safetensors import safe_open
 
 from compiled_llm import LLM, SamplingParams
@@ -52,7 +53,7 @@ from compiled_llm.errors import CompiledLLMError, EngineError, InvalidOptionErro
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.passes import default_pass_names, register_pass, unregister_pass
-from compiled_llm.passes.base import Pass, aten, finish, is_call, param_name
+from compiled_llm.passes.base import Pass
 from compiled_llm.serve.executor.multiproc import start_ranks
 
 RANKS = 2
@@ -403,20 +404,9 @@ def test_compare_checks_a_tp_engine_over_both_ranks(qwen2):
     assert worker_children() == before  # the worker it started is gone
 
 
-def _drop_q_bias(gm, ctx):
-    """A wrong rewrite: the q projection loses its bias."""
-    count = 0
-    for node in gm.graph.nodes:
-        if is_call(node, aten.linear.default) and len(node.args) == 3 and (param_name(node.args[1]) or "").endswith("q.weight"):
-            node.args = node.args[:2]
-            count += 1
-    finish(gm)
-    return count
-
-
 def plant_drop_q_bias(model, state) -> None:
     """On the other rank: the wrong pass, known there too, since every rank rebuilds its program."""
-    register_pass(Pass("drop_q_bias", _drop_q_bias, "test: a wrong rewrite"))
+    register_pass(Pass("drop_q_bias", drop_q_bias, "test: a wrong rewrite"))
 
 
 def start_ranks_knowing_drop_q_bias(engine):
@@ -427,7 +417,7 @@ def start_ranks_knowing_drop_q_bias(engine):
 
 def test_compare_names_a_wrong_pass_planted_after_shard(tmp_path):
     make_checkpoint("qwen2", tmp_path / "checkpoint")  # its q bias is not zero, unlike a fresh init's
-    register_pass(Pass("drop_q_bias", _drop_q_bias, "test: a wrong rewrite"))
+    register_pass(Pass("drop_q_bias", drop_q_bias, "test: a wrong rewrite"))
     try:
         names = default_pass_names()
         names.insert(names.index("shard") + 1, "drop_q_bias")
