@@ -272,16 +272,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list
         of them, one output each, as vLLM's ``LLM.chat``: each conversation is rendered with the
         tokenizer's chat template and generated like a ``generate`` prompt (its
-        ``prompt`` is the rendered text). A tokenizer without a template takes what ``run
-        --chat`` takes: one user message after an optional system message."""
-        prompts = [self._chat_prompt(c, add_generation_prompt) for c in _as_conversations(messages)]
+        ``prompt`` is the rendered text). ``chat_template_kwargs`` are extra template variables
+        (e.g. ``{"enable_thinking": False}``), as vLLM's. A tokenizer without a template takes
+        what ``run --chat`` takes: one user message after an optional system message."""
+        kwargs = dict(chat_template_kwargs or {})
+        prompts = [self._chat_prompt(c, add_generation_prompt, kwargs) for c in _as_conversations(messages)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _chat_prompt(self, conversation: list[Mapping], add_generation_prompt: bool) -> dict:
+    def _chat_prompt(self, conversation: list[Mapping], add_generation_prompt: bool,
+                     template_kwargs: dict | None = None) -> dict:
         tok = self.tokenizer
         if tok is None:
             raise InvalidRequestError("chat needs a tokenizer, and this model has none")
@@ -289,7 +293,8 @@ class LLM:
             text = _plain_transcript(conversation, add_generation_prompt)
             return {"prompt_token_ids": tok.encode(text), "prompt": text}
         try:
-            ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                          template_kwargs=template_kwargs)
         except CompiledLLMError as e:  # the template refused the conversation (its raise_exception)
             raise InvalidRequestError(str(e)) from None
         # The text the ids spell: the rendered template wherever the tokenizer covers every

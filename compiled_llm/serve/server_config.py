@@ -10,6 +10,8 @@ import math
 from compiled_llm.errors import InvalidOptionError
 
 API_KEY_VAR = "COMPILED_LLM_API_KEY"
+# serve.openai.reasoning's parsers (this module sits below it, so it names them here)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def _option(default, help: str):
@@ -49,6 +51,9 @@ class ServerConfig:
                "without it, only a request's own X-Request-Id is sent back")
     enable_tokenizer_info_endpoint: bool = _option(
         False, "serve GET /tokenizer_info (the tokenizer's settings and chat template), as vLLM's flag")
+    reasoning_parser: str | None = _option(
+        None, f"return chat replies' <think> block as reasoning_content, as vLLM's flag: one of "
+              f"{', '.join(REASONING_PARSERS)}; unset: the reply's text is all content")
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -67,5 +72,8 @@ class ServerConfig:
                 raise InvalidOptionError(f"{name} must be {'>= 0' if name == 'shutdown_timeout' else '> 0'} seconds, got {value}")
         if self.root_path is not None and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise InvalidOptionError(f"root_path must start with '/' and not end with one (e.g. /llm), got {self.root_path!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise InvalidOptionError(f"unknown reasoning parser {self.reasoning_parser!r}; choose one of: "
+                                     f"{', '.join(REASONING_PARSERS)}")
         if self.api_key is not None and not self.api_key.strip():
             raise InvalidOptionError("api_key is empty; leave it unset to serve without a key")

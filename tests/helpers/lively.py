@@ -26,10 +26,10 @@ from helpers.trained_tokenizers import train_hf_tokenizer
 INIT_RANGE = 0.2
 
 
-def make_lively_checkpoint(out: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    """Write a Qwen2 checkpoint (fp32, random init, untied) with a BPE tokenizer to ``out``;
-    returns the transformers model."""
-    _, tok = train_hf_tokenizer(vocab_size=200, all_bytes=False)
+def make_lively_checkpoint(out: Path, seed: int = 0, tokenizer=None) -> transformers.PreTrainedModel:
+    """Write a Qwen2 checkpoint (fp32, random init, untied) with a BPE tokenizer (default: the
+    one trained here) to ``out``; returns the transformers model."""
+    tok = tokenizer if tokenizer is not None else train_hf_tokenizer(vocab_size=200, all_bytes=False)[1]
     torch.manual_seed(seed)
     config = transformers.Qwen2Config(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -48,12 +48,37 @@ def pick_template(templates: str | dict[str, str] | None) -> str | None:
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+# Names a caller's template variables (``chat_template_kwargs``) may not take: what the renderer
+# itself passes or defines, and apply_chat_template's own arguments. Names ending in _token(s)
+# (bos_token, additional_special_tokens, ...) and starting with "_" are reserved too.
+RESERVED_TEMPLATE_NAMES = frozenset((
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "return_dict", "raise_exception", "strftime_now", "dict", "namespace",
+))
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The extra template variables as plain data; a name that would shadow one of the
+    renderer's is refused (``CompiledLLMError``), as are names that are not identifiers."""
+    if not kwargs:
+        return {}
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise CompiledLLMError(f"chat_template_kwargs: {name!r} is not a template variable name")
+        if name in RESERVED_TEMPLATE_NAMES or name.startswith("_") or name.endswith(("_token", "_tokens")):
+            raise CompiledLLMError(f"chat_template_kwargs: {name!r} is reserved by the chat template renderer")
+    return {name: _plain(value) for name, value in kwargs.items()}
+
+
 def render_chat_template(
-    template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, str]
+    template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, str],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """Render a Hugging Face chat template as transformers' apply_chat_template(tokenize=False)
-    does: messages without their None fields, the reasoning under its usual names, and the
-    named special tokens (``bos_token``, ``eos_token``, ...) as template variables."""
+    does: messages without their None fields, the reasoning under its usual names, the named
+    special tokens (``bos_token``, ``eos_token``, ...) and the caller's ``template_kwargs``
+    (``check_template_kwargs``) as template variables."""
+    extra = check_template_kwargs(template_kwargs)
 
     chat = []
     for message in messages:
@@ -64,7 +89,7 @@ def render_chat_template(
         chat.append(message)
     try:
         return _compile_chat_template(template).render(
-            messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+            messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **extra, **variables
         )
     except jinja2.TemplateError as e:
         raise CompiledLLMError(f"chat template: {e}") from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from compiled_llm.model.tokenizer.chat_template import pick_template
+from compiled_llm.model.tokenizer.chat_template import check_template_kwargs, pick_template
 from compiled_llm.model.tokenizer.interface import END_OF_TURN_TOKENS
 
 
@@ -49,8 +49,10 @@ class TransformersBackend:
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                           **check_template_kwargs(template_kwargs))
 
     def save(self, directory: Path) -> None:
         self.hf.save_pretrained(str(directory))

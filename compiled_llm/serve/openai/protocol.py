@@ -69,7 +69,6 @@ CHAT_NOT_SUPPORTED = {
     "continue_final_message": (False,),
     "documents": (None,),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "return_prompt_text": (None, False),
     "media_io_kwargs": (None,),
     "mm_processor_kwargs": (None,),
@@ -198,12 +197,13 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True  # vLLM's extra
     echo: bool = False  # vLLM's: the reply starts with the last message's content, same role
     tools: list[Any] | None = None  # refused when not empty
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra chat template variables
 
 
 TOKENIZE_NOT_SUPPORTED = {
     name: CHAT_NOT_SUPPORTED[name]
-    for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
-} | {"tools": (None, [])}
+    for name in ("continue_final_message", "chat_template", "mm_processor_kwargs")
+} | {"chat_template_kwargs": (None, {}), "tools": (None, [])}
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -288,6 +288,7 @@ class ChatLogprobs(OpenAIModel):
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's, with --reasoning-parser
 
 
 class ChatChoice(OpenAIModel):

@@ -6,9 +6,11 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from compiled_llm.errors import InvalidRequestError
+from compiled_llm.errors import CompiledLLMError, InvalidRequestError
+from compiled_llm.model.tokenizer.chat_template import check_template_kwargs
 from compiled_llm.serve.openai.protocol import (CHAT_NOT_SUPPORTED, ChatCompletionRequest, ChatCompletionResponse,
                                                 ChatMessage)
+from compiled_llm.serve.openai.reasoning.chat import ChatReasoning, prompt_tail, reasoning_parser
 from compiled_llm.serve.openai.serving import (ApiError, ServerState, StreamWriter, chat_logprobs, check_request_fields,
                                                final_outputs, new_id, now_s, sampling_params, sse_stream,
                                                truncated_prompt, usage, usage_chunk, vllm_prompt_logprobs)
@@ -34,17 +36,28 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    template_kwargs: dict | None = None) -> list[int]:
     tok = state.tokenizer
     if tok is None:
         raise InvalidRequestError("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
     if not tok.has_chat_template:
         raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions")
     dicts = chat_messages(messages)
+    check_chat_template_kwargs(template_kwargs)
     try:
-        return list(tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt))
+        return list(tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                            template_kwargs=template_kwargs))
     except Exception as e:  # the template's own checks (roles must alternate, ...)
         raise InvalidRequestError(f"the chat template refused the messages: {e}") from None
+
+
+def check_chat_template_kwargs(kwargs: dict | None) -> None:
+    """400 for chat_template_kwargs that would shadow the renderer's own template variables."""
+    try:
+        check_template_kwargs(kwargs)
+    except CompiledLLMError as e:
+        raise ApiError(400, str(e), "BadRequestError", param="chat_template_kwargs") from None
 
 
 def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
@@ -56,7 +69,8 @@ def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
         raise InvalidRequestError("tools are not supported")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs to be true")
-    ids = truncated_prompt(state, req, chat_prompt_ids(state, req.messages, req.add_generation_prompt))
+    ids = truncated_prompt(state, req, chat_prompt_ids(state, req.messages, req.add_generation_prompt,
+                                                              req.chat_template_kwargs))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(state, req, max_tokens=max_tokens, prompt_len=len(ids), fallback_max_tokens=None,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -82,6 +96,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     request = _validated(state, req)
     group = state.async_engine.submit([request], stream=req.stream, arrival=arrival)
     shape = _Shape(state, req, new_id("chatcmpl", http, req.request_id), now_s())
+    parser = reasoning_parser(state.config.reasoning_parser)
+    if parser is not None:
+        shape.reasoning = ChatReasoning(parser, prompt_tail(state.tokenizer, request[1]))
     if req.stream:
         return StreamingResponse(sse_stream(group, http, _ChatStream(shape, request[1])),
                                  media_type="text/event-stream")
@@ -95,6 +112,17 @@ class _Shape:
         self.top = req.top_logprobs or 0
         self.echo = echoed_content(req)
         self.token_ids = bool(req.return_token_ids)
+        self.reasoning: ChatReasoning | None = None  # with --reasoning-parser
+
+    def message(self, text: str) -> dict:
+        if self.reasoning is not None:
+            return {"role": "assistant", **self.reasoning.message(self.echo, text)}
+        return {"role": "assistant", "content": self.echo + text}
+
+    def delta(self, index: int, text: str, finished: bool) -> dict:
+        if self.reasoning is not None:
+            return self.reasoning.delta(index, text, finished)
+        return {"content": text}
 
     def logprobs(self, token_ids, positions) -> dict | None:
         if not self.req.logprobs:
@@ -108,7 +136,7 @@ class _Shape:
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
         choices = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": self.echo + c.text},
+            "message": self.message(c.text),
             "logprobs": self.logprobs(c.token_ids, c.logprobs),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
@@ -170,7 +198,7 @@ class _ChatStream(StreamWriter):
                     continue  # a finished request's output repeats its completions
                 if not c.delta_text and not c.delta_token_ids and c.finish_reason is None:
                     continue
-                choice = {"index": c.index, "delta": {"content": c.delta_text},
+                choice = {"index": c.index, "delta": s.delta(c.index, c.delta_text, c.finish_reason is not None),
                           "logprobs": s.logprobs(c.delta_token_ids, c.delta_logprobs),
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if s.token_ids:

@@ -538,7 +538,7 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(server, hf_tokenizer, oracle
     ("/v1/completions", {"logprobs": -1}, "whole vocabulary"),
     ("/v1/chat/completions", {"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),  # reserved
     ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "whole vocabulary"),
     ("/v1/chat/completions", {"add_special_tokens": True}, "add_special_tokens"),
