@@ -10,6 +10,7 @@ import math
 from compiled_llm.errors import InvalidOptionError
 
 API_KEY_VAR = "COMPILED_LLM_API_KEY"
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
 
 
 def _option(default, help: str):
@@ -49,6 +50,13 @@ class ServerConfig:
                "without it, only a request's own X-Request-Id is sent back")
     enable_tokenizer_info_endpoint: bool = _option(
         False, "serve GET /tokenizer_info (the tokenizer's settings and chat template), as vLLM's flag")
+    # tool calling, as vLLM's flags (see serve/openai/tool_calls.py)
+    enable_auto_tool_choice: bool = _option(
+        False, "let chats with tools use tool_choice 'auto' (the default with tools): the calls the model "
+               "writes are parsed into message.tool_calls, as vLLM's flag")
+    tool_call_parser: str | None = dataclasses.field(default=None, metadata={"choices": TOOL_CALL_PARSERS, "help": (
+        "how tool calls are found in the model's text: hermes (Qwen's <tool_call> tags), llama3_json "
+        "(Llama 3.1's JSON calls) or none; unset: the one the chat template implies")})
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -67,5 +75,8 @@ class ServerConfig:
                 raise InvalidOptionError(f"{name} must be {'>= 0' if name == 'shutdown_timeout' else '> 0'} seconds, got {value}")
         if self.root_path is not None and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise InvalidOptionError(f"root_path must start with '/' and not end with one (e.g. /llm), got {self.root_path!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise InvalidOptionError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                                     f"got {self.tool_call_parser!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise InvalidOptionError("api_key is empty; leave it unset to serve without a key")

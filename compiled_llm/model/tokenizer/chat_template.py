@@ -49,11 +49,13 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def render_chat_template(
-    template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, str]
+    template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, str],
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """Render a Hugging Face chat template as transformers' apply_chat_template(tokenize=False)
     does: messages without their None fields, the reasoning under its usual names, and the
-    named special tokens (``bos_token``, ``eos_token``, ...) as template variables."""
+    named special tokens (``bos_token``, ``eos_token``, ...) as template variables; ``tools`` (the
+    OpenAI tool definitions) as the template's ``tools``."""
 
     chat = []
     for message in messages:
@@ -64,7 +66,7 @@ def render_chat_template(
         chat.append(message)
     try:
         return _compile_chat_template(template).render(
-            messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+            messages=chat, tools=_plain(tools) if tools else None, documents=None, add_generation_prompt=add_generation_prompt, **variables
         )
     except jinja2.TemplateError as e:
         raise CompiledLLMError(f"chat template: {e}") from None

@@ -108,8 +108,9 @@ class TokenizerJsonBackend:
         text = self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self.clean_up_spaces else text
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return render_chat_template(self.chat_template(), messages, add_generation_prompt, self.named)
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        return render_chat_template(self.chat_template(), messages, add_generation_prompt, self.named, tools)
 
     def save(self, directory: Path) -> None:
         # transformers writes what it would itself load (the build may use transformers); without

@@ -49,8 +49,10 @@ class TransformersBackend:
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
 
     def save(self, directory: Path) -> None:
         self.hf.save_pretrained(str(directory))

@@ -12,6 +12,8 @@ from compiled_llm.serve.openai.protocol import (CHAT_NOT_SUPPORTED, ChatCompleti
 from compiled_llm.serve.openai.serving import (ApiError, ServerState, StreamWriter, chat_logprobs, check_request_fields,
                                                final_outputs, new_id, now_s, sampling_params, sse_stream,
                                                truncated_prompt, usage, usage_chunk, vllm_prompt_logprobs)
+from compiled_llm.serve.openai.tool_calls import ToolPlan, template_tool_calls, tool_plan
+from compiled_llm.serve.openai.tool_parsers.stream import ToolCallStream
 from compiled_llm.serve.outputs import RequestOutput
 
 
@@ -30,11 +32,16 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         message = {"role": m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = template_tool_calls(m.tool_calls)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
 
 
-def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
     tok = state.tokenizer
     if tok is None:
         raise InvalidRequestError("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
@@ -42,7 +49,7 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generat
         raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions")
     dicts = chat_messages(messages)
     try:
-        return list(tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt))
+        return list(tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools or None))
     except Exception as e:  # the template's own checks (roles must alternate, ...)
         raise InvalidRequestError(f"the chat template refused the messages: {e}") from None
 
@@ -52,11 +59,9 @@ def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
     if req.add_special_tokens:  # vLLM's option to add BOS and the like on top of the template's
         raise ApiError(400, "add_special_tokens is not supported for chats: the chat template adds the special "
                             "tokens", "BadRequestError", param="add_special_tokens")
-    if req.tools:
-        raise InvalidRequestError("tools are not supported")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs to be true")
-    ids = truncated_prompt(state, req, chat_prompt_ids(state, req.messages, req.add_generation_prompt))
+    ids = truncated_prompt(state, req, chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.tools))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(state, req, max_tokens=max_tokens, prompt_len=len(ids), fallback_max_tokens=None,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -79,9 +84,10 @@ def echoed_content(req: ChatCompletionRequest) -> str:
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, http: Request, arrival: float):
     state.check_model(req.model)
+    plan = tool_plan(state, req)
     request = _validated(state, req)
     group = state.async_engine.submit([request], stream=req.stream, arrival=arrival)
-    shape = _Shape(state, req, new_id("chatcmpl", http, req.request_id), now_s())
+    shape = _Shape(state, req, new_id("chatcmpl", http, req.request_id), now_s(), plan)
     if req.stream:
         return StreamingResponse(sse_stream(group, http, _ChatStream(shape, request[1])),
                                  media_type="text/event-stream")
@@ -90,8 +96,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 class _Shape:
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, id: str, created: int):
-        self.state, self.req, self.id, self.created = state, req, id, created
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, id: str, created: int,
+                 tools: ToolPlan = ToolPlan(None, None)):
+        self.state, self.req, self.id, self.created, self.tools = state, req, id, created, tools
         self.top = req.top_logprobs or 0
         self.echo = echoed_content(req)
         self.token_ids = bool(req.return_token_ids)
@@ -105,15 +112,24 @@ class _Shape:
     def prompt_logprobs(self, out: RequestOutput):
         return vllm_prompt_logprobs(out.prompt_logprobs) if self.req.prompt_logprobs is not None else None
 
+    def message(self, text: str) -> tuple[dict, bool]:
+        """The assistant's message, and whether it calls tools."""
+        content, calls = self.tools.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": self.echo + text}, False
+        content = self.echo + (content or "")
+        return {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}, True
+
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
+        messages = [self.message(c.text) for c in out.outputs]
         choices = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": self.echo + c.text},
+            "message": message,
             "logprobs": self.logprobs(c.token_ids, c.logprobs),
-            "finish_reason": c.finish_reason,
+            "finish_reason": "tool_calls" if called else c.finish_reason,
             "stop_reason": c.stop_reason,
             "token_ids": list(c.token_ids) if self.token_ids else None,
-        } for c in out.outputs]
+        } for c, (message, called) in zip(out.outputs, messages)]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
                                       usage=usage(len(out.prompt_token_ids), completion_tokens),
@@ -141,6 +157,9 @@ class _ChatStream(StreamWriter):
         self.sent_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
         self.prompt_logprobs_sent = False
+        parser = shape.tools.parser
+        self.tool_streams = {} if parser is None else {
+            i: ToolCallStream(parser, shape.tools.max_calls) for i in range(shape.req.n)}
 
     def _usage(self, chunk: dict, index: int) -> dict:
         if self.shape.req.continuous_usage:
@@ -175,16 +194,35 @@ class _ChatStream(StreamWriter):
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if s.token_ids:
                     choice["token_ids"] = list(c.delta_token_ids)
+                calls = self._tool_call_chunks(choice, c.delta_text, c.finish_reason is not None)
                 chunk = s.chunk(choice)
                 if not self.prompt_logprobs_sent and s.req.prompt_logprobs is not None and out.prompt_logprobs:
                     chunk["prompt_logprobs"] = s.prompt_logprobs(out)  # at the top level, as in a response
                     self.prompt_logprobs_sent = True
                 self.sent_tokens[c.index] = self.sent_tokens.get(c.index, 0) + len(c.delta_token_ids)
                 events.append(self._usage(chunk, c.index))
+                events += [self._usage(s.chunk(call), c.index) for call in calls]
                 if c.finish_reason is not None:
                     self.finished.add(c.index)
                     self.completion_tokens += len(c.token_ids)
         return events
+
+    def _tool_call_chunks(self, choice: dict, delta_text: str, final: bool) -> list[dict]:
+        """With a tool-call parser: the choice's content delta becomes the text outside calls,
+        and each call's deltas follow as choices of their own; the finish reason moves to the
+        last, "tool_calls" when the answer called tools."""
+        stream = self.tool_streams.get(choice["index"])
+        if stream is None:
+            return []
+        choice["delta"]["content"], deltas = stream.feed(delta_text, final)
+        calls = [{"index": choice["index"], "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}
+                 for d in deltas]
+        if final and stream.called:
+            choice["finish_reason"] = "tool_calls"
+        if calls and final:
+            calls[-1]["finish_reason"], calls[-1]["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
+            choice["finish_reason"] = choice["stop_reason"] = None
+        return calls
 
     def tail(self) -> list[dict]:
         return usage_chunk(self.shape, "chat.completion.chunk", self.prompt_tokens, self.completion_tokens)
