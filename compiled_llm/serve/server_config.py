@@ -10,8 +10,10 @@ import math
 from compiled_llm.errors import InvalidOptionError
 
 API_KEY_VAR = "COMPILED_LLM_API_KEY"
-# serve.openai.reasoning's parsers (this module sits below it, so it names them here)
+# serve.openai.reasoning's parsers and serve.openai.tool_parsers' (this module sits below them, so
+# it names them here)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
 
 
 def _option(default, help: str):
@@ -54,6 +56,13 @@ class ServerConfig:
     reasoning_parser: str | None = _option(
         None, f"return chat replies' <think> block as reasoning_content, as vLLM's flag: one of "
               f"{', '.join(REASONING_PARSERS)}; unset: the reply's text is all content")
+    # tool calling, as vLLM's flags (see serve/openai/tool_calls.py)
+    enable_auto_tool_choice: bool = _option(
+        False, "let chats with tools use tool_choice 'auto' (the default with tools): the calls the model "
+               "writes are parsed into message.tool_calls, as vLLM's flag")
+    tool_call_parser: str | None = dataclasses.field(default=None, metadata={"choices": TOOL_CALL_PARSERS, "help": (
+        "how tool calls are found in the model's text: hermes (Qwen's <tool_call> tags), llama3_json "
+        "(Llama 3.1's JSON calls) or none; unset: the one the chat template implies")})
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -75,5 +84,8 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise InvalidOptionError(f"unknown reasoning parser {self.reasoning_parser!r}; choose one of: "
                                      f"{', '.join(REASONING_PARSERS)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise InvalidOptionError(f"unknown tool call parser {self.tool_call_parser!r}; choose one of: "
+                                     f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.api_key is not None and not self.api_key.strip():
             raise InvalidOptionError("api_key is empty; leave it unset to serve without a key")

@@ -73,11 +73,13 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 def render_chat_template(
     template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, str],
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """Render a Hugging Face chat template as transformers' apply_chat_template(tokenize=False)
     does: messages without their None fields, the reasoning under its usual names, the named
-    special tokens (``bos_token``, ``eos_token``, ...) and the caller's ``template_kwargs``
-    (``check_template_kwargs``) as template variables."""
+    special tokens (``bos_token``, ``eos_token``, ...), the caller's ``template_kwargs``
+    (``check_template_kwargs``) as template variables, and ``tools`` (the OpenAI tool
+    definitions) as the template's ``tools``."""
     extra = check_template_kwargs(template_kwargs)
 
     chat = []
@@ -89,7 +91,8 @@ def render_chat_template(
         chat.append(message)
     try:
         return _compile_chat_template(template).render(
-            messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **extra, **variables
+            messages=chat, tools=_plain(tools) if tools else None, documents=None,
+            add_generation_prompt=add_generation_prompt, **extra, **variables
         )
     except jinja2.TemplateError as e:
         raise CompiledLLMError(f"chat template: {e}") from None

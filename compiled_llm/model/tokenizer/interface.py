@@ -30,7 +30,8 @@ class TokenizerBackend(Protocol):
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None = None) -> str: ...
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str: ...
     def save(self, directory: Path) -> None: ...
 
 
@@ -106,14 +107,16 @@ class Tokenizer:
         return self.apply_chat_template(one_turn_chat(user_text, system_prompt))
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                            template_kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a whole conversation (``{"role", "content"}`` dicts) through the chat
-        template: transformers' ``apply_chat_template(messages, tokenize=True, **template_kwargs)``
-        (extra template variables such as ``enable_thinking``; reserved names are refused)."""
+        template: transformers' ``apply_chat_template(messages, tools=tools, tokenize=True,
+        **template_kwargs)`` (extra template variables such as ``enable_thinking``; reserved names
+        are refused)."""
         if not self.has_chat_template:
             raise CompiledLLMError("this tokenizer has no chat template")
         text = self._backend.render_chat(list(messages), add_generation_prompt=add_generation_prompt,
-                                         template_kwargs=template_kwargs)
+                                         template_kwargs=template_kwargs, tools=tools)
         # The template writes its own BOS/specials, so none are added on top.
         return self._backend.encode(text, add_special_tokens=False)
 

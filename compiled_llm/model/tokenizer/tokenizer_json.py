@@ -109,8 +109,10 @@ class TokenizerJsonBackend:
         return _clean_up_tokenization(text) if self.clean_up_spaces else text
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
-        return render_chat_template(self.chat_template(), messages, add_generation_prompt, self.named, template_kwargs)
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        return render_chat_template(self.chat_template(), messages, add_generation_prompt, self.named, template_kwargs,
+                                    tools)
 
     def save(self, directory: Path) -> None:
         # transformers writes what it would itself load (the build may use transformers); without

@@ -50,9 +50,10 @@ class TransformersBackend:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                           **check_template_kwargs(template_kwargs))
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False, **check_template_kwargs(template_kwargs))
 
     def save(self, directory: Path) -> None:
         self.hf.save_pretrained(str(directory))

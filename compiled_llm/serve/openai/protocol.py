@@ -62,7 +62,6 @@ _COMMON_NOT_SUPPORTED: dict[str, tuple] = {
 COMPLETION_NOT_SUPPORTED = {**_COMMON_NOT_SUPPORTED, "prompt_embeds": (None,)}
 CHAT_NOT_SUPPORTED = {
     **_COMMON_NOT_SUPPORTED,
-    "tool_choice": (None, "none"),
     "functions": (None,),
     "function_call": (None, "none"),
     "reasoning_effort": (None,),
@@ -187,6 +186,8 @@ class ChatMessage(OpenAIRequest):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, arguments a JSON text
+    tool_call_id: str | None = None  # a "tool" message's answer to that call
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -196,7 +197,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True  # vLLM's extra
     echo: bool = False  # vLLM's: the reply starts with the last message's content, same role
-    tools: list[Any] | None = None  # refused when not empty
+    tools: list[dict[str, Any]] | None = None  # {"type": "function", "function": {"name", ...}}
+    # "none", "auto" (the default with tools; see tool_calls.py), "required" or a named function
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True  # false: the first call only
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra chat template variables
 
 
@@ -289,6 +293,7 @@ class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None  # vLLM's, with --reasoning-parser
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # as vLLM: [] when none
 
 
 class ChatChoice(OpenAIModel):

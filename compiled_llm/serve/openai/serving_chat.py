@@ -14,6 +14,8 @@ from compiled_llm.serve.openai.reasoning.chat import ChatReasoning, prompt_tail,
 from compiled_llm.serve.openai.serving import (ApiError, ServerState, StreamWriter, chat_logprobs, check_request_fields,
                                                final_outputs, new_id, now_s, sampling_params, sse_stream,
                                                truncated_prompt, usage, usage_chunk, vllm_prompt_logprobs)
+from compiled_llm.serve.openai.tool_calls import ToolPlan, template_tool_calls, tool_plan
+from compiled_llm.serve.openai.tool_parsers.stream import ToolCallStream
 from compiled_llm.serve.outputs import RequestOutput
 
 
@@ -32,12 +34,16 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         message = {"role": m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = template_tool_calls(m.tool_calls)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
 
 
 def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
     tok = state.tokenizer
     if tok is None:
         raise InvalidRequestError("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
@@ -47,7 +53,7 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generat
     check_chat_template_kwargs(template_kwargs)
     try:
         return list(tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
-                                            template_kwargs=template_kwargs))
+                                            template_kwargs=template_kwargs, tools=tools or None))
     except Exception as e:  # the template's own checks (roles must alternate, ...)
         raise InvalidRequestError(f"the chat template refused the messages: {e}") from None
 
@@ -65,12 +71,10 @@ def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
     if req.add_special_tokens:  # vLLM's option to add BOS and the like on top of the template's
         raise ApiError(400, "add_special_tokens is not supported for chats: the chat template adds the special "
                             "tokens", "BadRequestError", param="add_special_tokens")
-    if req.tools:
-        raise InvalidRequestError("tools are not supported")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs to be true")
     ids = truncated_prompt(state, req, chat_prompt_ids(state, req.messages, req.add_generation_prompt,
-                                                              req.chat_template_kwargs))
+                                                       req.chat_template_kwargs, req.tools))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(state, req, max_tokens=max_tokens, prompt_len=len(ids), fallback_max_tokens=None,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -93,9 +97,10 @@ def echoed_content(req: ChatCompletionRequest) -> str:
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, http: Request, arrival: float):
     state.check_model(req.model)
+    plan = tool_plan(state, req)
     request = _validated(state, req)
     group = state.async_engine.submit([request], stream=req.stream, arrival=arrival)
-    shape = _Shape(state, req, new_id("chatcmpl", http, req.request_id), now_s())
+    shape = _Shape(state, req, new_id("chatcmpl", http, req.request_id), now_s(), plan)
     parser = reasoning_parser(state.config.reasoning_parser)
     if parser is not None:
         shape.reasoning = ChatReasoning(parser, prompt_tail(state.tokenizer, request[1]))
@@ -107,17 +112,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 class _Shape:
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, id: str, created: int):
-        self.state, self.req, self.id, self.created = state, req, id, created
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, id: str, created: int,
+                 tools: ToolPlan = ToolPlan(None, None)):
+        self.state, self.req, self.id, self.created, self.tools = state, req, id, created, tools
         self.top = req.top_logprobs or 0
         self.echo = echoed_content(req)
         self.token_ids = bool(req.return_token_ids)
         self.reasoning: ChatReasoning | None = None  # with --reasoning-parser
-
-    def message(self, text: str) -> dict:
-        if self.reasoning is not None:
-            return {"role": "assistant", **self.reasoning.message(self.echo, text)}
-        return {"role": "assistant", "content": self.echo + text}
 
     def delta(self, index: int, text: str, finished: bool) -> dict:
         if self.reasoning is not None:
@@ -133,15 +134,33 @@ class _Shape:
     def prompt_logprobs(self, out: RequestOutput):
         return vllm_prompt_logprobs(out.prompt_logprobs) if self.req.prompt_logprobs is not None else None
 
+    def message(self, text: str) -> tuple[dict, bool]:
+        """The assistant's message, and whether it calls tools. With a reasoning parser the think
+        block is ``reasoning_content`` and the calls are parsed from the answer after it."""
+        message = {"role": "assistant"}
+        answer = text
+        if self.reasoning is not None:
+            message["reasoning_content"], answer = self.reasoning.split(text)
+        content, calls = self.tools.parse(answer)
+        if not calls:
+            content = self.echo + answer
+            # with a reasoning parser an empty answer is null, as vLLM's
+            message["content"] = (content or None) if self.reasoning is not None else content
+            return message, False
+        content = self.echo + (content or "")
+        message.update(content=content or None, tool_calls=[c.openai() for c in calls])
+        return message, True
+
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
+        messages = [self.message(c.text) for c in out.outputs]
         choices = [{
             "index": c.index,
-            "message": self.message(c.text),
+            "message": message,
             "logprobs": self.logprobs(c.token_ids, c.logprobs),
-            "finish_reason": c.finish_reason,
+            "finish_reason": "tool_calls" if called else c.finish_reason,
             "stop_reason": c.stop_reason,
             "token_ids": list(c.token_ids) if self.token_ids else None,
-        } for c in out.outputs]
+        } for c, (message, called) in zip(out.outputs, messages)]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
                                       usage=usage(len(out.prompt_token_ids), completion_tokens),
@@ -169,6 +188,9 @@ class _ChatStream(StreamWriter):
         self.sent_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
         self.prompt_logprobs_sent = False
+        parser = shape.tools.parser
+        self.tool_streams = {} if parser is None else {
+            i: ToolCallStream(parser, shape.tools.max_calls) for i in range(shape.req.n)}
 
     def _usage(self, chunk: dict, index: int) -> dict:
         if self.shape.req.continuous_usage:
@@ -203,16 +225,39 @@ class _ChatStream(StreamWriter):
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if s.token_ids:
                     choice["token_ids"] = list(c.delta_token_ids)
+                calls = self._tool_call_chunks(choice, choice["delta"].get("content", ""), c.finish_reason is not None)
                 chunk = s.chunk(choice)
                 if not self.prompt_logprobs_sent and s.req.prompt_logprobs is not None and out.prompt_logprobs:
                     chunk["prompt_logprobs"] = s.prompt_logprobs(out)  # at the top level, as in a response
                     self.prompt_logprobs_sent = True
                 self.sent_tokens[c.index] = self.sent_tokens.get(c.index, 0) + len(c.delta_token_ids)
                 events.append(self._usage(chunk, c.index))
+                events += [self._usage(s.chunk(call), c.index) for call in calls]
                 if c.finish_reason is not None:
                     self.finished.add(c.index)
                     self.completion_tokens += len(c.token_ids)
         return events
+
+    def _tool_call_chunks(self, choice: dict, delta_text: str, final: bool) -> list[dict]:
+        """With a tool-call parser: the choice's content delta becomes the text outside calls,
+        and each call's deltas follow as choices of their own; the finish reason moves to the
+        last, "tool_calls" when the answer called tools."""
+        stream = self.tool_streams.get(choice["index"])
+        if stream is None:
+            return []
+        content, deltas = stream.feed(delta_text, final)
+        if content or "reasoning_content" not in choice["delta"]:
+            choice["delta"]["content"] = content
+        else:  # a delta of reasoning alone
+            choice["delta"].pop("content", None)
+        calls = [{"index": choice["index"], "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}
+                 for d in deltas]
+        if final and stream.called:
+            choice["finish_reason"] = "tool_calls"
+        if calls and final:
+            calls[-1]["finish_reason"], calls[-1]["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
+            choice["finish_reason"] = choice["stop_reason"] = None
+        return calls
 
     def tail(self) -> list[dict]:
         return usage_chunk(self.shape, "chat.completion.chunk", self.prompt_tokens, self.completion_tokens)

@@ -353,6 +353,20 @@ def test_bad_chat_messages_are_400(client):
     assert "messages" in e.value.body["message"]
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_tools_are_served_with_tool_choice_none_and_refused_where_they_need_more(client):
+    reply = client.chat.completions.create(model=MODEL, messages=chat_messages("hi"), tools=[WEATHER_TOOL],
+                                           tool_choice="none", max_tokens=4, temperature=0)
+    assert reply.choices[0].message.tool_calls in (None, []) and reply.choices[0].finish_reason in ("stop", "length")
+    for choice, named in (("required", "structured outputs"), ("auto", "--enable-auto-tool-choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=chat_messages("hi"), tools=[WEATHER_TOOL],
+                                           tool_choice=choice)
+        assert named in e.value.body["message"]
+
+
 def test_an_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt="hello", max_tokens=2)

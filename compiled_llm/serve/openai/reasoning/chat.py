@@ -29,10 +29,10 @@ class ChatReasoning:
         self.parser, self.tail = parser, tail
         self.streams: dict[int, ThinkStream] = {}
 
-    def message(self, echo: str, text: str) -> dict:
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole reply as (reasoning_content, the answer after it)."""
         reasoning, content = self.parser.split(text, self.tail)
-        content = echo + (content or "")
-        return {"content": content or None, "reasoning_content": reasoning}
+        return reasoning, content or ""
 
     def delta(self, index: int, text: str, finished: bool) -> dict:
         stream = self.streams.setdefault(index, self.parser.stream(self.tail))

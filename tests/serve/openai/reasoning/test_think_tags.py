@@ -85,7 +85,7 @@ def test_each_choice_streams_on_its_own_and_empty_deltas_are_left_out():
     assert chat.delta(0, "nk>", False) == {}
     assert chat.delta(0, "ok", True) == {"content": "ok"}
     assert chat.delta(1, "</th", True) == {"reasoning_content": "</th"}  # finished inside the tag
-    assert chat.message("", "a</think>") == {"content": None, "reasoning_content": "a"}
+    assert chat.split("a</think>") == ("a", "")
 
 
 def test_the_server_option_names_the_parsers_there_are():
