@@ -1,7 +1,7 @@
 """`compiled-llm serve ENGINE|SOURCE`: an OpenAI-compatible HTTP server (``compiled_llm.serve.openai``).
 
 The model loads as in ``run`` (a SOURCE is built into the engine cache on first use), in the
-engine process the server starts (``serve.engine_core``); the build options are ``BuildConfig``'s
+engine process the server starts (``serve.engine_process.engine_core``); the build options are ``BuildConfig``'s
 fields, the server options ``ServerConfig``'s and the engine options ``EngineConfig``'s, all as
 flags.
 

@@ -259,7 +259,7 @@ def build_engine(
                 kernel_cache.remove_partial_entries(work)
                 host = kernel_cache.split_host_binaries(work)
         elif dev.type == "cuda":
-            log.info("no kernel warm-up given: the engine ships no compiled kernels (a load compiles them)")
+            log.warning("no kernel warm-up given: the CUDA engine ships no compiled kernels (each load compiles them)")
         manifest = artifact.write_manifest(work, {
             **artifact.read_manifest(work),
             "kernel_cache": kernel_cache.KERNELS_DIR if warmed else None,

@@ -47,7 +47,7 @@ from typing import Iterator
 
 import torch
 
-from compiled_llm.engine.artifact import package_version, read_manifest
+from compiled_llm.engine.artifact import build_config, package_version, read_manifest
 from compiled_llm.engine.build import WarmUp, build_engine, resolve_config
 from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.cache_dir import cache_root
@@ -253,15 +253,22 @@ def cached_engine(
     src, resolved, path = _plan(source, _config(config, options))
     path.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(path.parent / f"{path.name}.lock"):
-        if _is_engine(path):
+        if _is_engine(path) and not (warm_up is not None and _lacks_kernels(path)):
             log.debug("using the cached engine %s for %s", path, src.name)
             return path
-        if path.exists():  # not an engine (say, its manifest was damaged): build it afresh
-            shutil.rmtree(path)
+        if path.exists():  # not an engine (say, its manifest was damaged), or a CUDA entry built
+            shutil.rmtree(path)  # without the kernel warm-up it is now given: build it afresh
         log.info("building engine for %s into %s (first use; cached for next time)", src.name, path)
         build_engine(str(source), path, resolved, progress=sys.stderr.isatty() if progress is None else progress,
                      warm_up=warm_up)
     return path
+
+
+def _lacks_kernels(path: Path) -> bool:
+    """A CUDA entry built without the kernel warm-up (by a caller that gave none), which every
+    load would pay for by compiling its kernels."""
+    manifest = read_manifest(path)
+    return build_config(manifest).device_type == "cuda" and manifest.get("kernel_cache") is None
 
 
 def _config(config: BuildConfig | None, options: dict) -> BuildConfig:

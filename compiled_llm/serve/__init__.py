@@ -11,8 +11,9 @@ Where things run, and where to find them (vLLM v1's rooms):
     worker/            the device side of a step: model runner, CUDA graphs, KV cache, sampler
     executor/          how rank 0 reaches the other tensor-parallel ranks
     engine_process/    ``serve``: the engine in a process of its own, and the HTTP side's client
-    openai/            the HTTP server (FastAPI), with server_config.py and metrics.py
-    reference.py       the eager reference runtime (``run --enforce-eager``, tests)
+    openai/            the HTTP server (FastAPI); its options and metrics are server_config.py
+                       and metrics.py, here
+    reference.py       the eager reference runtime (``run --eager``, tests)
     kernel_warmup.py   a build's kernel warm-up: the runtime run once over a new CUDA engine
     profiling.py       ``--profile``: a torch profiler trace of a run
 """

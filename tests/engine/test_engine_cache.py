@@ -270,6 +270,21 @@ def test_two_processes_build_one_engine_and_a_damaged_entry_is_rebuilt(caplog):
     read_manifest(entry)
 
 
+def test_a_cuda_entry_cached_without_kernels_is_rebuilt_once_a_warm_up_is_given(caplog):
+    entry = cached_engine("tiny-gpt2", device="cpu", progress=False)
+    # what a CUDA build without a warm-up leaves (a caller that gave none): no kernel cache
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["build_options"]["device"] = "cuda"
+    assert manifest["kernel_cache"] is None
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.INFO, logger="compiled_llm.engine.cache"):
+        assert cached_engine("tiny-gpt2", device="cpu", progress=False) == entry  # no warm-up: kept
+        assert not any("building engine" in r.getMessage() for r in caplog.records)
+        assert cached_engine("tiny-gpt2", device="cpu", progress=False, warm_up=lambda *a: None) == entry
+    assert any("building engine for tiny-gpt2" in r.getMessage() for r in caplog.records)
+    assert read_manifest(entry)["build_options"]["device"] == "cpu"
+
+
 # --- the CLI -----------------------------------------------------------------------------------
 
 

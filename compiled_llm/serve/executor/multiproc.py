@@ -172,6 +172,10 @@ class MultiprocExecutor:
         results are dropped: what a function that meets rank 0 in a collective needs, since
         rank 0 must run its own side before any rank returns. A function that raises fails the
         ranks as a dying rank does: ``EngineError`` naming the rank, now or at the next call."""
+        if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
+            # the workers find fn by module and name; theirs is not the caller's __main__
+            raise TypeError(f"run_on_ranks needs a function importable by name, not {fn.__module__}.{fn.__qualname__}; "
+                            "define it at the top level of a module")
         self._post("run", (fn, *args), reply=wait)
         if not wait:
             return None

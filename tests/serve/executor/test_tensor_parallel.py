@@ -374,6 +374,13 @@ def test_a_function_runs_on_every_other_rank_on_that_ranks_model_and_state(qwen2
         q_and_kv_rows = HEADS // RANKS * HEAD_DIM + 2 * HEAD_DIM  # half the q heads, one KV head
         assert executor.run_on_ranks(param_shape, "layers.0.qkv.weight") == [(1, (q_and_kv_rows, 64))]
         assert [executor.run_on_ranks(count_calls) for _ in range(3)] == [[1], [2], [3]]
+
+        def local(model, state):  # the workers could not find it by name
+            return 0
+
+        with pytest.raises(TypeError, match="needs a function importable by name"):
+            executor.run_on_ranks(local)
+        assert executor.run_on_ranks(count_calls) == [4]  # the ranks are untouched
     finally:
         executor.shutdown()
 

@@ -67,7 +67,3 @@ class ThinkStream:
         if self.state == "start":
             self.state = "reasoning" if self.starts_in_reasoning else "content"
         return (held, "") if self.state == "reasoning" else ("", held)
-
-    @property
-    def in_reasoning(self) -> bool:
-        return self.state == "reasoning" or (self.state == "start" and self.starts_in_reasoning)
