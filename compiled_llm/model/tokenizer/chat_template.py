@@ -34,10 +34,12 @@ def one_turn_chat(user_text: str, system_prompt: str | None) -> list[dict[str, s
     return messages
 
 
-def pick_template(templates: str | dict[str, str] | None) -> str | None:
-    """The template a chat without tools uses: the only one, or the one named "default"."""
+def pick_template(templates: str | dict[str, str] | None, tools: bool = False) -> str | None:
+    """The template a chat uses: the only one, or of named ones (a tokenizer's list of
+    ``{"name", "template"}``) the one named "tool_use" for a chat with tools when there is one,
+    as transformers picks it, else the one named "default"."""
     if isinstance(templates, dict):
-        templates = templates.get("default")
+        templates = templates.get("tool_use") if tools and templates.get("tool_use") else templates.get("default")
     return templates if isinstance(templates, str) and templates else None
 
 

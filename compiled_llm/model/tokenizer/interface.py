@@ -22,7 +22,7 @@ class TokenizerBackend(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
-    def chat_template(self) -> str | None: ...
+    def chat_template(self, tools: bool = False) -> str | None: ...
     def token_strings(self) -> Iterable[str]: ...
     def id_to_token(self, i: int) -> str: ...
     def eos_ids(self) -> list[int]: ...
@@ -58,6 +58,10 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._backend.chat_template() is not None
+
+    def chat_template_text(self, tools: bool = False) -> str | None:
+        """The template a chat uses (with ``tools``: a "tool_use" template where there is one)."""
+        return self._backend.chat_template(tools)
 
     @functools.cached_property
     def max_text_bytes_per_token(self) -> int:

@@ -26,7 +26,7 @@ class SentencePieceBackend:
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
 
-    def chat_template(self) -> None:
+    def chat_template(self, tools: bool = False) -> None:
         return None
 
     def token_strings(self) -> Iterable[str]:

@@ -69,8 +69,8 @@ class TokenizerJsonBackend:
     def vocab_size(self) -> int:
         return self.raw.get_vocab_size(with_added_tokens=True)
 
-    def chat_template(self) -> str | None:
-        return pick_template(self.templates)
+    def chat_template(self, tools: bool = False) -> str | None:
+        return pick_template(self.templates, tools)
 
     def _token_id(self, token: str) -> int | None:
         """transformers' convert_tokens_to_ids: the token's id, else the unknown token's."""
@@ -111,8 +111,8 @@ class TokenizerJsonBackend:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     template_kwargs: dict[str, Any] | None = None,
                     tools: list[dict[str, Any]] | None = None) -> str:
-        return render_chat_template(self.chat_template(), messages, add_generation_prompt, self.named, template_kwargs,
-                                    tools)
+        return render_chat_template(self.chat_template(tools=bool(tools)), messages, add_generation_prompt, self.named,
+                                    template_kwargs, tools)
 
     def save(self, directory: Path) -> None:
         # transformers writes what it would itself load (the build may use transformers); without

@@ -24,8 +24,8 @@ class TransformersBackend:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def chat_template(self) -> str | None:
-        return pick_template(getattr(self.hf, "chat_template", None))
+    def chat_template(self, tools: bool = False) -> str | None:
+        return pick_template(getattr(self.hf, "chat_template", None), tools)
 
     def token_strings(self) -> Iterable[str]:
         return self.hf.get_vocab()

@@ -45,7 +45,7 @@ def server_parser_name(state: ServerState) -> str | None:
     name = state.config.tool_call_parser
     if name is None:
         tok = state.tokenizer
-        template = tok.describe().get("chat_template") if tok is not None and tok.has_chat_template else None
+        template = tok.chat_template_text(tools=True) if tok is not None else None
         name = parser_for_template(template)
     return None if name in (None, "none") else name
 

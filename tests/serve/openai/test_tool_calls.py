@@ -14,7 +14,7 @@ from compiled_llm.serve.openai.reasoning.chat import ChatReasoning
 from compiled_llm.serve.openai.reasoning.parsers import PARSERS
 from compiled_llm.serve.openai.serving import ApiError
 from compiled_llm.serve.openai.serving_chat import _ChatStream, _Shape, chat_messages
-from compiled_llm.serve.openai.tool_calls import tool_plan
+from compiled_llm.serve.openai.tool_calls import server_parser_name, tool_plan
 from compiled_llm.serve.server_config import ServerConfig
 from helpers.trained_tokenizers import train_hf_tokenizer
 
@@ -64,8 +64,24 @@ def test_tools_and_calls_render_as_transformers_renders_them(tokenizers):
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
 
 
+def test_a_chat_with_tools_uses_the_tokenizers_tool_use_template_as_transformers_does(tmp_path):
+    plain = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    _, hf = train_hf_tokenizer(chat_template={"default": plain, "tool_use": QWEN_LIKE})
+    hf.save_pretrained(str(tmp_path))
+    ours = load_tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with_tools = hf.apply_chat_template(messages, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
+    assert "get_weather" in with_tools
+    assert ours.apply_chat_template(messages, tools=[WEATHER_TOOL]) == hf.encode(with_tools, add_special_tokens=False)
+    without = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.apply_chat_template(messages) == hf.encode(without, add_special_tokens=False)
+    # the parser the server infers reads the template chats with tools use
+    served = SimpleNamespace(config=ServerConfig(), tokenizer=ours, model_name="m")
+    assert server_parser_name(served) == "hermes"
+
+
 def state(template: str = QWEN_LIKE, **config):
-    tok = SimpleNamespace(has_chat_template=True, describe=lambda: {"chat_template": template})
+    tok = SimpleNamespace(has_chat_template=True, chat_template_text=lambda tools=False: template)
     return SimpleNamespace(config=ServerConfig(**config), tokenizer=tok, model_name="m")
 
 
