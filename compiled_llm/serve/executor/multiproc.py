@@ -130,8 +130,11 @@ class MultiprocExecutor:
         store = self._dir / "store"
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
-        # each rank's answers to run_on_ranks, in order; the monitor thread reads every socket
+        # each rank's answers to run_on_ranks as (call number, result), in order; the monitor
+        # thread reads every socket. The number ties an answer to its call: a wait cut short
+        # (say, by Ctrl-C) leaves answers that the next call must not take for its own.
         self._results: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(1, size)]
+        self._calls = 0
         # one reader of the sockets at a time (the monitor, or check() finding a dead rank), each
         # acting on what it read before the other reads: a dying rank's error is never lost
         # between them, and its text, not "exited", names the failure
@@ -160,7 +163,7 @@ class MultiprocExecutor:
     # ---- the interface (see the package docstring) ----------------------------------------------
 
     def send(self, method: str, *args) -> None:
-        self._post(method, args, reply=False)
+        self._post(method, args, reply=None)
 
     def run_on_ranks(self, fn: Callable[..., Any], *args, wait: bool = True) -> list[Any] | None:
         """Have every other rank call ``fn(model, state, *args)``, in order with what ``send``
@@ -176,10 +179,12 @@ class MultiprocExecutor:
             # the workers find fn by module and name; theirs is not the caller's __main__
             raise TypeError(f"run_on_ranks needs a function importable by name, not {fn.__module__}.{fn.__qualname__}; "
                             "define it at the top level of a module")
-        self._post("run", (fn, *args), reply=wait)
         if not wait:
+            self._post("run", (fn, *args), reply=None)
             return None
-        return [self._result(rank) for rank in range(1, self.size)]
+        self._calls += 1
+        self._post("run", (fn, *args), reply=self._calls)
+        return [self._result(rank, self._calls) for rank in range(1, self.size)]
 
     def check(self, wait_s: float = 0.0) -> None:
         """Raise EngineError if a rank has failed or the engine was shut down; with ``wait_s``,
@@ -230,9 +235,9 @@ class MultiprocExecutor:
 
     # ---- messages ----------------------------------------------------------------------------------
 
-    def _post(self, method: str, args: tuple, reply: bool) -> None:
-        """``RankWorker.<method>(*args)`` on every other rank; ``reply``: each answers with its
-        result."""
+    def _post(self, method: str, args: tuple, reply: int | None) -> None:
+        """``RankWorker.<method>(*args)`` on every other rank; ``reply``: the call's number, with
+        which each rank answers with its result (None: no answer)."""
         self.check()
         message = pickle.dumps((method, args, reply))  # before any rank is sent anything
         for rank, conn in enumerate(self._conns, start=1):
@@ -242,13 +247,17 @@ class MultiprocExecutor:
                 self._fail(f"tensor-parallel rank {rank} is gone (its pipe closed)")
                 self.check()
 
-    def _result(self, rank: int) -> Any:
-        """Rank ``rank``'s answer to the call that waits for it; EngineError once a rank fails."""
+    def _result(self, rank: int, call: int) -> Any:
+        """Rank ``rank``'s answer to call number ``call`` (answers to earlier calls, whose wait
+        was cut short, are dropped); EngineError once a rank fails."""
         while True:
             try:
-                return self._results[rank - 1].get(timeout=_RESULT_POLL_S)
+                number, result = self._results[rank - 1].get(timeout=_RESULT_POLL_S)
             except queue.Empty:
                 self.check()
+                continue
+            if number == call:
+                return result
 
     # ---- start-up and failure ---------------------------------------------------------------------
 
@@ -303,7 +312,7 @@ class MultiprocExecutor:
                     if message is None or message[0] != "result":
                         self._fail(self._describe(rank, message))
                         return
-                    self._results[rank - 1].put(message[1])
+                    self._results[rank - 1].put((message[1], message[2]))
 
     def _fail(self, why: str) -> None:
         with self._state_lock:
@@ -369,8 +378,8 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
                 break
             method, args, reply = message
             result = getattr(worker, method)(*args)
-            if reply:
-                conn.send_bytes(pickle.dumps(("result", result)))
+            if reply is not None:
+                conn.send_bytes(pickle.dumps(("result", reply, result)))
     except EOFError:  # rank 0 is gone
         os._exit(1)
     except BaseException as e:
