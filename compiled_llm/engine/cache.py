@@ -216,12 +216,15 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _is_engine(path: Path) -> bool:
+def _usable_entry(path: Path, warmed: bool) -> bool:
+    """An engine (its manifest reads), and with ``warmed`` not a CUDA entry built without the
+    kernel warm-up (by a caller that gave none), which every load would pay for by compiling
+    its kernels."""
     try:
-        read_manifest(path)
-        return True
+        manifest = read_manifest(path)
     except EngineError:
         return False
+    return not (warmed and build_config(manifest).device_type == "cuda" and manifest.get("kernel_cache") is None)
 
 
 def _plan(source, config: BuildConfig):
@@ -253,7 +256,7 @@ def cached_engine(
     src, resolved, path = _plan(source, _config(config, options))
     path.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(path.parent / f"{path.name}.lock"):
-        if _is_engine(path) and not (warm_up is not None and _lacks_kernels(path)):
+        if _usable_entry(path, warmed=warm_up is not None):
             log.debug("using the cached engine %s for %s", path, src.name)
             return path
         if path.exists():  # not an engine (say, its manifest was damaged), or a CUDA entry built
@@ -262,13 +265,6 @@ def cached_engine(
         build_engine(str(source), path, resolved, progress=sys.stderr.isatty() if progress is None else progress,
                      warm_up=warm_up)
     return path
-
-
-def _lacks_kernels(path: Path) -> bool:
-    """A CUDA entry built without the kernel warm-up (by a caller that gave none), which every
-    load would pay for by compiling its kernels."""
-    manifest = read_manifest(path)
-    return build_config(manifest).device_type == "cuda" and manifest.get("kernel_cache") is None
 
 
 def _config(config: BuildConfig | None, options: dict) -> BuildConfig:
