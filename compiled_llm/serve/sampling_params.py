@@ -8,8 +8,10 @@ the batched sampler that turns a batch of these into token ids on the device is
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
+from typing import Any, Mapping
 
 from compiled_llm.errors import InvalidRequestError
 
@@ -20,9 +22,90 @@ SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty"
                     "repetition_penalty", "logprobs", "seeded", "min_tokens")
 MIN_TOKENS_COLUMN = SAMPLING_COLUMNS.index("min_tokens")
 
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
+
 # The most top log-probabilities one token may ask for (OpenAI's API allows 20 for chat, 5 for
 # completions; vLLM's default cap is 20).
 MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match, as vLLM spells it: exactly one of a JSON schema (``json``, a
+    dict or its JSON text), any JSON object (``json_object``), a regular expression (``regex``),
+    one of fixed strings (``choice``) or an EBNF grammar (``grammar``, GBNF-style, as xgrammar
+    reads it). ``disable_any_whitespace`` keeps JSON to single spaces (no newlines or runs of
+    blanks between its tokens).
+
+    This checks the form; whether the schema, regex or grammar is one the grammar backend can
+    compile is checked when the request is validated (``core/structured_output``)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured outputs need exactly one of json, regex, choice, grammar and json_object, got "
+                + (", ".join(given) if given else "none"))
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise InvalidRequestError(f"structured outputs json is not valid JSON: {e}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (Mapping, bool)):
+                raise InvalidRequestError(f"a JSON schema is an object, got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"structured outputs {name} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise InvalidRequestError("structured outputs choice must be a non-empty list of strings")
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                raise InvalidRequestError("structured outputs choice entries must be non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError("disable_any_whitespace must be True or False")
+
+    @property
+    def kind(self) -> str:
+        """"json", "json_object", "regex", "choice" or "grammar"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def schema(self) -> Any:
+        """The JSON schema as a Python value (``json`` only)."""
+        return json.loads(self.json) if isinstance(self.json, str) else self.json
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What the compiled grammar depends on, canonical: equal keys compile to one grammar
+        (the compile cache's key)."""
+        kind = self.kind
+        if kind == "json":
+            text = json.dumps(self.schema, sort_keys=True, separators=(",", ":"))
+        elif kind == "choice":
+            text = json.dumps(list(self.choice))
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = getattr(self, kind)
+        return kind, text, self.disable_any_whitespace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +123,10 @@ class SamplingParams:
     those of the model's raw logits, before penalties and temperature, as vLLM returns them.
     ``min_tokens``: until the request has that many output tokens, its stop tokens (EOS unless
     ``ignore_eos``, and ``stop_token_ids``) cannot be sampled and its stop strings do not end it.
+    ``structured_outputs`` constrains every output token to a grammar (a JSON schema, a regex,
+    ...; the tokens it rules out get probability 0, and log-probabilities are those of the
+    masked distribution, as vLLM reports them); ``logit_bias`` {token id: bias in [-100, 100]}
+    is added to the logits before sampling (not to the reported log-probabilities).
     """
 
     max_tokens: int = 16
@@ -61,6 +148,8 @@ class SamplingParams:
     min_tokens: int = 0
     # False skips incremental detokenization (token ids only; stop strings need it on).
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self):
         for name in ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens"):  # numpy integers and the like, as plain ints
@@ -120,6 +209,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids or ()))
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         # What the sampler reads every step, worked out once per request: its row of the
         # sampler's parameter table (SAMPLING_COLUMNS) and whether it needs penalties.
         object.__setattr__(self, "sampling_row", (
@@ -139,6 +232,24 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self._penalised
+
+
+def _checked_logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias} with int ids and float biases in OpenAI's range; None when empty."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    out = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+            token = int(token)  # JSON object keys are strings
+        _check_int("logit_bias token id", token, low=0)
+        _check_real(f"logit_bias[{token}]", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias[{token}] must be in [-100, 100], got {value!r}")
+        out[int(token)] = float(value)
+    return out or None
 
 
 def _check_int(name: str, value, low: int | None = None) -> None:
