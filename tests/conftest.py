@@ -59,3 +59,17 @@ def lively_bpe_engine(lively_bpe_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("lively_bpe_engine") / "engine"
     build_engine(str(lively_bpe_checkpoint[0]), out, dtype="float32", device="cpu", progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def structured_engine(tmp_path_factory):
+    """A CPU float32 engine of ``helpers.structured``'s checkpoint (every byte a token, a chat
+    template that renders tools): what structured outputs and tool calling are tested on."""
+    from compiled_llm.engine.build import build_engine
+    from helpers.structured import make_structured_checkpoint
+
+    checkpoint = tmp_path_factory.mktemp("structured") / "checkpoint"
+    make_structured_checkpoint(checkpoint)
+    out = tmp_path_factory.mktemp("structured_engine") / "engine"
+    build_engine(str(checkpoint), out, dtype="float32", device="cpu", progress=False)
+    return out

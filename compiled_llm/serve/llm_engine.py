@@ -12,8 +12,10 @@ holders) and compute only the prompt's last partial block before sampling on the
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -35,6 +37,11 @@ from compiled_llm.serve.core.scheduler import ScheduledBatch, Scheduler, Schedul
 from compiled_llm.serve.core.sequence import Sequence
 from compiled_llm.serve.core.spec_decode.speculator import Speculator
 
+
+logger = logging.getLogger(__name__)
+
+# How long an idle engine waits for a grammar compile before it looks at its callers again
+GRAMMAR_WAIT_S = 0.02
 
 # After a failed step of a tensor-parallel engine: how long a rank that is ending may take to be seen
 FAILED_RANK_WAIT_S = 3.0
@@ -178,6 +185,7 @@ class LLMEngine:
         self._pending = None  # (batch, handle) of a decode step queued ahead
         self._in_flight: ScheduledBatch | None = None  # the step being run, for clean-up if it fails
         self.failed_request_ids: list[str] = []  # requests the last step aborted because it raised
+        self._grammars = None  # the GrammarCompiler, once a request has structured outputs
 
     @property
     def stats(self) -> EngineStats:
@@ -209,7 +217,10 @@ class LLMEngine:
                      num_seqs=size[1], block_size=size[2], dtype=self.model.dtype, device=self.device)
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (the engine cannot step afterwards)."""
+        """Stop the other tensor-parallel ranks, if any (the engine cannot step afterwards), and
+        the grammar compiler's threads."""
+        if getattr(self, "_grammars", None) is not None:
+            self._grammars.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -262,9 +273,26 @@ class LLMEngine:
             for _ in seqs
         ]
         self._requests[request_id] = _Request(request_id, seqs, detoks, stream, [0] * len(seqs))
+        if params.structured_outputs is not None:
+            for seq in seqs:  # one compile, a matcher each
+                seq.grammar = self.grammar_compiler().matcher(params.structured_outputs)
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
+
+    @property
+    def live_grammar_matchers(self) -> int:
+        """Structured sequences' matchers not yet released (0 once every one has finished)."""
+        return 0 if self._grammars is None else self._grammars.live_matchers
+
+    def grammar_compiler(self):
+        """The engine's GrammarCompiler, made with the first structured request (it imports
+        xgrammar, which an engine without one never loads)."""
+        if self._grammars is None:
+            from compiled_llm.serve.core.structured_output.grammar_compiler import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.model.eos_token_ids)
+        return self._grammars
 
     def new_request_id(self) -> str:
         """An id no request of this engine has had (safe from any thread)."""
@@ -338,8 +366,16 @@ class LLMEngine:
             batch, handle = self._pending
             self._pending = None
             self._in_flight = batch
+            if handle.deferred is not None:  # its grammars' bitmask needed the tokens applied last call
+                self.runner.sample_deferred(handle)
         else:
             if not self.scheduler.has_unfinished():
+                return []
+            broken = self._requests_with_broken_grammars()
+            if broken:
+                return broken
+            if not self.scheduler.has_schedulable():
+                self._wait_for_grammars()
                 return []
             with _label(self.profile_labels, "schedule"):
                 batch = self.scheduler.schedule()
@@ -354,7 +390,8 @@ class LLMEngine:
                 ahead = self.scheduler.schedule_ahead(batch)
             if ahead is not None:
                 ahead_batch, rows = ahead
-                self._pending = (ahead_batch, self.runner.launch(ahead_batch, handle, rows))
+                structured = any(s.grammar is not None for s in ahead_batch.seqs)
+                self._pending = (ahead_batch, self.runner.launch(ahead_batch, handle, rows, defer_sample=structured))
                 self._stats.ahead_steps += 1
         sampled = self.runner.collect(handle)
         logprobs = self.runner.collect_logprobs(handle)
@@ -420,6 +457,28 @@ class LLMEngine:
             elif request.stream:
                 changes.append((request, indices))
         return changes
+
+    def _wait_for_grammars(self, timeout_s: float = GRAMMAR_WAIT_S) -> None:
+        """Block until a waiting sequence's grammar is compiled, or ``timeout_s`` (so that a
+        caller driving the engine sees new submissions and aborts meanwhile)."""
+        futures = [s.grammar.future for s in self.scheduler.waiting if s.waits_for_grammar]
+        concurrent.futures.wait(futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _requests_with_broken_grammars(self) -> list[tuple[_Request, range]]:
+        """Finish (reason "abort") the waiting requests whose grammar failed to compile: the
+        front end checks every grammar, so this is xgrammar failing on one it had read."""
+        out = []
+        for seq in list(self.scheduler.waiting):
+            error = seq.grammar.error if seq.grammar is not None and seq.grammar.ready else None
+            request = self._requests.get(seq.request_id) if error is not None else None
+            if request is None:
+                continue
+            logger.error("request %s: its grammar failed to compile (%s); it is aborted", seq.request_id, error)
+            for s in request.seqs:
+                self.scheduler.abort(s)
+            del self._requests[seq.request_id]
+            out.append((request, range(len(request.seqs))))
+        return out
 
     def _apply_verified(self, batch: ScheduledBatch, sampled: list[int], logprobs: list | None):
         """Apply a verification step: (each seq with how many tokens it got, the log-probability

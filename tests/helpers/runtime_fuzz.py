@@ -5,12 +5,16 @@ four ways, and compares each request's output with what its continuation says it
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.serve.core.block_manager import cdiv
+from compiled_llm.serve.sampling_params import StructuredOutputsParams
 
 MAX_NEW_TOKENS = 24
 MAX_MODEL_LEN = 128
@@ -28,7 +32,29 @@ class Request:
     prompt: dict | str
     prompt_ids: list[int]
     params: SamplingParams
-    expected: Expected
+    expected: Expected | None  # None: a structured request, checked by ``valid``
+    valid: Callable[[str], bool] | None = None
+
+
+# Structured draws spell with the lively tokenizer's letters and spaces: a regex, a choice of
+# words, an EBNF grammar; each with the check of a finished output.
+STRUCTURED = [
+    (StructuredOutputsParams(regex="[a-z]{1,6}( [a-z]{1,6}){0,3}"),
+     lambda t: re.fullmatch("[a-z]{1,6}( [a-z]{1,6}){0,3}", t) is not None),
+    (StructuredOutputsParams(choice=["the cat", "a dog", "the quick fox", "sat"]),
+     lambda t: t in ("the cat", "a dog", "the quick fox", "sat")),
+    (StructuredOutputsParams(grammar='root ::= word (" and " word)*\nword ::= "cat" | "dog" | [a-z] [a-z]'),
+     lambda t: re.fullmatch("(cat|dog|[a-z]{2})( and (cat|dog|[a-z]{2}))*", t) is not None),
+]
+
+
+def structured_variant(rng: random.Random, request: Request) -> Request:
+    """``request`` under one of the STRUCTURED grammars, greedy or sampled, n of 1 to 3."""
+    structured, valid = rng.choice(STRUCTURED)
+    params = dataclasses.replace(request.params, structured_outputs=structured, stop=(), ignore_eos=False,
+                                 temperature=rng.choice([0.0, 0.0, 1.0]), n=rng.choice([1, 1, 2, 3]),
+                                 max_tokens=max(request.params.max_tokens, 12), seed=rng.randrange(100))
+    return Request(request.prompt, request.prompt_ids, params, None, valid)
 
 
 def expected_output(tok, continuation, params: SamplingParams, eos_ids) -> Expected:
@@ -127,7 +153,8 @@ def by_streams(llm, requests, rng):
             texts[i] += next(streams[i])
         except StopIteration:
             out = streams.pop(i).output
-            results[i] = (out.token_ids, texts[i], out.finish_reason)
+            # a stream of n > 1 completions interleaves their pieces: the first one's text then
+            results[i] = (out.token_ids, texts[i] if requests[i].params.n == 1 else out.text, out.finish_reason)
     return results
 
 
@@ -164,16 +191,22 @@ def draw_speculative_config(rng: random.Random) -> dict:
 
 
 def run_draw(seed: int, lively, block_sizes=(2, 4, 8, 16), speculate: bool = False, stats: list | None = None,
-             **forced) -> tuple[int, list[str]]:
+             structured: bool = False, **forced) -> tuple[int, list[str]]:
     """One random configuration and workload (``forced`` engine options override the drawn
     ones): how many requests were compared, and the differences found. ``speculate`` adds an
     n-gram speculative config (drawn apart, so the other draws of a seed stay what they were);
-    ``stats`` collects the speculator's stats."""
+    ``stats`` collects the speculator's stats. ``structured`` turns some requests into
+    structured ones (drawn apart too), whose finished outputs must match their grammar."""
     loaded, tok, pool = lively
     rng = random.Random(seed)
     eos_ids = set(loaded.eos_token_ids)
     requests = draw_requests(rng, pool, tok, eos_ids)
+    if structured:
+        srng = random.Random(f"structured {seed}")
+        requests = [structured_variant(srng, r) if srng.random() < 0.5 else r for r in requests]
     options = dict(draw_engine_options(rng, requests, block_sizes), **forced)
+    cap = options["max_num_seqs"]
+    requests = [dataclasses.replace(r, params=dataclasses.replace(r.params, n=min(r.params.n, cap))) for r in requests]
     if speculate:
         options["speculative_config"] = draw_speculative_config(random.Random(f"speculative {seed}"))
     driver = rng.choice(sorted(DRIVERS))
@@ -183,6 +216,10 @@ def run_draw(seed: int, lively, block_sizes=(2, 4, 8, 16), speculate: bool = Fal
     problems = []
     for i, got in results.items():
         e = requests[i].expected
+        if e is None:
+            if got[2] == "stop" and not requests[i].valid(got[1]):
+                problems.append(f"{where}: structured request {i} ({requests[i].params}) gave {got[1]!r}")
+            continue
         if got != (e.token_ids, e.text, e.finish_reason):
             problems.append(f"{where}: request {i} ({requests[i].params}) gave {got}, expected {e}")
     if driver in ("generate", "two_threads") and len(results) != len(requests):
@@ -191,6 +228,8 @@ def run_draw(seed: int, lively, block_sizes=(2, 4, 8, 16), speculate: bool = Fal
     if llm.engine.scheduler.has_unfinished() or bm.num_free_blocks != bm.num_blocks:
         problems.append(f"{where}: {bm.num_blocks - bm.num_free_blocks} blocks still held after the run")
     bm.check_invariants()
+    if llm.engine.live_grammar_matchers:
+        problems.append(f"{where}: {llm.engine.live_grammar_matchers} grammar matchers not released")
     if stats is not None and llm.engine.speculator is not None:
         stats.append(llm.engine.speculator.stats)
     return len(results), problems

@@ -8,6 +8,7 @@ four ways: one ``generate`` call, two threads calling ``generate`` at once, stre
 random order and some closed early, or the engine's own add/abort/step loop with random aborts.
 Every request that was not aborted must give exactly what transformers' greedy ``generate``
 gives for it alone (token ids, text, finish reason), and at the end every KV block must be free.
+Structured draws put half the requests under a grammar: theirs must match it.
 
 The checkpoint is ``lively.make_lively_checkpoint``: its greedy outputs vary, so a token fed at
 the wrong position, a wrong stop cut or a lost stream delta changes what is compared.
@@ -32,6 +33,7 @@ from helpers.trained_tokenizers import WORDS
 
 NUM_DRAWS = 1000
 NUM_SPECULATIVE_DRAWS = 150
+NUM_STRUCTURED_DRAWS = 120
 MIN_MARGIN = 1e-3
 # Draws that failed before prefill and decode were told apart per row (with budgets of 1-5
 # tokens, a step of one-token prompt chunks was taken for a decode: the chunks were fed each
@@ -104,3 +106,14 @@ def test_fuzz_with_speculation_against_transformers(lively):
     assert not problems, f"{len(problems)} differences:\n" + "\n".join(problems[:10])
     accepted, drafted = sum(s.accepted_tokens for s in stats), sum(s.draft_tokens for s in stats)
     assert 0 < accepted < drafted
+
+
+def test_fuzz_with_structured_requests(lively):
+    """The draws with half the requests under a regex, a choice or an EBNF grammar (greedy or
+    sampled, n up to 3), some with speculation: every finished structured output matches its
+    grammar, the other requests still give transformers' outputs, every block is free and every
+    grammar matcher released at the end."""
+    problems = []
+    for seed in range(NUM_STRUCTURED_DRAWS):
+        problems += run_draw(seed, lively, structured=True, speculate=seed % 3 == 0)[1]
+    assert not problems, f"{len(problems)} differences:\n" + "\n".join(problems[:10])

@@ -110,4 +110,15 @@ class RequestValidator:
             raise InvalidRequestError(f"n = {params.n} exceeds max_num_seqs ({self.max_num_seqs})")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
+        bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias token id {bad} is outside the model's vocabulary "
+                                      f"(0..{self.vocab_size - 1})")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured outputs need a tokenizer, and this model has none")
+            # a function-level import: xgrammar loads with the first structured request
+            from compiled_llm.serve.core.structured_output.grammar_check import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs)
         return text, ids, params

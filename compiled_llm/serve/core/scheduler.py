@@ -8,6 +8,11 @@ sequence is preempted by recompute: its blocks are freed and it goes back to the
 queue, to re-prefill its prompt and the tokens it had generated (prefix caching often makes that
 cheap).
 
+A request with structured outputs is admitted once its grammar is compiled; until then the
+requests behind it pass it (``has_schedulable``). Its sequence's matcher takes each token as it
+is applied, ends the sequence when the grammar has taken a stop token, and trims speculative
+drafts to what the grammar allows.
+
 A decode step lists its rows longest context first: the decode attention kernel starts its
 programs row by row, and the long ones must not be left for the tail.
 
@@ -21,6 +26,7 @@ token comes sooner and the running ones lose less time.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,6 +34,8 @@ from dataclasses import dataclass, field
 from compiled_llm.serve.core.block_manager import BlockManager
 from compiled_llm.serve.core.sequence import Sequence, SequenceStatus
 from compiled_llm.serve.core.spec_decode.speculator import Speculator
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_schedulable(self) -> bool:
+        """Whether a step would have work: something runs, or a waiting sequence does not wait
+        for its grammar."""
+        return bool(self.running) or any(not s.waits_for_grammar for s in self.waiting)
+
     def abort(self, seq: Sequence) -> None:
         """Drop a request now; its blocks go back to the free queue at once."""
         if seq.status is SequenceStatus.FINISHED:
@@ -121,6 +134,8 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
+        if seq.grammar is not None:
+            seq.grammar.release()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.perf_counter()
@@ -185,6 +200,9 @@ class Scheduler:
             and len(self.running) + extra_rows < self.config.max_num_seqs
         ):
             seq = self.waiting[i]
+            if seq.waits_for_grammar:
+                i += 1
+                continue
             source = seq.share_prompt_of
             if source is not None and source.is_finished:
                 source = seq.share_prompt_of = None
@@ -226,6 +244,8 @@ class Scheduler:
             return
         for i, (seq, draft) in enumerate(zip(batch.seqs, drafts)):
             draft = draft[:budget]
+            if draft and seq.grammar is not None:
+                draft = seq.grammar.allowed_prefix(draft)
             if draft and not self.bm.allocate_slots(seq, 1 + len(draft)):
                 draft = []
             drafts[i] = draft
@@ -259,7 +279,7 @@ class Scheduler:
         if sum(s.num_tokens for s in self.waiting) > limit or len(self.running) >= self.config.max_num_seqs:
             return False
         seq = self.waiting[0]
-        if seq.share_prompt_of is not None or seq.wants_prompt_logprobs:
+        if seq.share_prompt_of is not None or seq.wants_prompt_logprobs or seq.waits_for_grammar:
             return False
         hits = self._computed_blocks(seq, None)
         cached = len(hits) * self.bm.block_size
@@ -372,6 +392,14 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None:
+            if not seq.grammar.accept(token):
+                # the sampler masks every token the grammar rules out, so this is a bug
+                logger.error("request %s: token %d is not allowed by its grammar; it is aborted",
+                             seq.request_id, token)
+                return "abort"
+            if seq.grammar.is_terminated:
+                return "stop"
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:

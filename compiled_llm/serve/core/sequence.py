@@ -74,6 +74,8 @@ class Sequence:
     prompt_logprobs: list[dict] = field(default_factory=list)
     # the speculator's per-sequence state (its n-gram index, acceptance), made on first use
     draft_state: object | None = None
+    # with structured outputs: its place in the grammar (core/structured_output/grammar_matcher)
+    grammar: object | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     def __post_init__(self):
@@ -105,6 +107,11 @@ class Sequence:
             and self.index == 0
             and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
         )
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """Its grammar is still being compiled: it cannot be scheduled yet."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def is_finished(self) -> bool:

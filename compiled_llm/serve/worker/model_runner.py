@@ -29,6 +29,7 @@ from compiled_llm.serve.worker.sampler import SamplingTensors, TokenLogprobs, gr
 from compiled_llm.serve.sampling_params import MIN_TOKENS_COLUMN, SAMPLING_COLUMNS, SamplingParams, stop_tokens
 from compiled_llm.serve.core.scheduler import ScheduledBatch
 from compiled_llm.serve.core.sequence import Sequence
+from compiled_llm.kernels import registry
 from compiled_llm.serve.worker.step_inputs import StepInputs
 from compiled_llm.serve.worker.token_history import TokenHistory
 
@@ -52,6 +53,8 @@ class StepHandle:
     # host copies of the prompt log-probabilities, and per batch row (seq index, how many positions)
     prompt_logprobs: TokenLogprobs | None = None
     prompt_logprob_rows: list[tuple[int, int]] | None = None
+    # launched with defer_sample: (batch, logits, runner rows) until sample_deferred runs
+    deferred: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ class ModelRunner:
         self._last_logit_rows: list[int] | None = None
         self._prompt_lp_rows: list[tuple[int, int, int]] = []  # (seq index, first logits row, count)
         self.eos_token_ids: tuple[int, ...] = ()  # what min_tokens holds back, with stop_token_ids
+        self._bitmask = None  # the StepBitmask, made by the first structured step
+        self._bitmask_dev: Tensor | None = None
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
@@ -211,20 +216,45 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, ahead_of: StepHandle | None = None,
-               ahead_rows: list[int] | None = None) -> StepHandle:
+               ahead_rows: list[int] | None = None, defer_sample: bool = False) -> StepHandle:
         """Queue the step's forward and sampling on the device without waiting for them.
 
         With ``ahead_of`` the batch is a decode step scheduled before the step ``ahead_of``
         finished: each row's input token is that step's sampled id (row ahead_rows[i] of it,
         all rows in order when None), copied on the device, and its position is one past the
-        sequence's num_computed_tokens (which the earlier step has not yet advanced)."""
+        sequence's num_computed_tokens (which the earlier step has not yet advanced).
+
+        ``defer_sample``: queue only the forward; ``sample_deferred`` queues the sampling once
+        the earlier step's tokens are applied (a grammar's bitmask needs them). The device
+        runs the forward meanwhile."""
         with _label(self.profile_labels, "forward"):
             logits = self._forward(batch, ahead_of, ahead_rows)
         prompt_lp = self._prompt_logprobs(batch, logits) if self._prompt_lp_rows else None
         if self._last_logit_rows is not None:
             logits = logits.index_select(0, self._to_device(self._last_logit_rows))
+        if defer_sample:
+            assert prompt_lp is None
+            handle = StepHandle(None, None, None)
+            handle.deferred = (batch, logits, self._step_rows)
+            return handle
         with _label(self.profile_labels, "sample"):
-            ids, lp = self._sample(batch, logits, ahead=0 if ahead_of is None else 1)
+            ids, lp = self._sample(batch, logits, self._step_rows, ahead=0 if ahead_of is None else 1)
+        return self._read_back(ids, lp, prompt_lp)
+
+    @torch.inference_mode()
+    def sample_deferred(self, handle: StepHandle) -> None:
+        """Queue the sampling of a step launched with ``defer_sample`` (its sequences now hold
+        the tokens of the step before it) and its read-back, filling in ``handle``."""
+        batch, logits, step_rows = handle.deferred
+        handle.deferred = None
+        with _label(self.profile_labels, "sample"):
+            ids, lp = self._sample(batch, logits, step_rows, ahead=0)
+        done = self._read_back(ids, lp, None)
+        handle.ids, handle.host, handle.event, handle.logprobs = done.ids, done.host, done.event, done.logprobs
+
+    def _read_back(self, ids: Tensor | None, lp: TokenLogprobs | None, prompt_lp: TokenLogprobs | None) -> StepHandle:
+        """A handle for a step's sampled ids and log-probabilities, with their copies to the host
+        queued."""
         if ids is None and prompt_lp is None:
             return StepHandle(None, None, None)
         rows = [(i, n) for i, _, n in self._prompt_lp_rows] or None
@@ -394,31 +424,41 @@ class ModelRunner:
                               "it cannot compute prompt_logprobs")
         return run(self.params, batch, self.kv_cache, rows)
 
-    def _sample(self, batch: ScheduledBatch, logits: Tensor,
+    def _sample(self, batch: ScheduledBatch, logits: Tensor, step_rows: np.ndarray,
                 ahead: int = 0) -> tuple[Tensor | None, TokenLogprobs | None]:
         """The sampled ids of batch.sample_rows, and their log-probabilities if any row asks.
         ``ahead`` = 1: the step was queued before the previous one's tokens were applied, so
-        each seq has one output token more than it holds."""
+        each seq has one output token more than it holds.
+
+        Structured rows' logits are masked by their grammars first (in place: what the
+        log-probabilities report too); logit_bias and min_tokens act on the sampling logits
+        only."""
         rows = batch.sample_rows
         if not rows:
             return None, None
-        step_rows = self._step_rows
         seqs = batch.seqs
+        drafts = None
         offsets = None  # per row: its token's place after the seq's current output (verify steps)
+        if batch.is_verify:
+            drafts = batch.draft_tokens
+        elif len(rows) != len(batch.seqs):
+            logits = logits.index_select(0, self._to_device(rows))
+            step_rows = step_rows[rows]
+            seqs = [batch.seqs[r] for r in rows]
+        if any(s.grammar is not None for s in seqs):
+            self._apply_grammars(logits, [s.grammar for s in seqs], drafts)
         if batch.is_verify:
             # every position of every seq samples with its seq's parameters and generator
             counts = batch.num_new_tokens
             step_rows = np.repeat(step_rows, counts)
             seqs = [s for s, n in zip(seqs, counts) for _ in range(n)]
             offsets = [j for n in counts for j in range(n)]
-        elif len(rows) != len(batch.seqs):
-            logits = logits.index_select(0, self._to_device(rows))
-            step_rows = step_rows[rows]
-            seqs = [batch.seqs[r] for r in rows]
         table = self._row_params[step_rows]
         sample_logits = logits  # the raw ones stay for the log-probabilities
         if table[:, MIN_TOKENS_COLUMN].any():
-            sample_logits = self._hold_back_stops(logits, table, seqs, offsets, ahead)
+            sample_logits = self._hold_back_stops(sample_logits, table, seqs, offsets, ahead)
+        if any(s.params.logit_bias for s in seqs):
+            sample_logits = self._add_logit_bias(sample_logits, seqs)
         if not (table[:, 0] > 0).any() and not penalised_rows(table).any():
             ids = greedy_ids(sample_logits)
         else:
@@ -439,6 +479,36 @@ class ModelRunner:
         k = int(table[:, 7].max())
         return ids, (token_logprobs(logits, ids, k) if k >= 0 else None)
 
+    def _apply_grammars(self, logits: Tensor, grammars: list, drafts: list[list[int]] | None) -> None:
+        """Set to -inf, in place, every logit a row's grammar rules out (rows of seqs without
+        one are left alone): the rows' bitmask filled on the host by their matchers, one copy
+        to the device, one kernel."""
+        # xgrammar is imported by the first structured step, not by every engine's start-up
+        from compiled_llm.serve.core.structured_output.step_bitmask import StepBitmask
+
+        if self._bitmask is None or self._bitmask.buffers[0].shape[0] < logits.shape[0]:
+            self._bitmask = StepBitmask(max(logits.shape[0], self.max_num_seqs), self.config.vocab_size,
+                                        pin=self.device.type == "cuda")
+            self._bitmask_dev = torch.empty_like(self._bitmask.buffers[0], device=self.device)
+        host = self._bitmask.fill(grammars, drafts)
+        dev = self._bitmask_dev[:host.shape[0]]
+        dev.copy_(host, non_blocking=True)
+        registry.kernel_for("apply_token_bitmask", logits.device.type, logits.dtype)(logits, dev)
+
+    def _add_logit_bias(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        """A float32 copy of ``logits`` with each row's logit_bias added."""
+        rows, token_ids, values = [], [], []
+        for r, seq in enumerate(seqs):
+            for token, bias in (seq.params.logit_bias or {}).items():
+                rows.append(r)
+                token_ids.append(token)
+                values.append(bias)
+        out = logits.float()
+        bias = torch.tensor(values, dtype=torch.float32)
+        if self.device.type == "cuda":
+            bias = bias.pin_memory().to(self.device, non_blocking=True)
+        return out.index_put_((self._to_device(rows), self._to_device(token_ids)), bias, accumulate=True)
+
     def _hold_back_stops(self, logits: Tensor, table: np.ndarray, seqs: list[Sequence], offsets: list[int] | None,
                          ahead: int) -> Tensor:
         """``logits`` with each row's stop tokens at -inf while its seq has fewer than
@@ -447,6 +517,8 @@ class ModelRunner:
         rows, token_ids = [], []
         for r in np.flatnonzero(table[:, MIN_TOKENS_COLUMN]).tolist():
             seq = seqs[r]
+            if seq.grammar is not None:
+                continue  # the grammar alone decides where a structured output may end
             done = seq.num_output_tokens + ahead + (offsets[r] if offsets is not None else 0)
             if done < seq.params.min_tokens:
                 stops = stop_tokens(seq.params, self.eos_token_ids)

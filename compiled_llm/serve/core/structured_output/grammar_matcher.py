@@ -1,0 +1,90 @@
+"""One structured sequence's place in its grammar: which tokens may come next (its row of the
+step's bitmask) and the tokens it has taken. It follows the sequence's output tokens one by one
+(``accept``), checks a speculative draft without keeping it (``allowed_prefix``), and is dropped
+when the sequence finishes (``release``). A preempted sequence keeps its matcher: recomputing
+its KV changes none of its tokens."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Callable, Sequence
+
+import torch
+
+
+class GrammarMatcher:
+    def __init__(self, compiled: concurrent.futures.Future, on_release: Callable[[], None] | None = None):
+        self._compiled = compiled
+        self._on_release = on_release
+        self._matcher = None  # an xgrammar GrammarMatcher, made at first use
+        self.released = False
+
+    @property
+    def ready(self) -> bool:
+        """Its grammar is compiled (or failed to compile: ``error`` says)."""
+        return self._compiled.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._compiled.exception() if self._compiled.done() else None
+
+    @property
+    def future(self) -> concurrent.futures.Future:
+        return self._compiled
+
+    @property
+    def matcher(self):
+        """The xgrammar GrammarMatcher (the grammar must be compiled)."""
+        if self._matcher is None:
+            assert not self.released, "a released grammar matcher is used"
+            import xgrammar as xgr  # loaded with the grammar compiler, never by an engine without one
+
+            self._matcher = xgr.GrammarMatcher(self._compiled.result())
+        return self._matcher
+
+    def accept(self, token: int) -> bool:
+        """Take the sequence's next token; False if the grammar does not allow it."""
+        return self.matcher.accept_token(int(token))
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and has taken a stop token: nothing may follow."""
+        return self._matcher is not None and self._matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (int32 words, bit v % 32 of word
+        v // 32 for token v)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill_after(self, draft: Sequence[int], bitmask: torch.Tensor, first_row: int) -> None:
+        """Rows first_row .. first_row + len(draft): the tokens allowed next, then after each
+        token of ``draft`` (which the grammar must allow: see ``allowed_prefix``), leaving the
+        matcher where it was."""
+        m = self.matcher
+        m.fill_next_token_bitmask(bitmask, first_row)
+        for j, token in enumerate(draft):
+            if not m.accept_token(int(token)):
+                m.rollback(j)
+                raise ValueError(f"draft token {token} is not allowed by the grammar")
+            m.fill_next_token_bitmask(bitmask, first_row + j + 1)
+        if draft:
+            m.rollback(len(draft))
+
+    def allowed_prefix(self, draft: Sequence[int]) -> list[int]:
+        """The longest prefix of ``draft`` the grammar allows from here (the matcher is left
+        where it was)."""
+        m = self.matcher
+        kept = 0
+        for token in draft:
+            if m.is_terminated() or not m.accept_token(int(token)):
+                break
+            kept += 1
+        if kept:
+            m.rollback(kept)
+        return list(draft[:kept])
+
+    def release(self) -> None:
+        if not self.released and self._on_release is not None:
+            self._on_release()
+        self._matcher = None
+        self.released = True
