@@ -10,8 +10,9 @@ exact schema and fake.
 
 The ops are opaque to torch.export and FX: the exported graph names them, fusion passes match
 them, and kernel providers replace them. The spec's ops are here; the fused ones the passes
-rewrite it into are in fused_ops.py; the two sampling ops (``greedy_sample``,
-``temperature_sample``) are the ones the runtime calls on the logits, outside any graph.
+rewrite it into are in fused_ops.py; the sampler's ops (``greedy_sample``,
+``temperature_sample``, and ``apply_token_bitmask`` for grammar-constrained decoding) are the
+ones the runtime calls on the logits, outside any graph.
 
 Numerics follow Hugging Face: norms and softmax accumulate in float32 and cast back.
 """
@@ -186,6 +187,30 @@ def temperature_sample_ref(logits: Tensor, temperature: Tensor) -> Tensor:
     return exponential_race(logits, temperature)
 
 
+def check_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:
+    """A clear error for a bitmask ``apply_token_bitmask`` cannot apply to ``logits``."""
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
+        raise ValueError(f"token bitmask {tuple(bitmask.shape)} does not match logits {tuple(logits.shape)}: "
+                         "want [S, W] for logits [S, V]")
+    if bitmask.dtype != torch.int32 or bitmask.device != logits.device:
+        raise ValueError(f"token bitmask is {bitmask.dtype} on {bitmask.device}, want torch.int32 on {logits.device}")
+
+
+def apply_token_bitmask_ref(logits: Tensor, bitmask: Tensor) -> None:
+    """Grammar-constrained decoding, in xgrammar's bitmask layout: every logit of logits [S, V]
+    whose token the row's mask disallows becomes -inf, in place. ``bitmask`` [S, W] int32: token
+    v of row r is allowed iff bit v % 32 of bitmask[r, v // 32] is set. Tokens past the mask
+    (v >= 32 W: a model vocabulary padded past the tokenizer's) are disallowed, so a row of all
+    -1 words is left unchanged only where the mask covers the logits (W >= V / 32)."""
+    check_token_bitmask(logits, bitmask)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)  # [S, 32 W]; & 1 undoes the sign extension
+    vocab = min(bits.shape[-1], logits.shape[-1])
+    allowed = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    allowed[:, :vocab] = bits[:, :vocab] == 1
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Defining an op
 # ---------------------------------------------------------------------------------------------
@@ -254,6 +279,10 @@ def _like_first_two(q: Tensor, k: Tensor, *_) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q), torch.empty_like(k)
 
 
+def _returns_nothing(*_) -> None:
+    return None
+
+
 # The spec's ops name their fakes: export runs each once per layer, and an empty tensor is much
 # cheaper than the reference on fake tensors (paged attention's reference reads tensor data,
 # which fake tensors do not have).
@@ -263,3 +292,5 @@ rotary_embedding = cllm_op("rotary_embedding", rotary_embedding_ref, fake=_like_
 paged_attention = cllm_op("paged_attention", paged_attention_ref, mutates=("kv_cache",), fake=_like_first)
 greedy_sample = cllm_op("greedy_sample", greedy_sample_ref)
 temperature_sample = cllm_op("temperature_sample", temperature_sample_ref)
+apply_token_bitmask = cllm_op("apply_token_bitmask", apply_token_bitmask_ref, mutates=("logits",),
+                              fake=_returns_nothing)

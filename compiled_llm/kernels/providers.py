@@ -5,7 +5,7 @@ Each kernel is registered with ``registry.register_kernel``, which makes it the 
 build's select_kernels pass can swap the call target without touching arguments, and exported
 programs name it. A kernel takes the op's arguments in the schema's order.
 
-Triton providers: every semantic and fused op, the sampler's two ops and the all-reduce; CUDA
+Triton providers: every semantic and fused op, the sampler's ops and the all-reduce; CUDA
 devices, fp32/bf16/fp16. CUDA C++ providers compile on first use and run Triton if they cannot
 (cuda_build):
 
@@ -26,7 +26,7 @@ import torch
 from compiled_llm.graph import fused_ops, ops
 from compiled_llm.kernels import (
     cuda_gemv_int4, cuda_norm_mlp, triton_all_reduce, triton_gemm_wq, triton_gemv, triton_norm, triton_norm_mlp,
-    triton_paged_attention, triton_qkv_rope, triton_sampling,
+    triton_bitmask, triton_paged_attention, triton_qkv_rope, triton_sampling,
 )
 from compiled_llm.kernels.registry import register_kernel
 
@@ -134,6 +134,7 @@ TRITON_KERNELS = {  # op -> (kernel, handles)
 SAMPLER_KERNELS = {
     "greedy_sample": (triton_sampling.greedy_argmax, None),
     "temperature_sample": (triton_sampling.gumbel_sample, None),
+    "apply_token_bitmask": (triton_bitmask.apply_token_bitmask, None),  # structured output
 }
 
 

@@ -29,6 +29,8 @@ from compiled_llm.engine.artifact import build_config, read_manifest
 from compiled_llm.engine.kernel_cache import KERNELS_DIR, triton_cache_at
 from compiled_llm.engine.loader import load_model
 from compiled_llm.errors import EngineError
+from compiled_llm.kernels import registry
+from compiled_llm.serve.core.block_manager import cdiv
 from compiled_llm.serve.engine_config import EngineConfig
 from compiled_llm.serve.llm_engine import LLMEngine
 from compiled_llm.serve.sampling_params import SamplingParams
@@ -139,9 +141,21 @@ def warm(engine_dir: Path, device: torch.device, part: int = 0, parts: int = 1) 
                         engine.add_request({"prompt_token_ids": [1 + (i % 7) for i in range(n)]}, params)
                     while engine.has_unfinished_requests():
                         engine.step()
+            warm_token_bitmask(engine.model.config.vocab_size, engine.model.dtype, device)
         torch.cuda.synchronize(device)
     finally:
         engine.shutdown()
+
+
+def warm_token_bitmask(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Launch the sampler's grammar bitmask (``cllm::apply_token_bitmask``), which only
+    structured-output requests run, on logits of the model's dtype and on float32 ones (what
+    penalties leave): its kernel is specialised on the dtype alone, not on the batch size or the
+    widths (triton_bitmask), so these launches compile all that serving will run."""
+    for logits_dtype in dict.fromkeys((dtype, torch.float32)):
+        logits = torch.zeros(1, vocab_size, dtype=logits_dtype, device=device)
+        bitmask = torch.full((1, cdiv(vocab_size, 32)), -1, dtype=torch.int32, device=device)
+        registry.kernel_for("apply_token_bitmask", device.type, logits_dtype)(logits, bitmask)
 
 
 def main(argv: list[str]) -> int:

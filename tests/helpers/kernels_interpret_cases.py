@@ -18,6 +18,7 @@ from compiled_llm.graph import fused_ops, ops  # noqa: E402
 from compiled_llm.kernels import (  # noqa: E402
     launch_configs,
     providers,
+    triton_bitmask,
     triton_kv_store,
     triton_norm,
     triton_norm_mlp,
@@ -246,6 +247,8 @@ def _opcheck_cases():
         "greedy_sample": (torch.randn(3, 3000, generator=g),),
         # temperature 0 everywhere: the draw is the argmax, so opcheck's repeated runs agree
         "temperature_sample": (torch.randn(3, 3000, generator=g), torch.zeros(3)),
+        "apply_token_bitmask": (torch.randn(3, 300, generator=g),
+                                torch.randint(-2**31, 2**31 - 1, (3, 10), generator=g, dtype=torch.int32)),
     }
 
 
@@ -318,6 +321,60 @@ def test_gumbel_sampling_reads_each_rows_temperature_from_a_strided_view():
     ids = gumbel_sample(logits, strided, torch.Generator().manual_seed(3))
     assert ids.tolist() == gumbel_sample(logits, strided.contiguous(), torch.Generator().manual_seed(3)).tolist()
     assert ids[[0, 2, 4]].tolist() == logits[[0, 2, 4]].argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# the grammar bitmask of structured output
+# ---------------------------------------------------------------------------------------------
+
+
+def _bitmask_case(seed, rows, words):
+    """Random mask words (every bit pattern, the sign bit included), row 1 all -1."""
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), generator=torch.Generator().manual_seed(seed),
+                            dtype=torch.int32)
+    bitmask[1] = -1
+    return bitmask
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("words", [4, 3], ids=["mask covers the logits", "mask narrower than the logits"])
+def test_bitmask_kernel_masks_a_strided_view_as_the_reference_does(words, dtype):
+    """S=3, V=100 logits viewed out of a wider table (row stride 112): the kernel writes the
+    disallowed logits of the view, -inf also past a narrower mask (tokens 96..99), and nothing
+    beside the view; a row of all -1 words over the whole vocabulary keeps every logit."""
+    table = torch.randn(3, 112, generator=torch.Generator().manual_seed(words)).to(dtype)
+    bitmask = _bitmask_case(words, 3, words)
+    want = table.clone()
+    ops.apply_token_bitmask_ref(want[:, :100], bitmask)
+    got = table.clone()
+    triton_bitmask.apply_token_bitmask(got[:, :100], bitmask)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:, 100:], table[:, 100:])
+    if words == 4:
+        assert torch.equal(got[1], table[1])
+    else:
+        assert torch.isneginf(got[:, 96:100]).all()
+
+
+def test_bitmask_kernel_takes_logits_with_strided_columns_and_a_strided_mask():
+    """Strided columns (a transposed table) and mask words of a column slice: the same -inf."""
+    logits = torch.randn(5000, 2, generator=torch.Generator().manual_seed(3)).t()  # [2, 5000], columns 2 apart
+    bitmask = _bitmask_case(4, 2, 2 * 157)[:, ::2]
+    want = logits.clone()
+    ops.apply_token_bitmask_ref(want, bitmask)
+    triton_bitmask.apply_token_bitmask(logits, bitmask)
+    assert torch.equal(logits, want)
+
+
+def test_bitmask_kernel_splits_a_row_over_vocabulary_blocks():
+    """Several blocks a row (one past BLOCK_V), the last one partial: the same -inf as the reference."""
+    V = triton_bitmask.BLOCK_V * 2 + 37
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(5))
+    bitmask = _bitmask_case(6, 2, (V + 31) // 32)
+    want = logits.clone()
+    ops.apply_token_bitmask_ref(want, bitmask)
+    triton_bitmask.apply_token_bitmask(logits, bitmask)
+    assert torch.equal(logits, want)
 
 
 # ---------------------------------------------------------------------------------------------

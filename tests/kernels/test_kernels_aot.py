@@ -22,6 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from compiled_llm.kernels import launch_configs  # noqa: E402
 from compiled_llm.kernels import (  # noqa: E402
     triton_all_reduce as tar,
+    triton_bitmask as tb,
     triton_gemm_wq as gq,
     triton_kv_store as kvs,
     triton_norm as tn,
@@ -108,6 +109,10 @@ def _cases(dt):
             "part_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
             **_stride_args("V", "stride_l", "CHUNK", "SPLITS"),
         }, dict(GREEDY=greedy, BLOCK=1024, BLOCK_S=ts.MAX_SPLITS)
+    yield "token bitmask", tb._bitmask_kernel, tb.NUM_WARPS, {
+        **ptr("logits_ptr"), "bitmask_ptr": "*i32",
+        **_stride_args("V", "stride_l", "stride_lv", "W", "stride_b", "stride_bw"),
+    }, dict(BLOCK=tb.BLOCK_V)
     yield "qkv_epilogue", tq._qkv_epilogue_kernel, 1, {
         **ptr("q_src", "k_src", "v_src", "q_out", "k_out", "v_out", "q_norm_ptr", "k_norm_ptr"),
         "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": 1.0,

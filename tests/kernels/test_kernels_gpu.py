@@ -485,6 +485,64 @@ def test_decode_norm_and_qkv_replay_in_cuda_graph():
 
 
 # ---------------------------------------------------------------------------------------------
+# the grammar bitmask of structured output, at Qwen2.5's vocabulary
+# ---------------------------------------------------------------------------------------------
+
+QWEN_LOGITS, QWEN_TOKENIZER = 151936, 151665  # the model's padded vocabulary, the tokenizer's
+
+
+def _qwen_bitmask(gen, rows: int, vocab: int) -> torch.Tensor:
+    """Random words; from three rows on, row 1 all -1 and row 2 allowing token 227 alone."""
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), generator=gen, dtype=torch.int32)
+    if rows >= 3:
+        bitmask[1] = -1
+        bitmask[2] = 0
+        bitmask[2, 7] = 1 << 3
+    return bitmask.to(DEV)
+
+
+@pytest.mark.parametrize("mask_vocab", [QWEN_LOGITS, QWEN_TOKENIZER], ids=["model's", "tokenizer's"])
+def test_token_bitmask_kernel_equals_the_reference_on_bf16_rows(mask_vocab):
+    """[4, 151936] bf16 logits, masks of the model's vocabulary and of the tokenizer's (narrower:
+    the padding tokens are disallowed in every row, the all -1 one's included)."""
+    from compiled_llm.kernels import triton_bitmask
+
+    gen = torch.Generator().manual_seed(40)
+    logits = _rnd(gen, 4, QWEN_LOGITS, dtype=torch.bfloat16)
+    bitmask = _qwen_bitmask(gen, 4, mask_vocab)
+    want, got = logits.clone(), logits.clone()
+    ops.apply_token_bitmask_ref(want, bitmask)
+    triton_bitmask.apply_token_bitmask(got, bitmask)
+    assert torch.equal(got, want)
+    assert torch.isfinite(got[2]).nonzero().flatten().tolist() == [7 * 32 + 3]
+    if mask_vocab == QWEN_LOGITS:
+        assert torch.equal(got[1], logits[1])
+    else:
+        assert torch.isneginf(got[:, 32 * bitmask.shape[1]:]).all()
+
+
+def test_token_bitmask_kernel_compiles_once_for_every_batch_size_and_mask_width():
+    """One compiled kernel a dtype: the rows, the vocabulary and the mask width change nothing
+    (what lets the build's warm-up compile it once)."""
+    from compiled_llm.kernels import triton_bitmask
+
+    kernel = triton_bitmask._bitmask_kernel
+    gen = torch.Generator().manual_seed(41)
+    variants = lambda: sum(len(cache[0]) for cache in kernel.device_caches.values())  # noqa: E731
+    triton_bitmask.apply_token_bitmask(_rnd(gen, 1, QWEN_LOGITS, dtype=torch.bfloat16), _qwen_bitmask(gen, 1, 32))
+    compiled = variants()
+    for rows, vocab, mask_vocab in ((3, QWEN_LOGITS, QWEN_TOKENIZER), (16, QWEN_LOGITS, QWEN_LOGITS),
+                                    (17, 32000, 32000), (512, QWEN_LOGITS, QWEN_LOGITS)):
+        logits = _rnd(gen, rows, vocab, dtype=torch.bfloat16)
+        want = logits.clone()
+        bitmask = _qwen_bitmask(gen, rows, mask_vocab)
+        ops.apply_token_bitmask_ref(want, bitmask)
+        triton_bitmask.apply_token_bitmask(logits, bitmask)
+        assert torch.equal(logits, want), rows
+    assert variants() == compiled
+
+
+# ---------------------------------------------------------------------------------------------
 # opcheck of every provider op on the GPU
 # ---------------------------------------------------------------------------------------------
 
@@ -500,6 +558,7 @@ def _gpu_opcheck_cases():
     decode = attention_case([(30, 1), (0, 1)], 4, 2, 64, 16, bf, DEV, seed=14, pad_rows=1)
     qkv_ns = qkv_inputs(1, 256, 4, 2, 64, bf, DEV, 20, False, False, True, max_pos=16)  # Llama-like decode
     glu, gelu = mlp_glu_inputs(1, 256, 512, bf, DEV, 21), mlp_gelu_inputs(3, 256, 512, bf, DEV, 29)
+    mask_words = torch.randint(-2**31, 2**31 - 1, (3, 282), generator=g, dtype=torch.int32).to(DEV)
     return {
         "rms_norm/triton": (x, w, 1e-6),
         "layer_norm/triton": (x, w, b, 1e-5),
@@ -520,6 +579,7 @@ def _gpu_opcheck_cases():
         "fused_rms_norm_glu_mlp/cuda/residual": (*glu, residual_like(glu, seed=27)),
         "fused_layer_norm_gelu_mlp/cuda": mlp_gelu_inputs(5, 256, 512, bf, DEV, 19),
         "fused_layer_norm_gelu_mlp/cuda/residual": (*gelu, residual_like(gelu, seed=28)),
+        "apply_token_bitmask/triton": (torch.randn(3, 9000, generator=g).to(DEV, bf), mask_words),
     }
 
 
@@ -532,6 +592,7 @@ OPCHECK_IDS = [
     "paged_attention/triton", "paged_attention/triton/decode",
     "fused_rms_norm_glu_mlp/cuda", "fused_rms_norm_glu_mlp/cuda/residual",
     "fused_layer_norm_gelu_mlp/cuda", "fused_layer_norm_gelu_mlp/cuda/residual",
+    "apply_token_bitmask/triton",
 ]
 
 

@@ -70,6 +70,9 @@ def test_sampler_kernels_are_chosen_through_the_registry():
     assert registry.kernel_for("temperature_sample", "cuda", torch.float32) is providers.triton_sampling.gumbel_sample
     assert registry.kernel_for("greedy_sample", "cpu", torch.float32) is ops.greedy_sample_ref
     assert registry.kernel_for("temperature_sample", "cpu", torch.bfloat16) is ops.temperature_sample_ref
+    bitmask = providers.triton_bitmask.apply_token_bitmask
+    assert registry.kernel_for("apply_token_bitmask", "cuda", torch.bfloat16) is bitmask
+    assert registry.kernel_for("apply_token_bitmask", "cpu", torch.float32) is ops.apply_token_bitmask_ref
 
 
 def test_provider_ops_take_the_semantic_fake():
@@ -277,6 +280,9 @@ def _reference_cases():
         "greedy_sample": (torch.randn(3, 50, generator=g),),
         # temperature 0 everywhere: the draw is the argmax, so the output is deterministic
         "temperature_sample": (torch.randn(3, 50, generator=g), torch.zeros(3)),
+        # mutates the logits; the second row's mask (all -1) leaves it as it is
+        "apply_token_bitmask": (torch.randn(3, 50, generator=g),
+                                torch.tensor([[5, 1 << 20], [-1, -1], [0, 3]], dtype=torch.int32)),
         **_quantized_cases(),
     }
 
