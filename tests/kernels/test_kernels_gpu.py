@@ -492,11 +492,12 @@ QWEN_LOGITS, QWEN_TOKENIZER = 151936, 151665  # the model's padded vocabulary, t
 
 
 def _qwen_bitmask(gen, rows: int, vocab: int) -> torch.Tensor:
-    """Random words; row 1 all -1, row 2 allowing token 227 alone."""
+    """Random words; from three rows on, row 1 all -1 and row 2 allowing token 227 alone."""
     bitmask = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), generator=gen, dtype=torch.int32)
-    bitmask[1] = -1
-    bitmask[2] = 0
-    bitmask[2, 7] = 1 << 3
+    if rows >= 3:
+        bitmask[1] = -1
+        bitmask[2] = 0
+        bitmask[2, 7] = 1 << 3
     return bitmask.to(DEV)
 
 
