@@ -31,11 +31,12 @@ def add_parser(subparsers):
     p.add_argument("engine", metavar="ENGINE_DIR",
                    help="an engine directory made by 'compiled-llm build', or a model source (built into the "
                         "engine cache on first use)")
-    p.add_argument("--workload", choices=("latency", "throughput", "prefill", "coldstart", "all", "serving"),
+    p.add_argument("--workload", choices=("latency", "throughput", "prefill", "coldstart", "structured", "all",
+                                          "serving"),
                    default="all",
                    help="which workload to run (default all); coldstart times fresh processes from start to "
                         "first token (ours and transformers') and a fresh build; serving starts a server "
-                        "and is not part of all")
+                        "and is not part of all; structured runs the latency and throughput workloads under JSON schemas against the same engine unconstrained, and times grammar compiles")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers peer")
     p.add_argument("--num-requests", type=int, default=256, metavar="N",
                    help="requests of the throughput and serving workloads (default 256)")
@@ -105,7 +106,7 @@ def run(args) -> int:
 
     from compiled_llm.cli.bench import workloads as wl
 
-    workloads = (*wl.WORKLOADS, "coldstart") if args.workload == "all" else (args.workload,)
+    workloads = (*wl.WORKLOADS, "coldstart", "structured") if args.workload == "all" else (args.workload,)
     config = build_config(args, for_source=True)  # bad values fail before anything loads
     device = resolve_device(config.device)
     engine = args.engine
@@ -133,6 +134,12 @@ def run(args) -> int:
             return 0
     llm = LLM(engine, **{**build_options(args, for_source=True), "device": device}, **engine_options(args))
     results = []
+    structured = []
+    if "structured" in workloads:  # its peer is the same engine unconstrained, measured in it
+        from compiled_llm.cli.bench.structured import run_structured
+
+        structured = run_structured(llm, args.num_requests)
+        workloads = tuple(w for w in workloads if w != "structured")
     for w in workloads:
         if w == "throughput":
             results.append(wl.compiled_throughput(llm, args.num_requests))
@@ -158,6 +165,11 @@ def run(args) -> int:
         if scheme and "latency" in workloads:  # a quantized engine: torchao's same scheme too
             results.append(hf_child.run_torchao_child(hf_cfg, dtype, device, scheme))
     table = wl.format_table(results)
+    if structured:
+        from compiled_llm.cli.bench.structured import format_table as structured_table
+
+        table = (table + "\n\n" if results else "") + structured_table(structured)
+        results += structured
     if cold:
         from compiled_llm.cli.bench import coldstart
 
