@@ -408,6 +408,9 @@ class LLMEngine:
                 return []  # every sequence of the step queued ahead had finished
             changed = [(seq, 1) for seq in self.scheduler.update(batch, sampled)]
             new_tokens = len(sampled)
+            if self._pending is not None and self._pending[1].deferred is not None:
+                # its grammars now hold this step's tokens: their bitmask fills while we go on
+                self.runner.start_grammar_bitmask(self._pending[1])
         dt = time.perf_counter() - t0
         st = self._stats
         st.steps += 1

@@ -252,6 +252,24 @@ class ModelRunner:
         done = self._read_back(ids, lp, None)
         handle.ids, handle.host, handle.event, handle.logprobs = done.ids, done.host, done.event, done.logprobs
 
+    def start_grammar_bitmask(self, handle: StepHandle) -> None:
+        """Begin filling the grammar bitmask of a step launched with ``defer_sample``, once the
+        tokens before it are accepted: on a thread, while the host goes on (``StepBitmask``);
+        ``sample_deferred`` takes it."""
+        batch, logits, _ = handle.deferred
+        grammars = [batch.seqs[r].grammar for r in batch.sample_rows]
+        self._step_bitmask(logits.shape[0]).start(grammars)
+
+    def _step_bitmask(self, rows: int):
+        # xgrammar is imported by the first structured step, not by every engine's start-up
+        from compiled_llm.serve.core.structured_output.step_bitmask import StepBitmask
+
+        if self._bitmask is None or self._bitmask.buffers[0].shape[0] < rows:
+            self._bitmask = StepBitmask(max(rows, self.max_num_seqs), self.config.vocab_size,
+                                        pin=self.device.type == "cuda")
+            self._bitmask_dev = torch.empty_like(self._bitmask.buffers[0], device=self.device)
+        return self._bitmask
+
     def _read_back(self, ids: Tensor | None, lp: TokenLogprobs | None, prompt_lp: TokenLogprobs | None) -> StepHandle:
         """A handle for a step's sampled ids and log-probabilities, with their copies to the host
         queued."""
@@ -483,14 +501,7 @@ class ModelRunner:
         """Set to -inf, in place, every logit a row's grammar rules out (rows of seqs without
         one are left alone): the rows' bitmask filled on the host by their matchers, one copy
         to the device, one kernel."""
-        # xgrammar is imported by the first structured step, not by every engine's start-up
-        from compiled_llm.serve.core.structured_output.step_bitmask import StepBitmask
-
-        if self._bitmask is None or self._bitmask.buffers[0].shape[0] < logits.shape[0]:
-            self._bitmask = StepBitmask(max(logits.shape[0], self.max_num_seqs), self.config.vocab_size,
-                                        pin=self.device.type == "cuda")
-            self._bitmask_dev = torch.empty_like(self._bitmask.buffers[0], device=self.device)
-        host = self._bitmask.fill(grammars, drafts)
+        host = self._step_bitmask(logits.shape[0]).fill(grammars, drafts)
         dev = self._bitmask_dev[:host.shape[0]]
         dev.copy_(host, non_blocking=True)
         registry.kernel_for("apply_token_bitmask", logits.device.type, logits.dtype)(logits, dev)

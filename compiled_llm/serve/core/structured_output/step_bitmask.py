@@ -1,17 +1,27 @@
 """A step's token bitmask: one row per sampled logits row, each structured sequence's allowed
-tokens, every token for the others (-1 words)."""
+tokens, every token for the others (-1 words).
+
+Filling a row can take a few hundred microseconds (a JSON string's state leaves thousands of
+tokens to check against the rest of the grammar), more than the host's whole share of a decode
+step. So the rows of a step whose sampling waits for the previous step's tokens are filled on a
+thread of their own (``start``) as soon as those tokens are accepted, while the main thread goes
+on with the outputs and the next launch; the fill runs in xgrammar's batch matcher, which
+releases the GIL, over its own threads."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from typing import Sequence
 
 import torch
-import xgrammar as xgr
 
 from compiled_llm.serve.core.structured_output.grammar_matcher import GrammarMatcher
 
-# From this many structured rows a step's rows are filled on xgrammar's thread pool
-BATCH_FILL_MIN_ROWS = 8
+
+def fill_threads() -> int:
+    """xgrammar's fill threads: the cores left after the engine's own thread."""
+    return max(1, min(16, (os.cpu_count() or 2) - 1))
 
 
 class StepBitmask:
@@ -19,32 +29,60 @@ class StepBitmask:
     of them taking turns (a step's copy to the device may still be reading the other)."""
 
     def __init__(self, max_rows: int, vocab_size: int, pin: bool):
+        import xgrammar as xgr
+
         words = (vocab_size + 31) // 32
         self.buffers = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
-        self._batch = None
+        self._batch = xgr.BatchGrammarMatcher(fill_threads())
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
+        self._started: tuple[tuple[int, ...], concurrent.futures.Future] | None = None
+
+    def start(self, matchers: Sequence[GrammarMatcher | None]) -> None:
+        """Begin filling the rows of a step whose rows belong to ``matchers`` (None: not
+        structured), on the fill thread; ``fill`` with the same matchers takes the result."""
+        rows = self._rows(matchers)
+        out, plain = self._next_buffer(len(matchers)), [(m.matcher, r) for m, r in rows]
+        self._started = (tuple(map(id, matchers)), self._thread.submit(self._fill_rows, out, plain))
 
     def fill(self, matchers: Sequence[GrammarMatcher | None], drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-        """The bitmask of a step whose rows belong to ``matchers`` (None: not structured) in
-        order, each seq with 1 + len(drafts[i]) consecutive rows in a verification step."""
-        self._turn ^= 1
+        """The bitmask of a step whose rows belong to ``matchers`` in order, each seq with
+        1 + len(drafts[i]) consecutive rows in a verification step."""
+        started, self._started = self._started, None
+        if drafts is None and started is not None and started[0] == tuple(map(id, matchers)):
+            return started[1].result()
+        if started is not None:
+            started[1].result()  # not this step's: let it finish before its buffer is written again
         counts = [1] * len(matchers) if drafts is None else [1 + len(d) for d in drafts]
-        out = self.buffers[self._turn][:sum(counts)]
+        out = self._next_buffer(sum(counts))
         out.fill_(-1)
+        plain = []
         row = 0
-        plain: list[tuple[xgr.GrammarMatcher, int]] = []
         for i, (m, n) in enumerate(zip(matchers, counts)):
-            if m is not None and not m.released and not m.is_terminated:
+            if _live(m):
                 if n == 1:
                     plain.append((m.matcher, row))
                 else:
                     m.fill_after(drafts[i][:n - 1], out, row)
             row += n
-        if len(plain) >= BATCH_FILL_MIN_ROWS:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher()
+        return self._fill_rows(out, plain, clear=False)
+
+    def _next_buffer(self, rows: int) -> torch.Tensor:
+        self._turn ^= 1
+        return self.buffers[self._turn][:rows]
+
+    @staticmethod
+    def _rows(matchers: Sequence[GrammarMatcher | None]) -> list[tuple[GrammarMatcher, int]]:
+        return [(m, r) for r, m in enumerate(matchers) if _live(m)]
+
+    @torch.inference_mode()  # the buffers are the runner's inference tensors, on any thread
+    def _fill_rows(self, out: torch.Tensor, plain: list, clear: bool = True) -> torch.Tensor:
+        if clear:
+            out.fill_(-1)
+        if plain:
             self._batch.batch_fill_next_token_bitmask([m for m, _ in plain], out, [r for _, r in plain])
-        else:
-            for m, r in plain:
-                m.fill_next_token_bitmask(out, r)
         return out
+
+
+def _live(m: GrammarMatcher | None) -> bool:
+    return m is not None and not m.released and not m.is_terminated
