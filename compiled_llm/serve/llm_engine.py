@@ -36,6 +36,7 @@ from compiled_llm.serve.outputs import CompletionOutput, Logprob, PositionLogpro
 from compiled_llm.serve.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from compiled_llm.serve.core.sequence import Sequence
 from compiled_llm.serve.core.spec_decode.speculator import Speculator
+from compiled_llm.serve.core.structured_output.sampling_mode import checks_grammar_after
 
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class EngineStats:
     decode_tokens: int = 0
     decode_s: float = 0.0
     ahead_steps: int = 0  # decode steps queued before the previous step's tokens were read
-    dropped_ahead_tokens: int = 0  # tokens computed ahead for sequences that had finished
+    dropped_ahead_tokens: int = 0  # tokens computed ahead for sequences that had finished (or were redrawn)
+    grammar_redraws: int = 0  # structured rows whose grammar refused their unmasked draw (drawn again masked)
     generated_tokens: int = 0
     kv_num_blocks: int = 0
     graph_capture_s: float = 0.0
@@ -354,6 +356,7 @@ class LLMEngine:
         step's tokens are applied."""
         batches = [b for b in (self._in_flight, self._pending and self._pending[0]) if b]
         self._pending = None
+        self.scheduler.stale_ahead.clear()
         # every request of the step, finished ones too: their outputs were not returned
         ids = list(dict.fromkeys(s.request_id for b in batches for s in b.seqs))
         for rid in ids:
@@ -390,8 +393,10 @@ class LLMEngine:
                 ahead = self.scheduler.schedule_ahead(batch)
             if ahead is not None:
                 ahead_batch, rows = ahead
-                structured = any(s.grammar is not None for s in ahead_batch.seqs)
-                self._pending = (ahead_batch, self.runner.launch(ahead_batch, handle, rows, defer_sample=structured))
+                # rows that must be masked before sampling wait for this step's tokens
+                masked = (any(s.grammar is not None for s in ahead_batch.seqs)
+                          and not checks_grammar_after(ahead_batch.seqs))
+                self._pending = (ahead_batch, self.runner.launch(ahead_batch, handle, rows, defer_sample=masked))
                 self._stats.ahead_steps += 1
         sampled = self.runner.collect(handle)
         logprobs = self.runner.collect_logprobs(handle)
@@ -402,10 +407,11 @@ class LLMEngine:
             new_tokens = sum(n for _, n in changed)
         else:
             n_rows = len(batch.seqs)
-            batch, sampled, logprobs = _drop_finished(batch, sampled, logprobs)
+            batch, sampled, logprobs, positions = _drop_finished(batch, sampled, logprobs, self.scheduler.stale_ahead)
             self._stats.dropped_ahead_tokens += n_rows - len(batch.seqs)
             if batch.is_empty:
                 return []  # every sequence of the step queued ahead had finished
+            self._advance_grammars(batch, sampled, positions, handle)
             changed = [(seq, 1) for seq in self.scheduler.update(batch, sampled)]
             new_tokens = len(sampled)
             if self._pending is not None and self._pending[1].deferred is not None:
@@ -460,6 +466,34 @@ class LLMEngine:
             elif request.stream:
                 changes.append((request, indices))
         return changes
+
+    def _advance_grammars(self, batch: ScheduledBatch, sampled: list[int], positions: list[int], handle) -> None:
+        """Give each structured row's token to its grammar before the tokens are applied. A
+        checked step's row whose grammar refuses its token (``ModelRunner._sample``) is drawn
+        again under its mask, in ``sampled``; if the step queued ahead holds its seq, that row
+        was computed from the refused token and is dropped there (``stale_ahead``)."""
+        refused = []
+        for j, row in enumerate(batch.sample_rows):
+            grammar = batch.seqs[row].grammar
+            if grammar is not None and not grammar.accept(sampled[j]):
+                refused.append(j)
+        if not refused:
+            return
+        if handle.check is None:
+            seq = batch.seqs[batch.sample_rows[refused[0]]]
+            raise EngineError(f"request {seq.request_id}: token {sampled[refused[0]]} was sampled under its grammar's "
+                              f"mask but the grammar refuses it")
+        redrawn = self.runner.resample(handle, [positions[j] for j in refused])
+        self._stats.grammar_redraws += len(refused)
+        ahead = {s.seq_id for s in self._pending[0].seqs} if self._pending is not None else set()
+        for j, token in zip(refused, redrawn):
+            seq = batch.seqs[batch.sample_rows[j]]
+            if not seq.grammar.accept(token):
+                raise EngineError(f"request {seq.request_id}: token {token} was drawn under its grammar's mask but "
+                                  f"the grammar refuses it")
+            sampled[j] = token
+            if seq.seq_id in ahead:
+                self.scheduler.stale_ahead.add(seq.seq_id)
 
     def _wait_for_grammars(self, timeout_s: float = GRAMMAR_WAIT_S) -> None:
         """Block until a waiting sequence's grammar is compiled, or ``timeout_s`` (so that a
@@ -591,22 +625,28 @@ def solo_prefill_max_tokens(config: EngineConfig, device: torch.device, max_mode
     return min(config.prefill_graph_max_tokens, max_model_len)
 
 
-def _drop_finished(batch: ScheduledBatch, sampled: list[int], logprobs: list | None):
+def _drop_finished(batch: ScheduledBatch, sampled: list[int], logprobs: list | None, stale: set[int]):
     """The rows of a step whose sequences still run (a step queued ahead may hold sequences
-    that finished or were aborted after it was queued), with their sampled ids and logprobs."""
-    if all(not s.is_finished for s in batch.seqs):
-        return batch, sampled, logprobs
+    that finished or were aborted after it was queued, or whose row was computed from a token
+    drawn again since: ``stale``, from which they are removed), with their sampled ids and
+    logprobs, and each kept sampled row's place among the step's sampled rows."""
+    if all(not s.is_finished for s in batch.seqs) and not stale:
+        return batch, sampled, logprobs, list(range(len(sampled)))
     kept = ScheduledBatch()
     by_row = {row: j for j, row in enumerate(batch.sample_rows)}
-    tokens, kept_lp = [], []
+    tokens, kept_lp, positions = [], [], []
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        if seq.seq_id in stale:
+            stale.discard(seq.seq_id)
+            continue
         if seq.is_finished:
             continue
         if i in by_row:
             kept.sample_rows.append(len(kept.seqs))
             tokens.append(sampled[by_row[i]])
+            positions.append(by_row[i])
             if logprobs is not None:
                 kept_lp.append(logprobs[by_row[i]])
         kept.seqs.append(seq)
         kept.num_new_tokens.append(n)
-    return kept, tokens, (kept_lp if logprobs is not None else None)
+    return kept, tokens, (kept_lp if logprobs is not None else None), positions

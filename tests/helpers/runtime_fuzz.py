@@ -51,9 +51,11 @@ STRUCTURED = [
 def structured_variant(rng: random.Random, request: Request) -> Request:
     """``request`` under one of the STRUCTURED grammars, greedy or sampled, n of 1 to 3."""
     structured, valid = rng.choice(STRUCTURED)
+    # top-k makes its step mask before sampling; the others sample, then check their tokens
     params = dataclasses.replace(request.params, structured_outputs=structured, stop=(), ignore_eos=False,
                                  temperature=rng.choice([0.0, 0.0, 1.0]), n=rng.choice([1, 1, 2, 3]),
-                                 max_tokens=max(request.params.max_tokens, 12), seed=rng.randrange(100))
+                                 max_tokens=max(request.params.max_tokens, 12), seed=rng.randrange(100),
+                                 top_k=rng.choice([-1, -1, -1, 5]))
     return Request(request.prompt, request.prompt_ids, params, None, valid)
 
 
@@ -191,12 +193,13 @@ def draw_speculative_config(rng: random.Random) -> dict:
 
 
 def run_draw(seed: int, lively, block_sizes=(2, 4, 8, 16), speculate: bool = False, stats: list | None = None,
-             structured: bool = False, **forced) -> tuple[int, list[str]]:
+             structured: bool = False, structured_stats: list | None = None, **forced) -> tuple[int, list[str]]:
     """One random configuration and workload (``forced`` engine options override the drawn
     ones): how many requests were compared, and the differences found. ``speculate`` adds an
     n-gram speculative config (drawn apart, so the other draws of a seed stay what they were);
     ``stats`` collects the speculator's stats. ``structured`` turns some requests into
-    structured ones (drawn apart too), whose finished outputs must match their grammar."""
+    structured ones (drawn apart too), whose finished outputs must match their grammar;
+    ``structured_stats`` collects how many of their tokens were drawn again."""
     loaded, tok, pool = lively
     rng = random.Random(seed)
     eos_ids = set(loaded.eos_token_ids)
@@ -230,6 +233,8 @@ def run_draw(seed: int, lively, block_sizes=(2, 4, 8, 16), speculate: bool = Fal
     bm.check_invariants()
     if llm.engine.live_grammar_matchers:
         problems.append(f"{where}: {llm.engine.live_grammar_matchers} grammar matchers not released")
+    if structured_stats is not None:
+        structured_stats.append(llm.engine.stats.grammar_redraws)
     if stats is not None and llm.engine.speculator is not None:
         stats.append(llm.engine.speculator.stats)
     return len(results), problems

@@ -110,10 +110,11 @@ def test_fuzz_with_speculation_against_transformers(lively):
 
 def test_fuzz_with_structured_requests(lively):
     """The draws with half the requests under a regex, a choice or an EBNF grammar (greedy or
-    sampled, n up to 3), some with speculation: every finished structured output matches its
-    grammar, the other requests still give transformers' outputs, every block is free and every
+    sampled, n up to 3, masked before sampling or checked after it), some with speculation:
+    every finished structured output matches its grammar, the other requests still give transformers' outputs, every block is free and every
     grammar matcher released at the end."""
-    problems = []
+    problems, redraws = [], []
     for seed in range(NUM_STRUCTURED_DRAWS):
-        problems += run_draw(seed, lively, structured=True, speculate=seed % 3 == 0)[1]
+        problems += run_draw(seed, lively, structured=True, speculate=seed % 3 == 0, structured_stats=redraws)[1]
     assert not problems, f"{len(problems)} differences:\n" + "\n".join(problems[:10])
+    assert sum(redraws) > 0  # tokens the grammars refused were drawn again

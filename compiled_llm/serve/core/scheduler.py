@@ -9,9 +9,11 @@ queue, to re-prefill its prompt and the tokens it had generated (prefix caching 
 cheap).
 
 A request with structured outputs is admitted once its grammar is compiled; until then the
-requests behind it pass it (``has_schedulable``). Its sequence's matcher takes each token as it
-is applied, ends the sequence when the grammar has taken a stop token, and trims speculative
-drafts to what the grammar allows.
+requests behind it pass it (``has_schedulable``). Its sequence's matcher has taken each token
+before it is applied (the engine checks them, ``update_verified`` here), ends the sequence when
+the grammar has taken a stop token, and trims speculative drafts to what the grammar allows. A
+sequence whose token the engine had to draw again is ``stale_ahead``: the step queued ahead
+used the first draw, so its row there is dropped and no further step is queued ahead of it.
 
 A decode step lists its rows longest context first: the decode attention kernel starts its
 programs row by row, and the long ones must not be left for the tail.
@@ -106,6 +108,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._released: list[int] = []
         self.num_preemptions = 0
+        # seqs whose token in the step queued ahead was computed from a token since replaced
+        self.stale_ahead: set[int] = set()
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -311,6 +315,8 @@ class Scheduler:
         new step (None: all, in order)."""
         if self.waiting or not batch.is_decode:
             return None
+        if self.stale_ahead and any(s.seq_id in self.stale_ahead for s in batch.seqs):
+            return None  # a stale row must first be recomputed by a regular step
         if self.speculator is not None and self.speculator.likely_to_draft(batch.seqs, self.config.max_num_seqs):
             return None  # the next step should verify drafts, which needs this step's tokens
         limit = self.config.max_model_len
@@ -356,7 +362,7 @@ class Scheduler:
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             out.append(seq)
-            reason = self._stop_reason(seq, token)
+            reason = self._stop_reason(seq, token, grammar_took_it=True)
             if reason is not None:
                 self.finish(seq, reason)
         return out
@@ -390,10 +396,10 @@ class Scheduler:
             out.append((seq, applied))
         return out
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, grammar_took_it: bool = False) -> str | None:
         p = seq.params
         if seq.grammar is not None:
-            if not seq.grammar.accept(token):
+            if not grammar_took_it and not seq.grammar.accept(token):
                 # the sampler masks every token the grammar rules out, so this is a bug
                 logger.error("request %s: token %d is not allowed by its grammar; it is aborted",
                              seq.request_id, token)

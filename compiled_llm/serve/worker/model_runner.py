@@ -29,6 +29,7 @@ from compiled_llm.serve.worker.sampler import SamplingTensors, TokenLogprobs, gr
 from compiled_llm.serve.sampling_params import MIN_TOKENS_COLUMN, SAMPLING_COLUMNS, SamplingParams, stop_tokens
 from compiled_llm.serve.core.scheduler import ScheduledBatch
 from compiled_llm.serve.core.sequence import Sequence
+from compiled_llm.serve.core.structured_output.sampling_mode import checks_grammar_after
 from compiled_llm.kernels import registry
 from compiled_llm.serve.worker.step_inputs import StepInputs
 from compiled_llm.serve.worker.token_history import TokenHistory
@@ -55,6 +56,19 @@ class StepHandle:
     prompt_logprob_rows: list[tuple[int, int]] | None = None
     # launched with defer_sample: (batch, logits, runner rows) until sample_deferred runs
     deferred: tuple | None = None
+    # structured rows sampled unmasked, their tokens to be checked by their grammars
+    check: "GrammarCheck | None" = None
+
+
+@dataclass(frozen=True)
+class GrammarCheck:
+    """A step's structured rows sampled as if unconstrained (``ModelRunner._sample``): their
+    logits kept for a row whose grammar refuses its token, to draw it again masked."""
+
+    logits: Tensor  # [len(positions), V]
+    positions: list[int]  # their places among the step's sampled rows
+    seqs: list  # their sequences
+    step_rows: np.ndarray  # their runner rows
 
 
 @dataclass(frozen=True)
@@ -238,8 +252,10 @@ class ModelRunner:
             handle.deferred = (batch, logits, self._step_rows)
             return handle
         with _label(self.profile_labels, "sample"):
-            ids, lp = self._sample(batch, logits, self._step_rows, ahead=0 if ahead_of is None else 1)
-        return self._read_back(ids, lp, prompt_lp)
+            ids, lp, check = self._sample(batch, logits, self._step_rows, ahead=0 if ahead_of is None else 1)
+        handle = self._read_back(ids, lp, prompt_lp)
+        handle.check = check
+        return handle
 
     @torch.inference_mode()
     def sample_deferred(self, handle: StepHandle) -> None:
@@ -248,7 +264,7 @@ class ModelRunner:
         batch, logits, step_rows = handle.deferred
         handle.deferred = None
         with _label(self.profile_labels, "sample"):
-            ids, lp = self._sample(batch, logits, step_rows, ahead=0)
+            ids, lp, _ = self._sample(batch, logits, step_rows, ahead=0)
         done = self._read_back(ids, lp, None)
         handle.ids, handle.host, handle.event, handle.logprobs = done.ids, done.host, done.event, done.logprobs
 
@@ -443,28 +459,38 @@ class ModelRunner:
         return run(self.params, batch, self.kv_cache, rows)
 
     def _sample(self, batch: ScheduledBatch, logits: Tensor, step_rows: np.ndarray,
-                ahead: int = 0) -> tuple[Tensor | None, TokenLogprobs | None]:
-        """The sampled ids of batch.sample_rows, and their log-probabilities if any row asks.
-        ``ahead`` = 1: the step was queued before the previous one's tokens were applied, so
-        each seq has one output token more than it holds.
+                ahead: int = 0) -> tuple[Tensor | None, TokenLogprobs | None, GrammarCheck | None]:
+        """The sampled ids of batch.sample_rows, their log-probabilities if any row asks, and
+        what a grammar check of the ids needs (see below). ``ahead`` = 1: the step was queued
+        before the previous one's tokens were applied, so each seq has one output token more
+        than it holds.
 
-        Structured rows' logits are masked by their grammars first (in place: what the
-        log-probabilities report too); logit_bias and min_tokens act on the sampling logits
-        only."""
+        Structured rows are sampled one of two ways. Exactly: their logits are masked by their
+        grammars first (in place: what the log-probabilities report too), which needs their
+        bitmask filled on the host before sampling. Or checked (``checks_grammar_after``): the
+        rows sample as if unconstrained, and the host then asks each grammar whether it takes
+        its row's token, a few microseconds; only a row whose token it refuses is masked and
+        drawn again (``resample``), from the logits kept for that. A token drawn from p and
+        kept when allowed, else drawn from p masked, is distributed as p masked: the output
+        is the same either way. logit_bias and min_tokens act on the sampling logits only."""
         rows = batch.sample_rows
         if not rows:
-            return None, None
+            return None, None, None
         seqs = batch.seqs
         drafts = None
-        offsets = None  # per row: its token's place after the seq's current output (verify steps)
         if batch.is_verify:
             drafts = batch.draft_tokens
         elif len(rows) != len(batch.seqs):
             logits = logits.index_select(0, self._to_device(rows))
             step_rows = step_rows[rows]
             seqs = [batch.seqs[r] for r in rows]
+        check = None
         if any(s.grammar is not None for s in seqs):
-            self._apply_grammars(logits, [s.grammar for s in seqs], drafts)
+            if batch.is_verify or not checks_grammar_after(seqs):
+                self._apply_grammars(logits, [s.grammar for s in seqs], drafts)
+            else:
+                check = self._keep_for_check(logits, seqs, step_rows)
+        offsets = None  # per row: its token's place after the seq's current output (verify steps)
         if batch.is_verify:
             # every position of every seq samples with its seq's parameters and generator
             counts = batch.num_new_tokens
@@ -472,30 +498,57 @@ class ModelRunner:
             seqs = [s for s, n in zip(seqs, counts) for _ in range(n)]
             offsets = [j for n in counts for j in range(n)]
         table = self._row_params[step_rows]
+        ids = self._draw(logits, seqs, step_rows, table, offsets, ahead, batch.is_verify)
+        k = int(table[:, 7].max())
+        return ids, (token_logprobs(logits, ids, k) if k >= 0 else None), check
+
+    def _draw(self, logits: Tensor, seqs: list[Sequence], step_rows: np.ndarray, table: np.ndarray,
+              offsets: list[int] | None, ahead: int, is_verify: bool) -> Tensor:
+        """Token ids [rows] sampled from ``logits`` with each row's parameters (``table``, its
+        seq's generator and penalties)."""
         sample_logits = logits  # the raw ones stay for the log-probabilities
         if table[:, MIN_TOKENS_COLUMN].any():
             sample_logits = self._hold_back_stops(sample_logits, table, seqs, offsets, ahead)
         if any(s.params.logit_bias for s in seqs):
             sample_logits = self._add_logit_bias(sample_logits, seqs)
         if not (table[:, 0] > 0).any() and not penalised_rows(table).any():
-            ids = greedy_ids(sample_logits)
-        else:
-            st = self._sampling_tensors(step_rows, table, logits)
-            gens = [s.generator for s in seqs] if table[:, 8].any() else None
-            seen = None
-            if st.has_penalties:
-                runner_rows = self._to_device(step_rows.tolist())
-                seen = self.history.counts_and_prompt_mask(runner_rows, max(s.num_tokens for s in seqs) + 1)
-            ids = sample(sample_logits, st, gens, seen)
-            if st.has_penalties and batch.is_verify:
-                # penalised seqs never draft: their one row's sample is their new token; the
-                # drafting rows' samples are not all kept, and their history is never read
-                keep = self._to_device(np.flatnonzero(penalised_rows(table)).tolist())
-                self.history.append(runner_rows.index_select(0, keep), ids.index_select(0, keep))
-            elif st.has_penalties:
-                self.history.append(runner_rows, ids)
-        k = int(table[:, 7].max())
-        return ids, (token_logprobs(logits, ids, k) if k >= 0 else None)
+            return greedy_ids(sample_logits)
+        st = self._sampling_tensors(step_rows, table, logits)
+        gens = [s.generator for s in seqs] if table[:, 8].any() else None
+        seen = None
+        if st.has_penalties:
+            runner_rows = self._to_device(step_rows.tolist())
+            seen = self.history.counts_and_prompt_mask(runner_rows, max(s.num_tokens for s in seqs) + 1)
+        ids = sample(sample_logits, st, gens, seen)
+        if st.has_penalties and is_verify:
+            # penalised seqs never draft: their one row's sample is their new token; the
+            # drafting rows' samples are not all kept, and their history is never read
+            keep = self._to_device(np.flatnonzero(penalised_rows(table)).tolist())
+            self.history.append(runner_rows.index_select(0, keep), ids.index_select(0, keep))
+        elif st.has_penalties:
+            self.history.append(runner_rows, ids)
+        return ids
+
+    def _keep_for_check(self, logits: Tensor, seqs: list[Sequence], step_rows: np.ndarray) -> GrammarCheck:
+        """The structured rows' logits, copied (a graph's logits are overwritten by the next
+        step, which may be queued before these ids are checked)."""
+        positions = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        kept = logits.index_select(0, self._to_device(positions)) if len(positions) < len(seqs) else logits.clone()
+        return GrammarCheck(kept, positions, [seqs[i] for i in positions], step_rows[positions])
+
+    @torch.inference_mode()
+    def resample(self, handle: StepHandle, positions: list[int]) -> list[int]:
+        """New tokens for the sampled rows ``positions`` of a checked step (their grammars
+        refused their tokens): their kept logits masked by their grammars, drawn again. Waits
+        for them (a rare path: a grammar's mask costs more than the wait)."""
+        check = handle.check
+        index = [check.positions.index(p) for p in positions]
+        logits = check.logits.index_select(0, self._to_device(index))
+        seqs = [check.seqs[i] for i in index]
+        self._apply_grammars(logits, [s.grammar for s in seqs], None)
+        step_rows = check.step_rows[index]
+        ids = self._draw(logits, seqs, step_rows, self._row_params[step_rows], None, 0, False)
+        return ids.tolist()
 
     def _apply_grammars(self, logits: Tensor, grammars: list, drafts: list[list[int]] | None) -> None:
         """Set to -inf, in place, every logit a row's grammar rules out (rows of seqs without

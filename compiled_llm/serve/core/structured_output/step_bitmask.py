@@ -19,6 +19,10 @@ import torch
 from compiled_llm.serve.core.structured_output.grammar_matcher import GrammarMatcher
 
 
+# From this many rows a fill is spread over several threads
+MANY_ROWS = 32
+
+
 def fill_threads() -> int:
     """xgrammar's fill threads: the cores left after the engine's own thread."""
     return max(1, min(16, (os.cpu_count() or 2) - 1))
@@ -34,7 +38,10 @@ class StepBitmask:
         words = (vocab_size + 31) // 32
         self.buffers = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
-        self._batch = xgr.BatchGrammarMatcher(fill_threads())
+        # one thread fills a few rows fastest (a row is not split between threads, and each
+        # call pays every thread's start); many rows share the cores
+        self._few = xgr.BatchGrammarMatcher(1)
+        self._many = xgr.BatchGrammarMatcher(fill_threads())
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
         self._started: tuple[tuple[int, ...], concurrent.futures.Future] | None = None
 
@@ -80,7 +87,8 @@ class StepBitmask:
         if clear:
             out.fill_(-1)
         if plain:
-            self._batch.batch_fill_next_token_bitmask([m for m, _ in plain], out, [r for _, r in plain])
+            batch = self._many if len(plain) >= MANY_ROWS else self._few
+            batch.batch_fill_next_token_bitmask([m for m, _ in plain], out, [r for _, r in plain])
         return out
 
 
