@@ -75,6 +75,9 @@ class ScheduledBatch:
     released_seq_ids: list[int] = field(default_factory=list)
     # a verification step: each seq's draft tokens (maybe none), computed after its last token
     draft_tokens: list[list[int]] | None = None
+    # a step queued ahead: its last host_fed rows compute their seq's last token, known on the
+    # host (seqs whose row in the step before was stale), not the one the step before samples
+    host_fed: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -315,15 +318,17 @@ class Scheduler:
         new step (None: all, in order)."""
         if self.waiting or not batch.is_decode:
             return None
-        if self.stale_ahead and any(s.seq_id in self.stale_ahead for s in batch.seqs):
-            return None  # a stale row must first be recomputed by a regular step
         if self.speculator is not None and self.speculator.likely_to_draft(batch.seqs, self.config.max_num_seqs):
             return None  # the next step should verify drafts, which needs this step's tokens
         limit = self.config.max_model_len
         ahead = ScheduledBatch()
         rows: list[int] = []
+        redo: list[Sequence] = []
         for i, seq in enumerate(batch.seqs):
             if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if seq.seq_id in self.stale_ahead:
+                redo.append(seq)  # its row in batch is void: it computes its last token again
                 continue
             # batch's token makes it num_tokens + 1 long; the step ahead adds one more
             if seq.num_output_tokens + 2 > seq.params.max_tokens or seq.num_tokens + 2 > limit:
@@ -334,6 +339,13 @@ class Scheduler:
             ahead.seqs.append(seq)
             ahead.num_new_tokens.append(1)
             rows.append(i)
+        for seq in redo:
+            if not self.bm.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens):
+                return None
+            ahead.sample_rows.append(len(ahead.seqs))
+            ahead.seqs.append(seq)
+            ahead.num_new_tokens.append(1)
+        ahead.host_fed = len(redo)
         if ahead.is_empty:
             return None
         return ahead, (None if len(rows) == len(batch.seqs) else rows)

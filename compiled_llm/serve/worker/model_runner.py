@@ -366,9 +366,9 @@ class ModelRunner:
             if batch.is_verify:
                 self._fill_verify(inputs, seqs, rows, batch.draft_tokens, T, width)
             else:
-                self._fill_decode(inputs, seqs, rows, T, width, ahead)
+                self._fill_decode(inputs, seqs, rows, T, width, ahead, batch.host_fed)
             step = DeviceStep(bucket is not None, T, T, width, "decode_graph" if graphs is not None else "program", R,
-                              S if ahead else 0, ahead_rows, len(ahead_of.ids) if ahead else 0)
+                              S - batch.host_fed if ahead else 0, ahead_rows, len(ahead_of.ids) if ahead else 0)
             return self.run_device_step(step, ahead_of)
         inputs = self.inputs
         bucket = None
@@ -618,12 +618,15 @@ class ModelRunner:
     # ---- host-side batch building -------------------------------------------------------------
 
     def _fill_decode(self, inputs: StepInputs, seqs: list[Sequence], rows: np.ndarray, padded: int,
-                     width: int, ahead: int = 0) -> None:
+                     width: int, ahead: int = 0, host_fed: int = 0) -> None:
         """One new token per sequence (its last); rows S..padded-1 are padding. ``ahead`` = 1:
-        the token after the last, not sampled yet (its id is copied in on the device)."""
+        the token after the last, not sampled yet (its id is copied in on the device), except
+        for the last ``host_fed`` rows, which compute their last token (``ScheduledBatch``)."""
         S = len(seqs)
-        pos = np.fromiter((s.num_computed_tokens + ahead for s in seqs), dtype=np.int64, count=S)
-        tok = 0 if ahead else [s.token_ids[-1] for s in seqs]
+        fed = S - host_fed if ahead else 0  # rows whose token comes from the device
+        pos = np.fromiter((s.num_computed_tokens + (ahead if i < fed else 0) for i, s in enumerate(seqs)),
+                          dtype=np.int64, count=S)
+        tok = 0 if fed == S else [0 if i < fed else s.token_ids[-1] for i, s in enumerate(seqs)]
         self._fill_token_rows(inputs, tok, pos, rows, padded, width)
 
     def _fill_verify(self, inputs: StepInputs, seqs: list[Sequence], rows: np.ndarray, drafts: list[list[int]],

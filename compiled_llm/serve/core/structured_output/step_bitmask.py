@@ -19,8 +19,8 @@ import torch
 from compiled_llm.serve.core.structured_output.grammar_matcher import GrammarMatcher
 
 
-# From this many rows a fill is spread over several threads
-MANY_ROWS = 32
+# Rows a fill thread takes at least
+ROWS_PER_THREAD = 2
 
 
 def fill_threads() -> int:
@@ -33,15 +33,10 @@ class StepBitmask:
     of them taking turns (a step's copy to the device may still be reading the other)."""
 
     def __init__(self, max_rows: int, vocab_size: int, pin: bool):
-        import xgrammar as xgr
-
         words = (vocab_size + 31) // 32
         self.buffers = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
-        # one thread fills a few rows fastest (a row is not split between threads, and each
-        # call pays every thread's start); many rows share the cores
-        self._few = xgr.BatchGrammarMatcher(1)
-        self._many = xgr.BatchGrammarMatcher(fill_threads())
+        self._batch_matchers: dict = {}  # thread count -> xgrammar BatchGrammarMatcher
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
         self._started: tuple[tuple[int, ...], concurrent.futures.Future] | None = None
 
@@ -74,6 +69,16 @@ class StepBitmask:
             row += n
         return self._fill_rows(out, plain, clear=False)
 
+    def _batch_matcher(self, rows: int):
+        """xgrammar's batch matcher for ``rows`` rows: a thread per two rows, up to the cores
+        (each call pays every thread's start, and a row is never split between threads)."""
+        import xgrammar as xgr
+
+        threads = max(1, min(fill_threads(), rows // ROWS_PER_THREAD))
+        if threads not in self._batch_matchers:
+            self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
+        return self._batch_matchers[threads]
+
     def _next_buffer(self, rows: int) -> torch.Tensor:
         self._turn ^= 1
         return self.buffers[self._turn][:rows]
@@ -87,8 +92,7 @@ class StepBitmask:
         if clear:
             out.fill_(-1)
         if plain:
-            batch = self._many if len(plain) >= MANY_ROWS else self._few
-            batch.batch_fill_next_token_bitmask([m for m, _ in plain], out, [r for _, r in plain])
+            self._batch_matcher(len(plain)).batch_fill_next_token_bitmask([m for m, _ in plain], out, [r for _, r in plain])
         return out
 
 
