@@ -36,6 +36,7 @@ from compiled_llm.serve.outputs import CompletionOutput, Logprob, PositionLogpro
 from compiled_llm.serve.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from compiled_llm.serve.core.sequence import Sequence
 from compiled_llm.serve.core.spec_decode.speculator import Speculator
+from compiled_llm.serve.core.structured_output.grammar_matcher import accept_tokens
 from compiled_llm.serve.core.structured_output.sampling_mode import checks_grammar_after
 
 
@@ -472,11 +473,12 @@ class LLMEngine:
         checked step's row whose grammar refuses its token (``ModelRunner._sample``) is drawn
         again under its mask, in ``sampled``; if the step queued ahead holds its seq, that row
         was computed from the refused token and is dropped there (``stale_ahead``)."""
-        refused = []
-        for j, row in enumerate(batch.sample_rows):
-            grammar = batch.seqs[row].grammar
-            if grammar is not None and not grammar.accept(sampled[j]):
-                refused.append(j)
+        structured = [j for j, row in enumerate(batch.sample_rows) if batch.seqs[row].grammar is not None]
+        if not structured:
+            return
+        taken = accept_tokens([batch.seqs[batch.sample_rows[j]].grammar for j in structured],
+                              [sampled[j] for j in structured])
+        refused = [j for j, ok in zip(structured, taken) if not ok]
         if not refused:
             return
         if handle.check is None:

@@ -88,3 +88,11 @@ class GrammarMatcher:
             self._on_release()
         self._matcher = None
         self.released = True
+
+
+def accept_tokens(grammars: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
+    """``grammars[i].accept(tokens[i])`` for all of them in one call into xgrammar (a step's
+    rows: a Python call per row would cost more than the checks)."""
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], [int(t) for t in tokens])
