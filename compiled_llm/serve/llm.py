@@ -75,10 +75,39 @@ def _check_conversation(conversation: Sequence, where: str) -> None:
             raise InvalidRequestError(f"{where}: message {j} needs a 'role' string")
         if "content" not in message:
             raise InvalidRequestError(f"{where}: message {j} ({role}) has no 'content'")
+        if message["content"] is None and message.get("tool_calls"):
+            continue  # an assistant's calls without text
         if not isinstance(message["content"], str):
             raise InvalidRequestError(
                 f"{where}: message {j} ({role}) content must be a string, got {type(message['content']).__name__}"
             )
+
+
+def _template_message(message: Mapping) -> Mapping:
+    """A message as chat templates read it: an assistant's calls with their arguments as dicts
+    (the API carries them as JSON text), content None as ""."""
+    if not message.get("tool_calls"):
+        return message
+    from compiled_llm.serve.openai.tool_calls import template_tool_calls
+
+    return {**message, "content": message.get("content") or "", "tool_calls": template_tool_calls(message["tool_calls"])}
+
+
+def _constrained(sampling_params, structured_outputs, count: int, defaults) -> list[SamplingParams]:
+    """Each request's SamplingParams under ``structured_outputs`` (a tool_choice's grammar)."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * count
+    out = []
+    for params in sampling_params:
+        params = defaults() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams or a list of them, got "
+                                      f"{type(params).__name__}")
+        if params.structured_outputs is not None:
+            raise InvalidRequestError("tool_choice 'required' or naming a function constrains the output to tool "
+                                      "calls; give sampling params without structured_outputs")
+        out.append(dataclasses.replace(params, structured_outputs=structured_outputs))
+    return out
 
 
 def _plain_transcript(conversation: Sequence[Mapping], add_generation_prompt: bool) -> str:
@@ -273,28 +302,68 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping | None = None,
+        tools: Sequence[Mapping] | None = None,
+        tool_choice: str | Mapping | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list
         of them, one output each, as vLLM's ``LLM.chat``: each conversation is rendered with the
         tokenizer's chat template and generated like a ``generate`` prompt (its
         ``prompt`` is the rendered text). ``chat_template_kwargs`` are extra template variables
         (e.g. ``{"enable_thinking": False}``), as vLLM's. A tokenizer without a template takes
-        what ``run --chat`` takes: one user message after an optional system message."""
+        what ``run --chat`` takes: one user message after an optional system message.
+
+        ``tools`` (OpenAI's function definitions) go to the template, as transformers'
+        ``apply_chat_template(tools=...)``; assistant messages may carry ``tool_calls`` (their
+        content None) and "tool" messages answer them. Each completion's ``tool_calls`` are
+        then the calls its text makes, as the server's ``message.tool_calls``: read in the
+        format the template implies (hermes ``<tool_call>`` tags, Llama 3.1's JSON; a template
+        that implies none gives none). ``tool_choice`` is the server's: "auto" (the default with
+        tools), "none" (nothing parsed), "required" or ``{"type": "function", "function":
+        {"name": ...}}`` (decoded under a grammar of the tools' schemas, as structured outputs:
+        the sampling params must ask for no other)."""
         kwargs = dict(chat_template_kwargs or {})
-        prompts = [self._chat_prompt(c, add_generation_prompt, kwargs) for c in _as_conversations(messages)]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        tools = [dict(t) for t in tools] if tools else None
+        plan = self._tool_plan(tools, tool_choice) if tools or tool_choice is not None else None
+        prompts = [self._chat_prompt(c, add_generation_prompt, kwargs, tools) for c in _as_conversations(messages)]
+        if plan is not None and plan.structured_outputs is not None:
+            sampling_params = _constrained(sampling_params, plan.structured_outputs, len(prompts),
+                                           self.get_default_sampling_params)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if plan is not None:
+            for out in outputs:
+                for completion in out.outputs:
+                    _, calls = plan.parse(completion.text)
+                    completion.tool_calls = [call.openai() for call in calls] or None
+        return outputs
+
+    def _tool_plan(self, tools: list[dict] | None, tool_choice):
+        # the server's tool handling, imported only when a chat has tools (it brings the web stack)
+        from compiled_llm.serve.openai.serving import ApiError
+        from compiled_llm.serve.openai.tool_calls import plan_tools
+        from compiled_llm.serve.openai.tool_parsers import PARSERS, parser_for_template
+
+        tok = self.tokenizer
+        template = tok.chat_template_text(tools=True) if tok is not None and tok.has_chat_template else None
+        name = parser_for_template(template)
+        try:
+            return plan_tools(tools or [], tool_choice, True, lambda: PARSERS[name] if name else None)
+        except ApiError as e:
+            raise InvalidRequestError(e.message) from None
 
     def _chat_prompt(self, conversation: list[Mapping], add_generation_prompt: bool,
-                     template_kwargs: dict | None = None) -> dict:
+                     template_kwargs: dict | None = None, tools: list[dict] | None = None) -> dict:
         tok = self.tokenizer
         if tok is None:
             raise InvalidRequestError("chat needs a tokenizer, and this model has none")
         if not tok.has_chat_template:
+            if tools:
+                raise InvalidRequestError("the model's tokenizer has no chat template, so it cannot render tools")
             text = _plain_transcript(conversation, add_generation_prompt)
             return {"prompt_token_ids": tok.encode(text), "prompt": text}
+        conversation = [_template_message(m) for m in conversation]
         try:
             ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                          template_kwargs=template_kwargs)
+                                          template_kwargs=template_kwargs, tools=tools)
         except CompiledLLMError as e:  # the template refused the conversation (its raise_exception)
             raise InvalidRequestError(str(e)) from None
         # The text the ids spell: the rendered template wherever the tokenizer covers every

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from compiled_llm.serve.core.sequence import RequestMetrics
 from compiled_llm.serve.core.text_pieces import LazyText
@@ -26,7 +27,9 @@ PositionLogprobs = dict[int, Logprob]
 class CompletionOutput:
     """One of a request's ``n`` completions. ``text``, ``token_ids`` and ``logprobs`` are the
     whole completion so far; the ``delta_`` fields what is new since this completion's previous
-    output (a streamed request gets an output for every step that changes it)."""
+    output (a streamed request gets an output for every step that changes it). ``tool_calls``:
+    from ``LLM.chat`` with tools, the calls its text makes, in OpenAI's shape ({"id", "type",
+    "function": {"name", "arguments"}}, the arguments a JSON text); None when it makes none."""
 
     index: int
     # a str, or a TextSnapshot joined on first read: a streamed output costs nothing per step
@@ -41,6 +44,7 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[PositionLogprobs] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @property
     def finished(self) -> bool:

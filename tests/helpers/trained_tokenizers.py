@@ -1,6 +1,6 @@
 """Tokenizers trained here on a small text, for tests that need real tokenizer files: a
-tokenizers-library byte-level BPE (wrapped for transformers) and a sentencepiece BPE model, and
-what transformers itself renders for a chat."""
+tokenizers-library byte-level BPE (wrapped for transformers) and a sentencepiece BPE model, what
+transformers itself renders for a chat, and a Qwen-like chat template that renders tools."""
 
 from __future__ import annotations
 
@@ -9,6 +9,22 @@ import random
 from pathlib import Path
 
 from compiled_llm.model.tokenizer.byte_level import CHATML_TEMPLATE
+
+# Qwen2.5's way with tools, cut down: the tools' JSON in the system turn, an assistant's calls
+# with tool_call.arguments | tojson, tool answers in <tool_response>.
+QWEN_TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+For each call, return <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for tool_call in message.tool_calls or [] %}{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}
+<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while the model engine compiles graphs into "

@@ -6,15 +6,17 @@ takes what ``run --chat`` takes; bad messages are a one-line InvalidRequestError
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import transformers
 
 from compiled_llm import LLM, SamplingParams
+from compiled_llm.serve.sampling_params import StructuredOutputsParams
 from compiled_llm.errors import InvalidRequestError
 from helpers.hf_checkpoints import make_checkpoint
 from helpers.lively import greedy_continuation
-from helpers.trained_tokenizers import train_hf_tokenizer
+from helpers.trained_tokenizers import QWEN_TOOLS_TEMPLATE, train_hf_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ONE = [
@@ -127,3 +129,102 @@ def test_without_a_template_one_turn_is_the_run_chat_transcript(no_template_llm)
 def test_without_a_template_a_longer_conversation_is_refused(no_template_llm):
     with pytest.raises(InvalidRequestError, match="has no chat template"):
         no_template_llm.chat(MULTI_TURN, GREEDY, use_tqdm=False)
+
+
+# --- tools --------------------------------------------------------------------------------------
+
+# short: the tiny checkpoint takes 256 tokens, and the template spells the tools out in the prompt
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+CALLED = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+]
+
+
+@pytest.fixture(scope="module")
+def tools_llm(tmp_path_factory):
+    """An eager model whose tokenizer's template renders tools as Qwen's does (hermes calls)."""
+    path = tmp_path_factory.mktemp("tools")
+    make_checkpoint("qwen2", path)
+    _, tok = train_hf_tokenizer(vocab_size=200, chat_template=QWEN_TOOLS_TEMPLATE, all_bytes=False)
+    tok.save_pretrained(path)
+    return LLM(str(path), device="cpu", enforce_eager=True), tok
+
+
+def test_chat_with_tools_renders_them_and_the_calls_as_transformers_does(tools_llm):
+    llm, hf_tok = tools_llm
+    outs = llm.chat([ASK, CALLED], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False, tools=[WEATHER_TOOL])
+    # transformers' templates read a call's arguments as a dict
+    called = [CALLED[0], {**CALLED[1], "content": "", "tool_calls": [{**CALLED[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}, CALLED[2]]
+    for out, messages in zip(outs, [ASK, called]):
+        expected = hf_tok.apply_chat_template(messages, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
+        assert out.prompt_token_ids == hf_tok.encode(expected, add_special_tokens=False)
+    assert outs[0].prompt_token_ids != hf_chat_ids(hf_tok, ASK)  # the tools are in the prompt
+    assert all(c.tool_calls is None for out in outs for c in out.outputs)  # random weights call nothing
+
+
+def fake_generate(texts: list[str], seen: list):
+    """An LLM.generate that answers each prompt with the next text (and records its params)."""
+    from compiled_llm.serve.outputs import CompletionOutput
+
+    def generate(prompts, sampling_params=None, use_tqdm=True):
+        seen.append(sampling_params)
+        return [SimpleNamespace(outputs=[CompletionOutput(index=0, text=texts[i], token_ids=[], finish_reason="stop")])
+                for i in range(len(prompts))]
+
+    return generate
+
+
+def test_chat_with_tools_gives_each_completions_calls_as_the_templates_parser_reads_them(tools_llm, monkeypatch):
+    llm, _ = tools_llm
+    texts = ['Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+             "No tool needed."]
+    monkeypatch.setattr(llm, "generate", fake_generate(texts, []))
+    called, plain = llm.chat([ASK, ASK], tools=[WEATHER_TOOL], use_tqdm=False)
+    (call,) = called.outputs[0].tool_calls
+    assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert called.outputs[0].text == texts[0]  # the text stays the model's
+    assert plain.outputs[0].tool_calls is None
+    (out,) = llm.chat(ASK, tools=[WEATHER_TOOL], tool_choice="none", use_tqdm=False)
+    assert out.outputs[0].tool_calls is None  # "none" parses nothing
+
+
+def test_chat_with_a_named_function_decodes_under_its_schema_and_its_answer_is_the_arguments(tools_llm, monkeypatch):
+    llm, _ = tools_llm
+    seen = []
+    monkeypatch.setattr(llm, "generate", fake_generate(['{"city": "Paris"}'], seen))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    (out,) = llm.chat(ASK, SamplingParams(max_tokens=20, temperature=0.5), tools=[WEATHER_TOOL], tool_choice=named,
+                      use_tqdm=False)
+    (params,) = seen[0]
+    assert params.structured_outputs.json == WEATHER_TOOL["function"]["parameters"]
+    assert params.max_tokens == 20 and params.temperature == 0.5  # the rest as given
+    assert out.outputs[0].tool_calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_chat_with_tool_choice_required_parses_the_array_of_calls(tools_llm, monkeypatch):
+    llm, _ = tools_llm
+    seen = []
+    monkeypatch.setattr(llm, "generate", fake_generate(['[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'], seen))
+    (out,) = llm.chat(ASK, tools=[WEATHER_TOOL], tool_choice="required", use_tqdm=False)
+    assert seen[0][0].structured_outputs.json["type"] == "array"
+    assert [c["function"] for c in out.outputs[0].tool_calls] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+
+
+@pytest.mark.parametrize("kwargs, problem", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope', which is not in tools"),
+    ({"tool_choice": "required", "sampling_params": SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))},
+     "give sampling params without structured_outputs"),
+    ({"tools": None, "tool_choice": "required"}, "'required' needs tools"),
+])
+def test_bad_tool_choices_are_one_line_errors(tools_llm, kwargs, problem):
+    llm, _ = tools_llm
+    with pytest.raises(InvalidRequestError) as e:
+        llm.chat(ASK, **{"tools": [WEATHER_TOOL], "use_tqdm": False, **kwargs})
+    assert problem in str(e.value) and "\n" not in str(e.value)
+    assert not llm.engine.has_unfinished_requests()

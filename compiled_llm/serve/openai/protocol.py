@@ -42,7 +42,6 @@ _COMMON_NOT_SUPPORTED: dict[str, tuple] = {
     "bad_words": (None, []),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
-    "structured_outputs": (None,),
     "priority": (0,),
     "cache_salt": (None,),
     "kv_transfer_params": (None,),
@@ -52,6 +51,7 @@ _COMMON_NOT_SUPPORTED: dict[str, tuple] = {
     "thinking_token_budget": (None, -1),
     "stream_interval": (None, 1),
     "routed_experts_prompt_start": (0,),
+    # vLLM's old spelling of structured_outputs
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -108,7 +108,7 @@ class SamplingRequest(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
-    logit_bias: dict[str, float] | None = None  # refused when not empty
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -124,7 +124,10 @@ class SamplingRequest(OpenAIRequest):
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    # OpenAI's text / json_object / json_schema, or vLLM's structured_outputs object (one of them;
+    # see structured_outputs.py)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     request_id: str | None = None  # the response id's suffix, as in vLLM
     # vLLM's: a text prompt gets the tokenizer's special tokens (BOS); a chat does not (its
     # template has them), and this server renders chats only that way

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Iterable
@@ -20,11 +21,13 @@ from compiled_llm.serve.metrics import ServerMetrics
 from compiled_llm.serve.openai.middleware import request_id
 from compiled_llm.serve.openai.protocol import unsupported_field
 from compiled_llm.serve.outputs import Logprob, PositionLogprobs, RequestOutput
-from compiled_llm.serve.sampling_params import SamplingParams
+from compiled_llm.serve.sampling_params import SamplingParams, StructuredOutputsParams
 from compiled_llm.serve.server_config import ServerConfig
 
 # JSON has no -inf; vLLM sends this for a token the model rules out.
 MIN_LOGPROB = -9999.0
+
+_TOKEN_ID = re.compile(r"[0-9]+")
 
 
 class ApiError(Exception):
@@ -80,23 +83,31 @@ def new_id(prefix: str, http: Request | None = None, body_id: str | None = None)
 
 def check_request_fields(req, not_supported: dict[str, tuple]) -> None:
     """400 for what this server cannot honour: one of vLLM's fields it lacks (``NOT_SUPPORTED``
-    in protocol.py), structured outputs (a later issue), ``stream_options`` without ``stream``
-    (vLLM's rule and message), ``logit_bias``."""
+    in protocol.py; vLLM's old ``guided_*`` spelling of structured outputs among them), and
+    ``stream_options`` without ``stream`` (vLLM's rule and message)."""
     name = unsupported_field(req, not_supported)
     if name is not None:
-        what = "structured outputs are" if name.startswith(("structured_outputs", "guided_")) else f"{name} is"
-        raise ApiError(400, f"{what} not supported by this server; leave {name} unset", "BadRequestError",
+        hint = "; ask with structured_outputs or response_format instead" if name.startswith("guided_") else ""
+        raise ApiError(400, f"{name} is not supported by this server; leave {name} unset{hint}", "BadRequestError",
                        param=name)
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise ApiError(400, f"response_format {fmt.get('type')!r} (structured output) is not supported by this "
-                            f"server, only 'text'", "BadRequestError", param="response_format")
     options = req.stream_options
     if options is not None and (options.model_fields_set or options.model_extra) and not req.stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.", "BadRequestError",
                        param="stream_options")
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by this server", "BadRequestError", param="logit_bias")
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias`` with its keys (JSON object keys, so strings) as token ids; the biases' range
+    is checked by SamplingParams, the ids against the vocabulary by the engine's validator."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise ApiError(400, f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                           "BadRequestError", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def truncated_prompt(state: ServerState, req, ids: list[int]) -> list[int]:
@@ -120,11 +131,13 @@ def truncated_prompt(state: ServerState, req, ids: list[int]) -> list[int]:
 
 
 def sampling_params(state: ServerState, req, *, max_tokens: int | None, prompt_len: int, fallback_max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """The request's sampling fields. One the client left unset (or null) takes the checkpoint's
     generation default (``LoadedModel.generation_defaults``), then OpenAI's. Unset max_tokens:
     the checkpoint's, else ``fallback_max_tokens`` (None: all the context left), at most the
-    context left after the prompt."""
+    context left after the prompt. ``structured_outputs``: what the output must match (from
+    response_format, structured_outputs or a tool_choice; see structured_outputs.py)."""
     defaults = state.core.info.generation_defaults
     given = req.model_fields_set
 
@@ -153,6 +166,8 @@ def sampling_params(state: ServerState, req, *, max_tokens: int | None, prompt_l
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
+        structured_outputs=structured_outputs,
+        logit_bias=logit_bias_ids(req.logit_bias),
     )
 
 

@@ -14,8 +14,8 @@ from compiled_llm.serve.openai.reasoning.chat import ChatReasoning, prompt_tail,
 from compiled_llm.serve.openai.serving import (ApiError, ServerState, StreamWriter, chat_logprobs, check_request_fields,
                                                final_outputs, new_id, now_s, sampling_params, sse_stream,
                                                truncated_prompt, usage, usage_chunk, vllm_prompt_logprobs)
-from compiled_llm.serve.openai.tool_calls import ToolPlan, template_tool_calls, tool_plan
-from compiled_llm.serve.openai.tool_parsers.stream import ToolCallStream
+from compiled_llm.serve.openai.structured_outputs import request_structured_outputs
+from compiled_llm.serve.openai.tool_calls import ToolPlan, check_no_other_constraint, template_tool_calls, tool_plan
 from compiled_llm.serve.outputs import RequestOutput
 
 
@@ -66,8 +66,10 @@ def check_chat_template_kwargs(kwargs: dict | None) -> None:
         raise ApiError(400, str(e), "BadRequestError", param="chat_template_kwargs") from None
 
 
-def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
+def _validated(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -> tuple:
     check_request_fields(req, CHAT_NOT_SUPPORTED)
+    requested = request_structured_outputs(req)
+    check_no_other_constraint(plan, requested)
     if req.add_special_tokens:  # vLLM's option to add BOS and the like on top of the template's
         raise ApiError(400, "add_special_tokens is not supported for chats: the chat template adds the special "
                             "tokens", "BadRequestError", param="add_special_tokens")
@@ -78,7 +80,8 @@ def _validated(state: ServerState, req: ChatCompletionRequest) -> tuple:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(state, req, max_tokens=max_tokens, prompt_len=len(ids), fallback_max_tokens=None,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                             prompt_logprobs=req.prompt_logprobs)
+                             prompt_logprobs=req.prompt_logprobs,
+                             structured_outputs=plan.structured_outputs or requested)
     return state.validator.validate({"prompt_token_ids": ids}, params)
 
 
@@ -98,7 +101,7 @@ def echoed_content(req: ChatCompletionRequest) -> str:
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, http: Request, arrival: float):
     state.check_model(req.model)
     plan = tool_plan(state, req)
-    request = _validated(state, req)
+    request = _validated(state, req, plan)
     group = state.async_engine.submit([request], stream=req.stream, arrival=arrival)
     shape = _Shape(state, req, new_id("chatcmpl", http, req.request_id), now_s(), plan)
     parser = reasoning_parser(state.config.reasoning_parser)
@@ -113,7 +116,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 class _Shape:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, id: str, created: int,
-                 tools: ToolPlan = ToolPlan(None, None)):
+                 tools: ToolPlan = ToolPlan()):
         self.state, self.req, self.id, self.created, self.tools = state, req, id, created, tools
         self.top = req.top_logprobs or 0
         self.echo = echoed_content(req)
@@ -157,7 +160,7 @@ class _Shape:
             "index": c.index,
             "message": message,
             "logprobs": self.logprobs(c.token_ids, c.logprobs),
-            "finish_reason": "tool_calls" if called else c.finish_reason,
+            "finish_reason": self.tools.finish_reason(called, c.finish_reason),
             "stop_reason": c.stop_reason,
             "token_ids": list(c.token_ids) if self.token_ids else None,
         } for c, (message, called) in zip(out.outputs, messages)]
@@ -188,9 +191,8 @@ class _ChatStream(StreamWriter):
         self.sent_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
         self.prompt_logprobs_sent = False
-        parser = shape.tools.parser
-        self.tool_streams = {} if parser is None else {
-            i: ToolCallStream(parser, shape.tools.max_calls) for i in range(shape.req.n)}
+        streams = {i: shape.tools.stream() for i in range(shape.req.n)}
+        self.tool_streams = {i: stream for i, stream in streams.items() if stream is not None}
 
     def _usage(self, chunk: dict, index: int) -> dict:
         if self.shape.req.continuous_usage:
@@ -239,21 +241,25 @@ class _ChatStream(StreamWriter):
         return events
 
     def _tool_call_chunks(self, choice: dict, delta_text: str, final: bool) -> list[dict]:
-        """With a tool-call parser: the choice's content delta becomes the text outside calls,
-        and each call's deltas follow as choices of their own; the finish reason moves to the
-        last, "tool_calls" when the answer called tools."""
+        """With tools to parse: the choice's content delta becomes the text outside calls, its
+        first call delta rides in the choice's own chunk when that has no content, and the
+        others follow as chunks of their own; the finish reason moves to the last, "tool_calls"
+        when the answer called tools (``ToolPlan.finish_reason``)."""
         stream = self.tool_streams.get(choice["index"])
         if stream is None:
             return []
         content, deltas = stream.feed(delta_text, final)
-        if content or "reasoning_content" not in choice["delta"]:
-            choice["delta"]["content"] = content
-        else:  # a delta of reasoning alone
-            choice["delta"].pop("content", None)
+        delta = choice["delta"]
+        if content or not ("reasoning_content" in delta or deltas):
+            delta["content"] = content
+        else:  # a delta of reasoning or calls alone
+            delta.pop("content", None)
+        if deltas and not content:
+            delta["tool_calls"] = [deltas.pop(0)]
         calls = [{"index": choice["index"], "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}
                  for d in deltas]
-        if final and stream.called:
-            choice["finish_reason"] = "tool_calls"
+        if final:
+            choice["finish_reason"] = self.shape.tools.finish_reason(stream.called, choice["finish_reason"])
         if calls and final:
             calls[-1]["finish_reason"], calls[-1]["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
             choice["finish_reason"] = choice["stop_reason"] = None

@@ -16,6 +16,7 @@ from compiled_llm.serve.openai.protocol import COMPLETION_NOT_SUPPORTED, Complet
 from compiled_llm.serve.openai.serving import (CompletionLogprobsWriter, ServerState, StreamWriter, check_request_fields,
                                                final_outputs, new_id, now_s, sampling_params, sse_stream,
                                                truncated_prompt, usage, usage_chunk, vllm_prompt_logprobs)
+from compiled_llm.serve.openai.structured_outputs import request_structured_outputs
 from compiled_llm.serve.outputs import CompletionOutput, RequestOutput
 
 # OpenAI's default for the completions API
@@ -36,6 +37,7 @@ def completion_prompts(prompt) -> list[Any]:
 
 def _validated(state: ServerState, req: CompletionRequest) -> list[tuple]:
     check_request_fields(req, COMPLETION_NOT_SUPPORTED)
+    structured_outputs = request_structured_outputs(req)
     if req.suffix:
         raise InvalidRequestError("suffix is not supported")
     prompt_logprobs = req.prompt_logprobs
@@ -52,7 +54,7 @@ def _validated(state: ServerState, req: CompletionRequest) -> list[tuple]:
             text, ids = None, kept  # the echo is the text of the tokens kept
         params = sampling_params(state, req, max_tokens=max_tokens, prompt_len=len(ids),
                                  fallback_max_tokens=DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
         requests.append(state.validator.validate({"prompt_token_ids": ids, "prompt": text}, params))
     return requests
 

@@ -356,15 +356,30 @@ def test_bad_chat_messages_are_400(client):
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
-def test_tools_are_served_with_tool_choice_none_and_refused_where_they_need_more(client):
-    reply = client.chat.completions.create(model=MODEL, messages=chat_messages("hi"), tools=[WEATHER_TOOL],
-                                           tool_choice="none", max_tokens=4, temperature=0)
+def test_tools_are_served_with_each_tool_choice_and_auto_needs_the_flag(client):
+    ask = dict(model=MODEL, messages=chat_messages("hi"), tools=[WEATHER_TOOL], max_tokens=4, temperature=0)
+    reply = client.chat.completions.create(**ask, tool_choice="none")
     assert reply.choices[0].message.tool_calls in (None, []) and reply.choices[0].finish_reason in ("stop", "length")
-    for choice, named in (("required", "structured outputs"), ("auto", "--enable-auto-tool-choice")):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=MODEL, messages=chat_messages("hi"), tools=[WEATHER_TOOL],
-                                           tool_choice=choice)
-        assert named in e.value.body["message"]
+    reply = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.id.startswith("chatcmpl-tool-") and call.type == "function" and call.function.name == "get_weather"
+    assert reply.choices[0].message.content is None and reply.choices[0].finish_reason in ("stop", "length")
+    reply = client.chat.completions.create(**ask, tool_choice="required")
+    assert reply.choices[0].finish_reason in ("tool_calls", "length", "stop")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**ask, tool_choice="auto")
+    assert "--enable-auto-tool-choice" in e.value.body["message"]
+
+
+def test_a_named_functions_streamed_arguments_add_up_to_the_unstreamed_ones(client):
+    ask = dict(model=MODEL, messages=chat_messages(PROMPTS[0]), tools=[WEATHER_TOOL], max_tokens=6, temperature=0,
+               tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body={"ignore_eos": True})
+    (call,) = client.chat.completions.create(**ask).choices[0].message.tool_calls
+    deltas = [d for chunk in client.chat.completions.create(**ask, stream=True) for c in chunk.choices
+              for d in c.delta.tool_calls or []]
+    assert deltas[0].id.startswith("chatcmpl-tool-") and deltas[0].function.name == "get_weather"
+    assert {d.index for d in deltas} == {0} and len(deltas) > 1
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
 
 def test_an_unknown_model_is_404(client):
@@ -543,15 +558,13 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(server, hf_tokenizer, oracle
 
 
 @pytest.mark.parametrize("path, extra, named", [
-    ("/v1/completions", {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
-    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
     ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("/v1/completions", {"cache_salt": "salt"}, "cache_salt"),
     ("/v1/completions", {"logprobs": -1}, "whole vocabulary"),
-    ("/v1/chat/completions", {"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),  # reserved
     ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "whole vocabulary"),
@@ -565,6 +578,43 @@ def test_vllm_fields_this_server_lacks_are_refused_by_name(server, path, extra, 
     # the neutral values ask for nothing
     assert post(server, path, {**base, "max_tokens": 2, "use_beam_search": False, "skip_special_tokens": True,
                                "structured_outputs": None, "response_format": {"type": "text"}})[0] == 200
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/v1/completions", {"structured_outputs": {"choice": ["yes", "no"]}, "logit_bias": {"5": 2.5}}),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA,
+                                                                                         "strict": True}}}),
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "[a-z]+"}, "logit_bias": {"7": -100}}),
+])
+def test_structured_outputs_and_logit_bias_are_taken_on_both_endpoints(server, path, extra):
+    base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": chat_messages("hi")}
+    status, out = post(server, path, {**base, "max_tokens": 2, **extra})
+    assert status == 200, out
+
+
+@pytest.mark.parametrize("path, extra, named", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "w"}}},
+     "response_format.json_schema.schema is missing"),
+    ("/v1/completions", {"response_format": {"type": "xml"}}, "response_format.type must be one of"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "either response_format or structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+    ("/v1/chat/completions", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "'x', which is not in tools"),
+    ("/v1/chat/completions", {"tools": [WEATHER_TOOL], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "leave response_format"),
+    ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias[5] must be in [-100, 100]"),
+])
+def test_bad_structured_output_tool_choice_and_logit_bias_are_400_naming_the_problem(server, path, extra, named):
+    base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": chat_messages("hi")}
+    status, out = post(server, path, {**base, "max_tokens": 2, **extra})
+    assert status == 400, out
+    assert named in out["error"]["message"]
 
 
 def test_chat_echo_starts_the_reply_with_the_last_message(server):

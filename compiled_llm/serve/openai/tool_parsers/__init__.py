@@ -1,6 +1,7 @@
 """Tool calls in a model's text, as vLLM's ``--tool-call-parser``: one module per format
 (``hermes``: Qwen's ``<tool_call>{...}</tool_call>``; ``llama3_json``: Llama 3.1's JSON call),
-``base`` what they share, ``stream`` the incremental split of a streamed answer."""
+``base`` what they share, ``stream`` the incremental split of a streamed answer, ``json_spans``
+where the members of JSON still being written are)."""
 
 from __future__ import annotations
 

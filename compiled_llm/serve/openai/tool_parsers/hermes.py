@@ -10,6 +10,21 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class HermesParser:
+    arguments_key = "arguments"
+    calls_per_span = 1
+
+    def call_spans(self, text: str) -> list[tuple[int, int | None]]:
+        spans, pos = [], text.find(OPEN)
+        while pos >= 0:
+            start = pos + len(OPEN)
+            close = text.find(CLOSE, start)
+            if close < 0:  # a closing tag may be under way at the end
+                spans.append((start, partial_prefix_at_end(text, CLOSE)))
+                break
+            spans.append((start, close))
+            pos = text.find(OPEN, close + len(CLOSE))
+        return spans
+
     def parse(self, text: str, final: bool) -> tuple[list[Item], int]:
         items: list[Item] = []
         pos = 0

@@ -13,6 +13,15 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonParser:
+    arguments_key = "parameters"
+    calls_per_span = None  # {...}; {...}
+
+    def call_spans(self, text: str) -> list[tuple[int, int | None]]:
+        body = text.lstrip()
+        if body.startswith(PYTHON_TAG):
+            return [(len(text) - len(body) + len(PYTHON_TAG), None)]
+        return [(len(text) - len(body), None)] if body.startswith("{") else []
+
     def parse(self, text: str, final: bool) -> tuple[list[Item], int]:
         body = text.lstrip()
         if body.startswith(PYTHON_TAG):
@@ -35,10 +44,10 @@ def _calls(body: str) -> list[Item] | None:
     pos = 0
     while True:
         try:
-            obj, end = decoder.raw_decode(body, pos)
+            _, end = decoder.raw_decode(body, pos)
         except ValueError:
             return None
-        call = ToolCall.from_json(json.dumps(obj), arguments_key="parameters")
+        call = ToolCall.from_json(body[pos:end], arguments_key="parameters")
         if call is None:
             return None
         calls.append(call)

@@ -77,9 +77,11 @@ def test_llama3_json_malformed_stays_content():
 
 HERMES_TEXTS = [
     f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>\nDone.",
-    'Hi <tool_call>{"name": "f", "arguments": {</tool_call> bye',
+    'Hi <tool_call>{"arguments": {</tool_call> bye',  # broken before its name: content
     "a <tool_ca b </tool_call> c <",
     f"<tool_call>{TIME}",
+    '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',  # arguments as a JSON string
+    '<tool_call>{"name": "g"}</tool_call>',  # no arguments: {}
 ]
 LLAMA_TEXTS = ['<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', "  <|python_t", "Plain {text}"]
 
@@ -94,6 +96,43 @@ def test_every_split_into_two_or_three_deltas_streams_what_the_whole_parses_to(p
         assert streamed(parser, [text[:i], text[i:]]) == expected, i
         j = (i + len(text)) // 2
         assert streamed(parser, [text[:i], text[i:j], text[j:]]) == expected, (i, j)
+
+
+def raw_streamed(parser: str, pieces: list[str]) -> list[dict]:
+    """Each feed's tool-call deltas."""
+    stream = ToolCallStream(PARSERS[parser])
+    return [stream.feed(piece, final=i == len(pieces) - 1)[1] for i, piece in enumerate(pieces)]
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>"),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'),
+])
+def test_auto_streams_a_calls_arguments_in_pieces_as_they_are_written(parser, text):
+    (whole_call,) = ToolPlan(PARSERS[parser]).parse(text)[1]
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    feeds = raw_streamed(parser, pieces)
+    deltas = [d for feed in feeds for d in feed]
+    assert deltas[0]["function"]["name"] == "get_weather" and "id" in deltas[0]
+    arguments = [d["function"]["arguments"] for d in deltas]
+    # the arguments are sent while the model writes them, before the call is whole
+    sent_before_the_end = "".join(d["function"]["arguments"] for feed in feeds[:-2] for d in feed)
+    assert len([a for a in arguments if a]) > 5 and sent_before_the_end.startswith('{"city": "Par')
+    # and concatenate to the whole answer's arguments, the model's own text
+    assert "".join(arguments) == whole_call.arguments == '{"city": "Paris", "unit": "celsius"}'
+
+
+def test_a_call_whose_name_was_sent_stays_a_call_when_its_json_breaks():
+    text = 'Hi <tool_call>{"name": "f", "arguments": {</tool_call> bye'
+    assert whole("hermes", text) == (text, [])  # whole, it is content
+    stream = ToolCallStream(PARSERS["hermes"])
+    content, deltas = "", []
+    for i, c in enumerate(text):
+        piece, new = stream.feed(c, final=i == len(text) - 1)
+        content, deltas = content + piece, deltas + new
+    assert stream.called and deltas[0]["function"]["name"] == "f"
+    assert "".join(d["function"]["arguments"] for d in deltas) == "{"
+    assert content == text  # its text comes as content as well
 
 
 def test_a_partial_tag_is_held_back_until_known():
