@@ -47,6 +47,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # a reasoning model's end-of-thinking token: the grammar constrains what follows it, and
+    # leaves the thinking before it free (the server sets it with --reasoning-parser)
+    start_after_token_id: int | None = None
 
     def __post_init__(self):
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -78,6 +81,9 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         if not isinstance(self.disable_any_whitespace, bool):
             raise InvalidRequestError("disable_any_whitespace must be True or False")
+        if self.start_after_token_id is not None and (
+                not isinstance(self.start_after_token_id, int) or self.start_after_token_id < 0):
+            raise InvalidRequestError("start_after_token_id must be a token id")
 
     @property
     def kind(self) -> str:

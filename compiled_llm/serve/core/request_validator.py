@@ -121,4 +121,8 @@ class RequestValidator:
             from compiled_llm.serve.core.structured_output.grammar_check import check_structured_outputs
 
             check_structured_outputs(params.structured_outputs)
+            start = params.structured_outputs.start_after_token_id
+            if start is not None and start >= self.vocab_size:
+                raise InvalidRequestError(f"start_after_token_id {start} is outside the model's vocabulary "
+                                          f"(0..{self.vocab_size - 1})")
         return text, ids, params

@@ -10,7 +10,7 @@ from compiled_llm.errors import CompiledLLMError, InvalidRequestError
 from compiled_llm.model.tokenizer.chat_template import check_template_kwargs
 from compiled_llm.serve.openai.protocol import (CHAT_NOT_SUPPORTED, ChatCompletionRequest, ChatCompletionResponse,
                                                 ChatMessage)
-from compiled_llm.serve.openai.reasoning.chat import ChatReasoning, prompt_tail, reasoning_parser
+from compiled_llm.serve.openai.reasoning.chat import ChatReasoning, after_thinking, prompt_tail, reasoning_parser
 from compiled_llm.serve.openai.serving import (ApiError, ServerState, StreamWriter, chat_logprobs, check_request_fields,
                                                final_outputs, new_id, now_s, sampling_params, sse_stream,
                                                truncated_prompt, usage, usage_chunk, vllm_prompt_logprobs)
@@ -78,10 +78,12 @@ def _validated(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -
     ids = truncated_prompt(state, req, chat_prompt_ids(state, req.messages, req.add_generation_prompt,
                                                        req.chat_template_kwargs, req.tools))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    structured = plan.structured_outputs or requested
+    if state.config.reasoning_parser is not None:
+        structured = after_thinking(structured, state.tokenizer, ids)
     params = sampling_params(state, req, max_tokens=max_tokens, prompt_len=len(ids), fallback_max_tokens=None,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                             prompt_logprobs=req.prompt_logprobs,
-                             structured_outputs=plan.structured_outputs or requested)
+                             prompt_logprobs=req.prompt_logprobs, structured_outputs=structured)
     return state.validator.validate({"prompt_token_ids": ids}, params)
 
 

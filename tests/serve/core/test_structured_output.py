@@ -168,3 +168,14 @@ def test_structured_outputs_need_exactly_one_constraint():
         Structured(json={}, regex="a")
     with pytest.raises(InvalidRequestError, match="got none"):
         Structured()
+
+
+def test_a_grammar_starting_after_a_token_leaves_the_output_before_it_free(llm):
+    waking = 65  # forced first by its bias: before it the output is free, after it the grammar rules
+    structured = Structured(choice=["yes", "no"], start_after_token_id=waking)
+    for top_k in (-1, 20):  # checked after sampling, masked before it
+        params = SamplingParams(temperature=0.0, max_tokens=12, logit_bias={waking: 100.0}, top_k=top_k,
+                                structured_outputs=structured)
+        out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[0] == waking and out.finish_reason == "stop"
+        assert llm.tokenizer.decode(out.token_ids[1:]) in ("yes", "no")

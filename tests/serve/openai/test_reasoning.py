@@ -136,3 +136,17 @@ def test_llm_chat_passes_chat_template_kwargs_to_the_template(engine, think_chec
     ids, _ = greedy_text(think_checkpoint, USERS[0], enable_thinking=False)
     prompt = llm._chat_prompt([{"role": "user", "content": USERS[0]}], True, {"enable_thinking": False})
     assert prompt["prompt_token_ids"] == ids
+
+
+def test_a_grammar_constrains_the_answer_after_the_thinking_not_the_thinking(engine, thinking_user):
+    user, text = thinking_user
+    reasoning = text.split("</think>", 1)[0]
+    choices = ["the fox", "a lazy dog"]
+    with served(engine, reasoning_parser="qwen3") as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        reply = client.chat.completions.create(
+            model="think", messages=[{"role": "user", "content": user}], max_tokens=MAX_TOKENS, temperature=0.0,
+            extra_body={"structured_outputs": {"choice": choices}})
+        message = reply.choices[0].message
+        assert message.reasoning_content == reasoning  # greedy, as without a grammar
+        assert message.content in choices and reply.choices[0].finish_reason == "stop"

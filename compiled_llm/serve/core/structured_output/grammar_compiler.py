@@ -71,7 +71,7 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A new sequence's matcher of ``params``' grammar (compiled once for all of them)."""
         self.live_matchers += 1
-        return GrammarMatcher(self.compile(params), on_release=self._released)
+        return GrammarMatcher(self.compile(params), on_release=self._released, dormant_until=params.start_after_token_id)
 
     def _released(self) -> None:
         self.live_matchers -= 1

@@ -2,7 +2,11 @@
 step's bitmask) and the tokens it has taken. It follows the sequence's output tokens one by one
 (``accept``), checks a speculative draft without keeping it (``allowed_prefix``), and is dropped
 when the sequence finishes (``release``). A preempted sequence keeps its matcher: recomputing
-its KV changes none of its tokens."""
+its KV changes none of its tokens.
+
+A matcher may start ``dormant``: the output is free, and nothing is checked, until it has taken
+that token (a reasoning model's end of thinking: the grammar constrains the answer after the
+thinking, not the thinking)."""
 
 from __future__ import annotations
 
@@ -13,9 +17,11 @@ import torch
 
 
 class GrammarMatcher:
-    def __init__(self, compiled: concurrent.futures.Future, on_release: Callable[[], None] | None = None):
+    def __init__(self, compiled: concurrent.futures.Future, on_release: Callable[[], None] | None = None,
+                 dormant_until: int | None = None):
         self._compiled = compiled
         self._on_release = on_release
+        self.dormant_until = dormant_until  # None: constraining
         self._matcher = None  # an xgrammar GrammarMatcher, made at first use
         self.released = False
 
@@ -44,7 +50,16 @@ class GrammarMatcher:
 
     def accept(self, token: int) -> bool:
         """Take the sequence's next token; False if the grammar does not allow it."""
+        if self.dormant_until is not None:
+            if int(token) == self.dormant_until:
+                self.dormant_until = None
+            return True
         return self.matcher.accept_token(int(token))
+
+    @property
+    def constrains(self) -> bool:
+        """Whether its next token is constrained: not dormant, released or terminated."""
+        return self.dormant_until is None and not self.released and not self.is_terminated
 
     @property
     def is_terminated(self) -> bool:
@@ -73,6 +88,8 @@ class GrammarMatcher:
     def allowed_prefix(self, draft: Sequence[int]) -> list[int]:
         """The longest prefix of ``draft`` the grammar allows from here (the matcher is left
         where it was)."""
+        if self.dormant_until is not None:  # free until the waking token, which ends the draft
+            return list(draft[:draft.index(self.dormant_until)] if self.dormant_until in draft else draft)
         m = self.matcher
         kept = 0
         for token in draft:
@@ -95,4 +112,14 @@ def accept_tokens(grammars: Sequence[GrammarMatcher], tokens: Sequence[int]) -> 
     rows: a Python call per row would cost more than the checks)."""
     import xgrammar as xgr
 
-    return xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], [int(t) for t in tokens])
+    out = [True] * len(grammars)
+    live = [i for i, g in enumerate(grammars) if g.dormant_until is None]
+    for i, g in enumerate(grammars):
+        if g.dormant_until is not None:
+            g.accept(tokens[i])
+    if live:
+        taken = xgr.BatchGrammarMatcher.batch_accept_token([grammars[i].matcher for i in live],
+                                                           [int(tokens[i]) for i in live])
+        for i, ok in zip(live, taken):
+            out[i] = bool(ok)
+    return out

@@ -97,4 +97,4 @@ class StepBitmask:
 
 
 def _live(m: GrammarMatcher | None) -> bool:
-    return m is not None and not m.released and not m.is_terminated
+    return m is not None and m.constrains

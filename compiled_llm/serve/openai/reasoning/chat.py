@@ -3,7 +3,10 @@ the ``<think>`` block as ``reasoning_content`` and the rest as ``content``."""
 
 from __future__ import annotations
 
-from compiled_llm.serve.openai.reasoning.parsers import PARSERS, ReasoningParser
+import dataclasses
+
+from compiled_llm.serve.openai.reasoning.parsers import PARSERS, ReasoningParser, prompt_ends_think
+from compiled_llm.serve.openai.reasoning.think_tags import CLOSE
 from compiled_llm.serve.openai.reasoning.think_tags import ThinkStream
 
 # Enough of the prompt's end to see whether its generation prompt opened a think block.
@@ -19,6 +22,18 @@ def prompt_tail(tokenizer, prompt_ids: list[int]) -> str:
     if tokenizer is None or not prompt_ids:
         return ""
     return tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+
+
+def after_thinking(structured, tokenizer, prompt_ids: list[int]):
+    """``structured`` (StructuredOutputsParams) for a reasoning model: constraining the answer
+    after ``</think>``, not the thinking, unless the prompt already closed the think block, as
+    vLLM does. Where ``</think>`` is no single token the grammar constrains the whole output."""
+    if structured is None or tokenizer is None or prompt_ends_think(prompt_tail(tokenizer, prompt_ids)):
+        return structured
+    ids = tokenizer.encode(CLOSE, add_special_tokens=False)
+    if len(ids) != 1:
+        return structured
+    return dataclasses.replace(structured, start_after_token_id=ids[0])
 
 
 class ChatReasoning:

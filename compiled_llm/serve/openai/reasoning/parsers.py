@@ -19,6 +19,12 @@ def prompt_opens_think(prompt_tail: str) -> bool:
     return prompt_tail.rstrip().endswith(OPEN)
 
 
+def prompt_ends_think(prompt_tail: str) -> bool:
+    """Whether a rendered prompt closed its think block (``enable_thinking`` false renders an
+    empty one): the answer starts at once."""
+    return CLOSE in prompt_tail and prompt_tail.rfind(CLOSE) > prompt_tail.rfind(OPEN)
+
+
 @dataclasses.dataclass(frozen=True)
 class ReasoningParser:
     name: str
@@ -37,4 +43,4 @@ class ReasoningParser:
 
 PARSERS = {p.name: p for p in (ReasoningParser("qwen3", False), ReasoningParser("deepseek_r1", True))}
 
-__all__ = ["CLOSE", "OPEN", "PARSERS", "ReasoningParser", "prompt_opens_think"]
+__all__ = ["CLOSE", "OPEN", "PARSERS", "ReasoningParser", "prompt_ends_think", "prompt_opens_think"]
