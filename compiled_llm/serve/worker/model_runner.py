@@ -10,6 +10,7 @@ running request's block table is mirrored in a numpy array row that only receive
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,6 +70,13 @@ class GrammarCheck:
     positions: list[int]  # their places among the step's sampled rows
     seqs: list  # their sequences
     step_rows: np.ndarray  # their runner rows
+    # each seeded row's generator state right after this step drew its token (None: unseeded)
+    generator_states: list | None = None
+
+    def drawn(self) -> "GrammarCheck":
+        """This check with its seeded rows' generator states taken now, just after the draw."""
+        states = [s.generator.get_state() if s.generator is not None else None for s in self.seqs]
+        return dataclasses.replace(self, generator_states=states)
 
 
 @dataclass(frozen=True)
@@ -499,6 +507,8 @@ class ModelRunner:
             offsets = [j for n in counts for j in range(n)]
         table = self._row_params[step_rows]
         ids = self._draw(logits, seqs, step_rows, table, offsets, ahead, batch.is_verify)
+        if check is not None:
+            check = check.drawn()
         k = int(table[:, 7].max())
         return ids, (token_logprobs(logits, ids, k) if k >= 0 else None), check
 
@@ -545,6 +555,12 @@ class ModelRunner:
         index = [check.positions.index(p) for p in positions]
         logits = check.logits.index_select(0, self._to_device(index))
         seqs = [check.seqs[i] for i in index]
+        for i, seq in zip(index, seqs):
+            if check.generator_states[i] is not None:
+                # a step queued ahead may have drawn from it since (that row is now stale): the
+                # redraw, and the draws after it, are those of a run without that step, so a
+                # seed gives one output however the steps were queued
+                seq.generator.set_state(check.generator_states[i])
         self._apply_grammars(logits, [s.grammar for s in seqs], None)
         step_rows = check.step_rows[index]
         ids = self._draw(logits, seqs, step_rows, self._row_params[step_rows], None, 0, False)

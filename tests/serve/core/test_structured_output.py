@@ -14,6 +14,7 @@ import pytest
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.errors import InvalidRequestError
+from compiled_llm.serve.core.structured_output.grammar_compiler import json_safe_string_lengths
 from compiled_llm.serve.sampling_params import StructuredOutputsParams as Structured
 
 PERSON = {
@@ -154,6 +155,27 @@ def test_structured_requests_survive_speculation_preemption_and_aborts(structure
 def test_what_cannot_be_compiled_is_refused_when_submitted(llm, structured, problem):
     with pytest.raises(InvalidRequestError, match=re.escape(problem)):
         llm.generate([PROMPT], SamplingParams(structured_outputs=Structured(**structured)), use_tqdm=False)
+
+
+def test_a_length_bounded_strings_grammar_takes_only_utf8():
+    """For a negated class xgrammar's pattern rule takes an encoded surrogate and overlong
+    encodings; a decoder makes each of their bytes a U+FFFD, and the string outgrows its
+    maxLength. The pattern the compiler gives such strings lists the allowed code points."""
+    import xgrammar as xgr
+
+    vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[256]))
+    grammar = compiler.compile_json_schema(json.dumps(json_safe_string_lengths({"type": "string", "maxLength": 1})))
+
+    def takes(text: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        return all(matcher.accept_token(b) for b in b'"' + text + b'"') and matcher.accept_token(256)
+
+    for one in ("a", "\x7f", "\u06be", "\u0800", "\ud7ff", "\ue000", "\U0001f600", "\U0010ffff"):
+        assert takes(one.encode()), ascii(one)
+    for bad in (b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xc0\x80", b"\xe0\x80\x80", b"\xe0\x9f\xbf", b"\xf0\x80\x80\x80",
+                b"\xf0\x8f\xbf\xbf", b"\xf4\x90\x80\x80", b"\x1f", b"\\n", b"ab"):
+        assert not takes(bad), bad
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(llm):

@@ -31,8 +31,13 @@ MAX_CACHED_GRAMMARS = 512
 COMPILE_THREADS = 2
 
 
-# A string's characters that JSON takes unescaped, as a JSON Schema pattern of n to m of them
-_PLAIN_CHARACTERS = '^[^"\\\\\\x00-\\x1f]{%d,%s}$'
+# A string's characters that JSON takes unescaped, as a JSON Schema pattern of n to m of them:
+# every code point but the controls, '"', the backslash and the UTF-16 surrogates, as ranges of
+# the characters themselves. For a negated class, as in the regex [^"\\\x00-\x1f], xgrammar's
+# pattern rule also takes the bytes of an encoded surrogate and of overlong encodings, which
+# are not UTF-8: a decoder reads each of those bytes as a U+FFFD, and the string outgrows its
+# maxLength.
+_PLAIN_CHARACTERS = '^[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]{%d,%s}$'
 # keywords whose values are data, not schemas
 _DATA_KEYWORDS = ("enum", "const", "default", "examples")
 
