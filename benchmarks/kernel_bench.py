@@ -1253,14 +1253,14 @@ def agree(args) -> int:
     recorded: dict[tuple[str, int], torch.Tensor] = {}
     original_sample = runner._sample
 
-    def recording_sample(batch, logits, ahead=0):
+    def recording_sample(batch, logits, step_rows, ahead=0):
         for j, row in enumerate(batch.sample_rows):
             seq = batch.seqs[row]
             # output index of the token this row samples: one past the sequence's tokens, two
             # past when the step was queued before the previous step's token was appended
             index = seq.num_tokens - seq.num_prompt_tokens + ahead
             recorded[(seq.request_id, index)] = logits[j].float().cpu()
-        return original_sample(batch, logits, ahead)
+        return original_sample(batch, logits, step_rows, ahead)
 
     runner._sample = recording_sample
     vocab = llm.model.config.vocab_size
