@@ -412,8 +412,10 @@ class LLMEngine:
             self._stats.dropped_ahead_tokens += n_rows - len(batch.seqs)
             if batch.is_empty:
                 return []  # every sequence of the step queued ahead had finished
-            self._advance_grammars(batch, sampled, positions, handle)
-            changed = [(seq, 1) for seq in self.scheduler.update(batch, sampled)]
+            stuck = self._advance_grammars(batch, sampled, positions, handle)
+            if stuck:  # finished, their rows go
+                batch, sampled, logprobs, _ = _drop_finished(batch, sampled, logprobs, set())
+            changed = [(seq, 1) for seq in self.scheduler.update(batch, sampled)] + [(seq, 0) for seq in stuck]
             new_tokens = len(sampled)
             if self._pending is not None and self._pending[1].deferred is not None:
                 # its grammars now hold this step's tokens: their bitmask fills while we go on
@@ -468,34 +470,44 @@ class LLMEngine:
                 changes.append((request, indices))
         return changes
 
-    def _advance_grammars(self, batch: ScheduledBatch, sampled: list[int], positions: list[int], handle) -> None:
+    def _advance_grammars(self, batch: ScheduledBatch, sampled: list[int], positions: list[int],
+                          handle) -> list[Sequence]:
         """Give each structured row's token to its grammar before the tokens are applied. A
         checked step's row whose grammar refuses its token (``ModelRunner._sample``) is drawn
         again under its mask, in ``sampled``; if the step queued ahead holds its seq, that row
-        was computed from the refused token and is dropped there (``stale_ahead``)."""
+        was computed from the refused token and is dropped there (``stale_ahead``).
+
+        A row whose grammar refuses even the token drawn under its mask had every token masked:
+        no token of the vocabulary continues the grammar (one the tokenizer cannot spell). Its
+        seq is finished ("abort") and returned; the others go on."""
         structured = [j for j, row in enumerate(batch.sample_rows) if batch.seqs[row].grammar is not None]
         if not structured:
-            return
+            return []
         taken = accept_tokens([batch.seqs[batch.sample_rows[j]].grammar for j in structured],
                               [sampled[j] for j in structured])
         refused = [j for j, ok in zip(structured, taken) if not ok]
         if not refused:
-            return
-        if handle.check is None:
-            seq = batch.seqs[batch.sample_rows[refused[0]]]
-            raise EngineError(f"request {seq.request_id}: token {sampled[refused[0]]} was sampled under its grammar's "
-                              f"mask but the grammar refuses it")
-        redrawn = self.runner.resample(handle, [positions[j] for j in refused])
-        self._stats.grammar_redraws += len(refused)
-        ahead = {s.seq_id for s in self._pending[0].seqs} if self._pending is not None else set()
-        for j, token in zip(refused, redrawn):
-            seq = batch.seqs[batch.sample_rows[j]]
-            if not seq.grammar.accept(token):
-                raise EngineError(f"request {seq.request_id}: token {token} was drawn under its grammar's mask but "
-                                  f"the grammar refuses it")
-            sampled[j] = token
-            if seq.seq_id in ahead:
-                self.scheduler.stale_ahead.add(seq.seq_id)
+            return []
+        stuck = []
+        if handle.check is None:  # drawn under the mask already
+            stuck = [batch.seqs[batch.sample_rows[j]] for j in refused]
+        else:
+            redrawn = self.runner.resample(handle, [positions[j] for j in refused])
+            self._stats.grammar_redraws += len(refused)
+            ahead = {s.seq_id for s in self._pending[0].seqs} if self._pending is not None else set()
+            for j, token in zip(refused, redrawn):
+                seq = batch.seqs[batch.sample_rows[j]]
+                if not seq.grammar.accept(token):
+                    stuck.append(seq)
+                    continue
+                sampled[j] = token
+                if seq.seq_id in ahead:
+                    self.scheduler.stale_ahead.add(seq.seq_id)
+        for seq in stuck:
+            logger.warning("request %s: no token of the vocabulary continues its grammar here; it is aborted",
+                           seq.request_id)
+            self.scheduler.finish(seq, "abort")
+        return stuck
 
     def _wait_for_grammars(self, timeout_s: float = GRAMMAR_WAIT_S) -> None:
         """Block until a waiting sequence's grammar is compiled, or ``timeout_s`` (so that a

@@ -103,8 +103,8 @@ class StructuredOutputsParams:
         """What the compiled grammar depends on, canonical: equal keys compile to one grammar
         (the compile cache's key)."""
         kind = self.kind
-        if kind == "json":
-            text = json.dumps(self.schema, sort_keys=True, separators=(",", ":"))
+        if kind == "json":  # keys in their order: a schema's property order is the output's
+            text = json.dumps(self.schema, separators=(",", ":"))
         elif kind == "choice":
             text = json.dumps(list(self.choice))
         elif kind == "json_object":

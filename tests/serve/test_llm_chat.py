@@ -110,13 +110,17 @@ def test_bad_messages_are_one_line_errors(llm, messages, problem):
 # --- a tokenizer without a chat template -----------------------------------------------------
 
 
+def eager_llm_with_template(path, chat_template):
+    """An eager tiny Qwen2 at ``path`` whose trained tokenizer has ``chat_template`` (None: none)."""
+    make_checkpoint("qwen2", path)
+    _, tok = train_hf_tokenizer(vocab_size=200, chat_template=chat_template, all_bytes=False)
+    tok.save_pretrained(path)
+    return LLM(str(path), device="cpu", enforce_eager=True), tok
+
+
 @pytest.fixture(scope="module")
 def no_template_llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("no_template")
-    make_checkpoint("qwen2", path)
-    _, tok = train_hf_tokenizer(vocab_size=200, chat_template=None, all_bytes=False)
-    tok.save_pretrained(path)
-    return LLM(str(path), device="cpu", enforce_eager=True)
+    return eager_llm_with_template(tmp_path_factory.mktemp("no_template"), None)[0]
 
 
 def test_without_a_template_one_turn_is_the_run_chat_transcript(no_template_llm):
@@ -147,11 +151,7 @@ CALLED = ASK + [
 @pytest.fixture(scope="module")
 def tools_llm(tmp_path_factory):
     """An eager model whose tokenizer's template renders tools as Qwen's does (hermes calls)."""
-    path = tmp_path_factory.mktemp("tools")
-    make_checkpoint("qwen2", path)
-    _, tok = train_hf_tokenizer(vocab_size=200, chat_template=QWEN_TOOLS_TEMPLATE, all_bytes=False)
-    tok.save_pretrained(path)
-    return LLM(str(path), device="cpu", enforce_eager=True), tok
+    return eager_llm_with_template(tmp_path_factory.mktemp("tools"), QWEN_TOOLS_TEMPLATE)
 
 
 def test_chat_with_tools_renders_them_and_the_calls_as_transformers_does(tools_llm):

@@ -374,7 +374,7 @@ class Scheduler:
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             out.append(seq)
-            reason = self._stop_reason(seq, token, grammar_took_it=True)
+            reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
         return out
@@ -391,6 +391,12 @@ class Scheduler:
             reason = None
             applied = 0
             for token in tokens:
+                if seq.grammar is not None and not seq.grammar.accept(token):
+                    # drawn under its mask: no token of the vocabulary continues the grammar
+                    logger.warning("request %s: no token of the vocabulary continues its grammar here; it is "
+                                   "aborted", seq.request_id)
+                    reason = "abort"
+                    break
                 seq.token_ids.append(token)
                 seq.output_ids.append(token)
                 applied += 1
@@ -408,16 +414,11 @@ class Scheduler:
             out.append((seq, applied))
         return out
 
-    def _stop_reason(self, seq: Sequence, token: int, grammar_took_it: bool = False) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why ``seq`` ends with ``token`` (its grammar, if any, has taken it), or None."""
         p = seq.params
-        if seq.grammar is not None:
-            if not grammar_took_it and not seq.grammar.accept(token):
-                # the sampler masks every token the grammar rules out, so this is a bug
-                logger.error("request %s: token %d is not allowed by its grammar; it is aborted",
-                             seq.request_id, token)
-                return "abort"
-            if seq.grammar.is_terminated:
-                return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            return "stop"
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:

@@ -110,8 +110,9 @@ class Sequence:
 
     @property
     def waits_for_grammar(self) -> bool:
-        """Its grammar is still being compiled: it cannot be scheduled yet."""
-        return self.grammar is not None and not self.grammar.ready
+        """Its grammar is still being compiled, or failed to (the engine then aborts it): it
+        cannot be scheduled."""
+        return self.grammar is not None and (not self.grammar.ready or self.grammar.error is not None)
 
     @property
     def is_finished(self) -> bool:

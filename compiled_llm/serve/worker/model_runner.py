@@ -70,11 +70,11 @@ class GrammarCheck:
     positions: list[int]  # their places among the step's sampled rows
     seqs: list  # their sequences
     step_rows: np.ndarray  # their runner rows
-    # each seeded row's generator state right after this step drew its token (None: unseeded)
+    # each seeded row's generator state just before this step drew its token (None: unseeded)
     generator_states: list | None = None
 
-    def drawn(self) -> "GrammarCheck":
-        """This check with its seeded rows' generator states taken now, just after the draw."""
+    def before_draw(self) -> "GrammarCheck":
+        """This check with its seeded rows' generator states taken now, before the draw."""
         states = [s.generator.get_state() if s.generator is not None else None for s in self.seqs]
         return dataclasses.replace(self, generator_states=states)
 
@@ -289,6 +289,8 @@ class ModelRunner:
         from compiled_llm.serve.core.structured_output.step_bitmask import StepBitmask
 
         if self._bitmask is None or self._bitmask.buffers[0].shape[0] < rows:
+            if self._bitmask is not None:
+                self._bitmask.close()
             self._bitmask = StepBitmask(max(rows, self.max_num_seqs), self.config.vocab_size,
                                         pin=self.device.type == "cuda")
             self._bitmask_dev = torch.empty_like(self._bitmask.buffers[0], device=self.device)
@@ -506,9 +508,9 @@ class ModelRunner:
             seqs = [s for s, n in zip(seqs, counts) for _ in range(n)]
             offsets = [j for n in counts for j in range(n)]
         table = self._row_params[step_rows]
-        ids = self._draw(logits, seqs, step_rows, table, offsets, ahead, batch.is_verify)
         if check is not None:
-            check = check.drawn()
+            check = check.before_draw()
+        ids = self._draw(logits, seqs, step_rows, table, offsets, ahead, batch.is_verify)
         k = int(table[:, 7].max())
         return ids, (token_logprobs(logits, ids, k) if k >= 0 else None), check
 
@@ -557,9 +559,9 @@ class ModelRunner:
         seqs = [check.seqs[i] for i in index]
         for i, seq in zip(index, seqs):
             if check.generator_states[i] is not None:
-                # a step queued ahead may have drawn from it since (that row is now stale): the
-                # redraw, and the draws after it, are those of a run without that step, so a
-                # seed gives one output however the steps were queued
+                # the redraw takes the refused draw's noise: the race then picks the token the
+                # masked draw would have (the same noise, the others' logits at -inf), and the
+                # generator ends where the masked draw leaves it, whatever was queued since
                 seq.generator.set_state(check.generator_states[i])
         self._apply_grammars(logits, [s.grammar for s in seqs], None)
         step_rows = check.step_rows[index]

@@ -11,10 +11,11 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.serve.core.structured_output.grammar_compiler import json_safe_string_lengths
+from compiled_llm.serve.core.structured_output.grammar_check import json_safe_string_lengths
 from compiled_llm.serve.sampling_params import StructuredOutputsParams as Structured
 
 PERSON = {
@@ -201,3 +202,32 @@ def test_a_grammar_starting_after_a_token_leaves_the_output_before_it_free(llm):
         out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
         assert out.token_ids[0] == waking and out.finish_reason == "stop"
         assert llm.tokenizer.decode(out.token_ids[1:]) in ("yes", "no")
+
+
+def test_a_draft_that_ends_the_grammar_keeps_its_stop_token_and_nothing_after(llm):
+    grammar = llm.engine.grammar_compiler().matcher(Structured(choice=["ab"]))
+    grammar.future.result()
+    a, b = (llm.tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab")
+    eos = llm.engine.model.eos_token_ids[0]
+    assert grammar.allowed_prefix([a, b, eos, a]) == [a, b, eos]
+    bitmask = torch.zeros((4, (llm.model.config.vocab_size + 31) // 32), dtype=torch.int32)
+    grammar.fill_after([a, b, eos], bitmask, 0)  # no mask is asked of the ended grammar
+    allowed = lambda row, t: bool(bitmask[row, t // 32] >> (t % 32) & 1)  # noqa: E731
+    assert allowed(0, a) and allowed(1, b) and allowed(2, eos) and not allowed(2, a)
+    assert not bitmask[3].any() and grammar.accept(a)  # the matcher is back where it was
+    grammar.release()
+
+
+def test_property_order_is_part_of_a_schema_key():
+    first = Structured(json={"type": "object", "properties": {"a": {}, "b": {}}})
+    second = Structured(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    assert first.key != second.key and first.key == Structured(json=json.dumps(first.json)).key
+
+
+def test_a_seeded_request_gives_one_output_whichever_way_its_step_samples(llm):
+    seeded = SamplingParams(temperature=1.0, max_tokens=30, seed=7, structured_outputs=Structured(json=PERSON))
+    alone = llm.generate([PROMPT], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    # a neighbour asking for logprobs makes every step mask before sampling
+    masked = SamplingParams(temperature=1.0, max_tokens=30, seed=1, logprobs=1, structured_outputs=Structured(json=PERSON))
+    together = llm.generate([PROMPT, PROMPT[:4]], [seeded, masked], use_tqdm=False)
+    assert together[0].outputs[0].token_ids == alone

@@ -363,9 +363,11 @@ def test_tools_are_served_with_each_tool_choice_and_auto_needs_the_flag(client):
     reply = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = reply.choices[0].message.tool_calls
     assert call.id.startswith("chatcmpl-tool-") and call.type == "function" and call.function.name == "get_weather"
-    assert reply.choices[0].message.content is None and reply.choices[0].finish_reason in ("stop", "length")
+    # this model's vocabulary spells no "{": its grammar has no first token, and the answer ends
+    # ("abort") instead of breaking it (tests/serve/openai/test_structured_server.py spells JSON)
+    assert reply.choices[0].message.content is None and reply.choices[0].finish_reason in ("stop", "length", "abort")
     reply = client.chat.completions.create(**ask, tool_choice="required")
-    assert reply.choices[0].finish_reason in ("tool_calls", "length", "stop")
+    assert reply.choices[0].finish_reason in ("tool_calls", "length", "stop", "abort")
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**ask, tool_choice="auto")
     assert "--enable-auto-tool-choice" in e.value.body["message"]

@@ -29,6 +29,34 @@ _SUBSCHEMA_ONE = ("items", "additionalProperties")
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] [^:]+:\d+: ")
 
 
+# A string's characters that JSON takes unescaped, as a JSON Schema pattern of n to m of them:
+# every code point but the controls, '"', the backslash and the UTF-16 surrogates, as ranges of
+# the characters themselves. For a negated class, as in the regex [^"\\\x00-\x1f], xgrammar's
+# pattern rule also takes the bytes of an encoded surrogate and of overlong encodings, which
+# are not UTF-8: a decoder reads each of those bytes as a U+FFFD, and the string outgrows its
+# maxLength.
+_PLAIN_CHARACTERS = '^[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]{%d,%s}$'
+# keywords whose values are data, not schemas
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")
+
+
+def json_safe_string_lengths(schema):
+    """``schema`` with each length-bounded string (minLength/maxLength, no pattern or format)
+    also given the pattern of that many plain characters. xgrammar 0.2's rule for such strings
+    lets control characters through unescaped, which no JSON parser takes; its pattern rule
+    does not. (Escapes are not counted as one character there, so they are left out.)"""
+    if isinstance(schema, list):
+        return [json_safe_string_lengths(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYWORDS else json_safe_string_lengths(v)) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        out["pattern"] = _PLAIN_CHARACTERS % (low, "" if high is None else high)
+    return out
+
+
 def ebnf_of_choice(choices: tuple[str, ...]) -> str:
     """An EBNF grammar whose sentences are exactly the choices (JSON string escapes are
     xgrammar's EBNF string escapes)."""
@@ -73,8 +101,9 @@ def check_structured_outputs(params: StructuredOutputsParams) -> None:
             if bad is not None:
                 raise InvalidRequestError(f"JSON schema keyword {bad} is not supported by structured outputs "
                                           f"(xgrammar cannot enforce it)")
-            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=not params.disable_any_whitespace,
-                                         strict_mode=True)
+            # as the compiler will read it (json_safe_string_lengths)
+            xgr.Grammar.from_json_schema(json.dumps(json_safe_string_lengths(schema)),
+                                         any_whitespace=not params.disable_any_whitespace, strict_mode=True)
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)
         elif kind == "grammar":

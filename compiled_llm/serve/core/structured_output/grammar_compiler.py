@@ -19,7 +19,7 @@ from typing import Sequence
 import xgrammar as xgr
 
 from compiled_llm.model.tokenizer.interface import Tokenizer
-from compiled_llm.serve.core.structured_output.grammar_check import ebnf_of_choice
+from compiled_llm.serve.core.structured_output.grammar_check import ebnf_of_choice, json_safe_string_lengths
 from compiled_llm.serve.core.structured_output.grammar_matcher import GrammarMatcher
 from compiled_llm.serve.core.structured_output.tokenizer_info import tokenizer_info
 from compiled_llm.serve.sampling_params import StructuredOutputsParams
@@ -31,34 +31,6 @@ MAX_CACHED_GRAMMARS = 512
 COMPILE_THREADS = 2
 
 
-# A string's characters that JSON takes unescaped, as a JSON Schema pattern of n to m of them:
-# every code point but the controls, '"', the backslash and the UTF-16 surrogates, as ranges of
-# the characters themselves. For a negated class, as in the regex [^"\\\x00-\x1f], xgrammar's
-# pattern rule also takes the bytes of an encoded surrogate and of overlong encodings, which
-# are not UTF-8: a decoder reads each of those bytes as a U+FFFD, and the string outgrows its
-# maxLength.
-_PLAIN_CHARACTERS = '^[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]{%d,%s}$'
-# keywords whose values are data, not schemas
-_DATA_KEYWORDS = ("enum", "const", "default", "examples")
-
-
-def json_safe_string_lengths(schema):
-    """``schema`` with each length-bounded string (minLength/maxLength, no pattern or format)
-    also given the pattern of that many plain characters. xgrammar 0.2's rule for such strings
-    lets control characters through unescaped, which no JSON parser takes; its pattern rule
-    does not. (Escapes are not counted as one character there, so they are left out.)"""
-    if isinstance(schema, list):
-        return [json_safe_string_lengths(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: (v if k in _DATA_KEYWORDS else json_safe_string_lengths(v)) for k, v in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
-        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
-        out["pattern"] = _PLAIN_CHARACTERS % (low, "" if high is None else high)
-    return out
-
-
 class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
                  threads: int = COMPILE_THREADS, max_cached: int = MAX_CACHED_GRAMMARS):
@@ -66,7 +38,8 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._stop_token_ids = tuple(stop_token_ids)
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._compiler_lock = threading.Lock()  # the first compile's pass over the vocabulary
         self._compiler: xgr.GrammarCompiler | None = None
         self._cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
         self._max_cached = max_cached
@@ -97,7 +70,7 @@ class GrammarCompiler:
             return future
 
     def _xgrammar_compiler(self) -> xgr.GrammarCompiler:
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
                 info = tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)
                 # our own cache holds the results; xgrammar's would hold them twice

@@ -74,16 +74,21 @@ class GrammarMatcher:
     def fill_after(self, draft: Sequence[int], bitmask: torch.Tensor, first_row: int) -> None:
         """Rows first_row .. first_row + len(draft): the tokens allowed next, then after each
         token of ``draft`` (which the grammar must allow: see ``allowed_prefix``), leaving the
-        matcher where it was."""
+        matcher where it was. Rows after a token that ends the grammar (a stop token) are left
+        as they are: nothing follows it."""
         m = self.matcher
         m.fill_next_token_bitmask(bitmask, first_row)
+        taken = 0
         for j, token in enumerate(draft):
             if not m.accept_token(int(token)):
-                m.rollback(j)
+                m.rollback(taken)
                 raise ValueError(f"draft token {token} is not allowed by the grammar")
+            taken += 1
+            if m.is_terminated():
+                break
             m.fill_next_token_bitmask(bitmask, first_row + j + 1)
-        if draft:
-            m.rollback(len(draft))
+        if taken:
+            m.rollback(taken)
 
     def allowed_prefix(self, draft: Sequence[int]) -> list[int]:
         """The longest prefix of ``draft`` the grammar allows from here (the matcher is left
@@ -96,6 +101,8 @@ class GrammarMatcher:
             if m.is_terminated() or not m.accept_token(int(token)):
                 break
             kept += 1
+            if m.is_terminated():  # a stop token: the draft ends with it
+                break
         if kept:
             m.rollback(kept)
         return list(draft[:kept])

@@ -69,6 +69,10 @@ class StepBitmask:
             row += n
         return self._fill_rows(out, plain, clear=False)
 
+    def close(self) -> None:
+        """End the fill thread (after the fill it may be running)."""
+        self._thread.shutdown(wait=True)
+
     def _batch_matcher(self, rows: int):
         """xgrammar's batch matcher for ``rows`` rows: a thread per two rows, up to the cores
         (each call pays every thread's start, and a row is never split between threads)."""

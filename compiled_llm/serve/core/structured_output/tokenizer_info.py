@@ -33,11 +33,20 @@ def vocab_type(tokenizer: Tokenizer, tokens: Sequence[str]) -> "xgr.VocabType":
     return xgr.VocabType.RAW
 
 
+def is_special(tokenizer: Tokenizer, token_id: int, token: str) -> bool:
+    """A marker like <|im_start|> that decoding leaves out of the text (only tokens spelled
+    <...> are decoded to find out, so the vocabulary pass stays cheap)."""
+    return len(token) > 2 and token[0] == "<" and token[-1] == ">" and tokenizer.decode([token_id]) == ""
+
+
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> "xgr.TokenizerInfo":
     """The TokenizerInfo of ``tokenizer`` for a model whose logits have ``vocab_size`` columns
     (ids past the tokenizer's are never allowed). ``stop_token_ids``: the engine's EOS ids."""
     tokens = tokenizer.token_strs(range(min(vocab_size, tokenizer.vocab_size)))
     kind = vocab_type(tokenizer, tokens)
+    # special tokens (chat markers) are no text: the detokenizer drops them, so a grammar must
+    # not take them as their spelling; xgrammar never allows an empty token
+    tokens = [("" if is_special(tokenizer, i, t) else t) for i, t in enumerate(tokens)]
     prefix_space = False
     if kind == xgr.VocabType.BYTE_FALLBACK:  # a metaspace tokenizer that prepends "▁" to a text
         first = tokenizer.token_strs(tokenizer.encode("a", add_special_tokens=False)[:1])
