@@ -33,7 +33,7 @@ from helpers.trained_tokenizers import WORDS
 
 NUM_DRAWS = 1000
 NUM_SPECULATIVE_DRAWS = 150
-NUM_STRUCTURED_DRAWS = 80
+NUM_STRUCTURED_DRAWS = 40
 MIN_MARGIN = 1e-3
 # Draws that failed before prefill and decode were told apart per row (with budgets of 1-5
 # tokens, a step of one-token prompt chunks was taken for a decode: the chunks were fed each

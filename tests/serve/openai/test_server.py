@@ -373,17 +373,6 @@ def test_tools_are_served_with_each_tool_choice_and_auto_needs_the_flag(client):
     assert "--enable-auto-tool-choice" in e.value.body["message"]
 
 
-def test_a_named_functions_streamed_arguments_add_up_to_the_unstreamed_ones(client):
-    ask = dict(model=MODEL, messages=chat_messages(PROMPTS[0]), tools=[WEATHER_TOOL], max_tokens=6, temperature=0,
-               tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body={"ignore_eos": True})
-    (call,) = client.chat.completions.create(**ask).choices[0].message.tool_calls
-    deltas = [d for chunk in client.chat.completions.create(**ask, stream=True) for c in chunk.choices
-              for d in c.delta.tool_calls or []]
-    assert deltas[0].id.startswith("chatcmpl-tool-") and deltas[0].function.name == "get_weather"
-    assert {d.index for d in deltas} == {0} and len(deltas) > 1
-    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
-
-
 def test_an_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt="hello", max_tokens=2)
