@@ -22,6 +22,7 @@ class GrammarMatcher:
         self._compiled = compiled
         self._on_release = on_release
         self.dormant_until = dormant_until  # None: constraining
+        self._special_ids: frozenset[int] = frozenset()
         self._matcher = None  # an xgrammar GrammarMatcher, made at first use
         self.released = False
 
@@ -45,8 +46,18 @@ class GrammarMatcher:
             assert not self.released, "a released grammar matcher is used"
             import xgrammar as xgr  # loaded with the grammar compiler, never by an engine without one
 
-            self._matcher = xgr.GrammarMatcher(self._compiled.result())
+            compiled = self._compiled.result()
+            self._matcher = xgr.GrammarMatcher(compiled)
+            # tokens that are no text (specials, ids past the tokenizer): never allowed, refused
+            # here without asking xgrammar, which warns on stderr for each
+            self._special_ids = frozenset(compiled.tokenizer_info.special_token_ids)
         return self._matcher
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids that are no text (specials, ids past the tokenizer's): never allowed."""
+        self.matcher  # noqa: B018 (made with them)
+        return self._special_ids
 
     def accept(self, token: int) -> bool:
         """Take the sequence's next token; False if the grammar does not allow it."""
@@ -54,7 +65,7 @@ class GrammarMatcher:
             if int(token) == self.dormant_until:
                 self.dormant_until = None
             return True
-        return self.matcher.accept_token(int(token))
+        return int(token) not in self.special_ids and self.matcher.accept_token(int(token))
 
     @property
     def constrains(self) -> bool:
@@ -98,7 +109,7 @@ class GrammarMatcher:
         m = self.matcher
         kept = 0
         for token in draft:
-            if m.is_terminated() or not m.accept_token(int(token)):
+            if m.is_terminated() or int(token) in self.special_ids or not m.accept_token(int(token)):
                 break
             kept += 1
             if m.is_terminated():  # a stop token: the draft ends with it
@@ -120,10 +131,14 @@ def accept_tokens(grammars: Sequence[GrammarMatcher], tokens: Sequence[int]) -> 
     import xgrammar as xgr
 
     out = [True] * len(grammars)
-    live = [i for i, g in enumerate(grammars) if g.dormant_until is None]
+    live = []
     for i, g in enumerate(grammars):
         if g.dormant_until is not None:
             g.accept(tokens[i])
+        elif int(tokens[i]) in g.special_ids:  # refused without xgrammar's warning
+            out[i] = False
+        else:
+            live.append(i)
     if live:
         taken = xgr.BatchGrammarMatcher.batch_accept_token([grammars[i].matcher for i in live],
                                                            [int(tokens[i]) for i in live])
