@@ -313,10 +313,11 @@ class Scheduler:
         for the engine to queue before it waits for ``batch``: the same running sequences,
         minus those that finish by length with ``batch``'s token. None when that step is not
         a plain continuation: requests are waiting to be admitted (they must not wait behind a
-        chain of steps queued ahead), nothing would be left, or a block is missing (the regular
-        schedule then preempts). Also returns which rows of ``batch``'s sampled ids feed the
-        new step (None: all, in order)."""
-        if self.waiting or not batch.is_decode:
+        chain of steps queued ahead; one still waiting for its grammar's compile does not
+        count, it could not be admitted anyway), nothing would be left, or a block is missing
+        (the regular schedule then preempts). Also returns which rows of ``batch``'s sampled
+        ids feed the new step (None: all, in order)."""
+        if not batch.is_decode or any(not s.waits_for_grammar for s in self.waiting):
             return None
         if self.speculator is not None and self.speculator.likely_to_draft(batch.seqs, self.config.max_num_seqs):
             return None  # the next step should verify drafts, which needs this step's tokens

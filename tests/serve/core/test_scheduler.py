@@ -231,3 +231,27 @@ def test_prefix_cache_hits_skip_cached_tokens():
     assert plan(batch) == [("b", 3)]
     assert b.metrics.num_cached_tokens == 12
     assert s.bm.stats.hit_tokens == 12
+
+
+def test_a_request_waiting_for_its_grammar_is_passed_over_and_stops_no_step_queued_ahead():
+    import concurrent.futures
+
+    from compiled_llm.serve.core.structured_output.grammar_matcher import GrammarMatcher
+
+    s = make(budget=64)
+    a, b, c = seq(4), seq(5), seq(3)
+    compiling = concurrent.futures.Future()  # never done here
+    b.grammar = GrammarMatcher(compiling)
+    for x in (a, b, c):
+        s.add(x)
+    first = s.schedule()
+    assert plan(first) == [(a.request_id, 4), (c.request_id, 3)] and list(s.waiting) == [b]
+    s.update(first, [5, 5])
+    batch = s.schedule()
+    assert batch.is_decode and s.has_schedulable()
+    ahead, _ = s.schedule_ahead(batch)  # b cannot be admitted: the others run on
+    assert [x.request_id for x in ahead.seqs] == [x.request_id for x in batch.seqs]
+    failed = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("xgrammar failed"))
+    b.grammar = GrammarMatcher(failed)
+    assert b.waits_for_grammar  # a failed compile is never scheduled (the engine aborts it)
