@@ -470,7 +470,7 @@ class LLMEngine:
                 changes.append((request, indices))
         return changes
 
-    def _advance_grammars(self, batch: ScheduledBatch, sampled: list[int], positions: list[int],
+    def _advance_grammars(self, batch: ScheduledBatch, sampled: list[int], positions: list[int] | None,
                           handle) -> list[Sequence]:
         """Give each structured row's token to its grammar before the tokens are applied. A
         checked step's row whose grammar refuses its token (``ModelRunner._sample``) is drawn
@@ -492,7 +492,7 @@ class LLMEngine:
         if handle.check is None:  # drawn under the mask already
             stuck = [batch.seqs[batch.sample_rows[j]] for j in refused]
         else:
-            redrawn = self.runner.resample(handle, [positions[j] for j in refused])
+            redrawn = self.runner.resample(handle, refused if positions is None else [positions[j] for j in refused])
             self._stats.grammar_redraws += len(refused)
             ahead = {s.seq_id for s in self._pending[0].seqs} if self._pending is not None else set()
             for j, token in zip(refused, redrawn):
@@ -643,9 +643,10 @@ def _drop_finished(batch: ScheduledBatch, sampled: list[int], logprobs: list | N
     """The rows of a step whose sequences still run (a step queued ahead may hold sequences
     that finished or were aborted after it was queued, or whose row was computed from a token
     drawn again since: ``stale``, from which they are removed), with their sampled ids and
-    logprobs, and each kept sampled row's place among the step's sampled rows."""
+    logprobs, and each kept sampled row's place among the step's sampled rows (None when all
+    are kept)."""
     if all(not s.is_finished for s in batch.seqs) and not stale:
-        return batch, sampled, logprobs, list(range(len(sampled)))
+        return batch, sampled, logprobs, None  # None: every sampled row, in place
     kept = ScheduledBatch()
     by_row = {row: j for j, row in enumerate(batch.sample_rows)}
     tokens, kept_lp, positions = [], [], []

@@ -77,11 +77,6 @@ class GrammarMatcher:
         """The grammar is complete and has taken a stop token: nothing may follow."""
         return self._matcher is not None and self._matcher.is_terminated()
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into ``bitmask[row]`` (int32 words, bit v % 32 of word
-        v // 32 for token v)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
     def fill_after(self, draft: Sequence[int], bitmask: torch.Tensor, first_row: int) -> None:
         """Rows first_row .. first_row + len(draft): the tokens allowed next, then after each
         token of ``draft`` (which the grammar must allow: see ``allowed_prefix``), leaving the
