@@ -37,7 +37,7 @@ from compiled_llm.serve.core.scheduler import ScheduledBatch, Scheduler, Schedul
 from compiled_llm.serve.core.sequence import Sequence
 from compiled_llm.serve.core.spec_decode.speculator import Speculator
 from compiled_llm.serve.core.structured_output.grammar_matcher import accept_tokens
-from compiled_llm.serve.core.structured_output.sampling_mode import checks_grammar_after
+from compiled_llm.serve.core.structured_output.sampling_mode import any_masked_before
 
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,10 @@ class EngineStats:
     decode_s: float = 0.0
     ahead_steps: int = 0  # decode steps queued before the previous step's tokens were read
     dropped_ahead_tokens: int = 0  # tokens computed ahead for sequences that had finished (or were redrawn)
-    grammar_redraws: int = 0  # structured rows whose grammar refused their unmasked draw (drawn again masked)
+    # structured rows whose grammar refused their unmasked draw: taking a later token of their
+    # race, or (all of those refused too) drawn again masked
+    grammar_candidates: int = 0
+    grammar_redraws: int = 0
     generated_tokens: int = 0
     kv_num_blocks: int = 0
     graph_capture_s: float = 0.0
@@ -366,12 +369,16 @@ class LLMEngine:
 
     def _step(self) -> list[tuple[_Request, list[int] | range]]:
         t0 = time.perf_counter()
+        ahead = None
         if self._pending is not None:
             batch, handle = self._pending
             self._pending = None
             self._in_flight = batch
             if handle.deferred is not None:  # its grammars' bitmask needed the tokens applied last call
-                self.runner.sample_deferred(handle)
+                # the next step's host inputs are filled while the bitmask fills on its thread,
+                # so that its forward is queued right behind this step's sampling
+                ahead = self._prepare_ahead(batch)
+                self.runner.sample_deferred(handle, self.scheduler.stale_ahead)
         else:
             if not self.scheduler.has_unfinished():
                 return []
@@ -389,16 +396,15 @@ class LLMEngine:
             handle = self.runner.launch(batch)
         # prompt (or recomputed) tokens of this step, counted before update() appends tokens
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.num_output_tokens == 0)
-        if self.config.async_scheduling and batch.is_decode:
-            with _label(self.profile_labels, "schedule"):
-                ahead = self.scheduler.schedule_ahead(batch)
-            if ahead is not None:
-                ahead_batch, rows = ahead
-                # rows that must be masked before sampling wait for this step's tokens
-                masked = (any(s.grammar is not None for s in ahead_batch.seqs)
-                          and not checks_grammar_after(ahead_batch.seqs))
-                self._pending = (ahead_batch, self.runner.launch(ahead_batch, handle, rows, defer_sample=masked))
-                self._stats.ahead_steps += 1
+        if ahead is None:
+            ahead = self._prepare_ahead(batch)
+        if ahead:
+            ahead_batch, rows, prepared = ahead
+            # rows that must be masked before sampling wait for this step's tokens
+            masked = any_masked_before(ahead_batch.seqs)
+            self._pending = (ahead_batch, self.runner.launch(ahead_batch, handle, rows, defer_sample=masked,
+                                                             prepared=prepared))
+            self._stats.ahead_steps += 1
         sampled = self.runner.collect(handle)
         logprobs = self.runner.collect_logprobs(handle)
         for i, positions in self.runner.collect_prompt_logprobs(handle):
@@ -470,6 +476,19 @@ class LLMEngine:
                 changes.append((request, indices))
         return changes
 
+    def _prepare_ahead(self, batch: ScheduledBatch) -> tuple | bool:
+        """The decode step queued behind ``batch`` before its tokens are known (async
+        scheduling), with its host inputs filled: (its batch, the rows of ``batch`` its tokens
+        come from, the prepared step); False when there is none."""
+        if not (self.config.async_scheduling and batch.is_decode):
+            return False
+        with _label(self.profile_labels, "schedule"):
+            ahead = self.scheduler.schedule_ahead(batch)
+        if ahead is None:
+            return False
+        ahead_batch, rows = ahead
+        return ahead_batch, rows, self.runner.prepare_decode(ahead_batch, True, rows)
+
     def _advance_grammars(self, batch: ScheduledBatch, sampled: list[int], positions: list[int] | None,
                           handle) -> list[Sequence]:
         """Give each structured row's token to its grammar before the tokens are applied. A
@@ -488,14 +507,31 @@ class LLMEngine:
         refused = [j for j, ok in zip(structured, taken) if not ok]
         if not refused:
             return []
-        stuck = []
-        if handle.check is None:  # drawn under the mask already
-            stuck = [batch.seqs[batch.sample_rows[j]] for j in refused]
-        else:
-            redrawn = self.runner.resample(handle, refused if positions is None else [positions[j] for j in refused])
-            self._stats.grammar_redraws += len(refused)
-            ahead = {s.seq_id for s in self._pending[0].seqs} if self._pending is not None else set()
-            for j, token in zip(refused, redrawn):
+        # a row drawn under its mask already is stuck; a checked one takes the first of its
+        # race's next tokens its grammar allows, else is drawn again masked
+        checked = set(handle.check.positions) if handle.check is not None else set()
+        place = (lambda j: j) if positions is None else positions.__getitem__
+        stuck = [batch.seqs[batch.sample_rows[j]] for j in refused if place(j) not in checked]
+        ahead = {s.seq_id for s in self._pending[0].seqs} if self._pending is not None else set()
+        # a greedy row is masked instead: a masked argmax breaks ties by the lowest id, a
+        # ranking in no set order
+        drawn = [j for j in refused if place(j) in checked and batch.seqs[batch.sample_rows[j]].params.temperature > 0]
+        redraw = [j for j in refused if place(j) in checked and j not in drawn]
+        for j, candidates in zip(drawn, self.runner.race_candidates(handle, [place(j) for j in drawn]) if drawn else []):
+            seq = batch.seqs[batch.sample_rows[j]]
+            seq.grammar.masks_first = True  # its state may allow few tokens: its next mask tells
+            token = next((t for t in candidates if seq.grammar.accept(t)), None)
+            if token is None:
+                redraw.append(j)
+                continue
+            sampled[j] = token
+            self._stats.grammar_candidates += 1
+            if seq.seq_id in ahead:
+                self.scheduler.stale_ahead.add(seq.seq_id)
+        if redraw:
+            redrawn = self.runner.resample(handle, [place(j) for j in redraw])
+            self._stats.grammar_redraws += len(redraw)
+            for j, token in zip(redraw, redrawn):
                 seq = batch.seqs[batch.sample_rows[j]]
                 if not seq.grammar.accept(token):
                     stuck.append(seq)

@@ -234,7 +234,7 @@ def run_draw(seed: int, lively, block_sizes=(2, 4, 8, 16), speculate: bool = Fal
     if llm.engine.live_grammar_matchers:
         problems.append(f"{where}: {llm.engine.live_grammar_matchers} grammar matchers not released")
     if structured_stats is not None:
-        structured_stats.append(llm.engine.stats.grammar_redraws)
+        structured_stats.append((llm.engine.stats.grammar_candidates, llm.engine.stats.grammar_redraws))
     if stats is not None and llm.engine.speculator is not None:
         stats.append(llm.engine.speculator.stats)
     return len(results), problems

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 import torch
@@ -26,17 +26,21 @@ from compiled_llm.serve.worker import kv_cache as kvc
 from compiled_llm.serve.core.block_manager import cdiv
 from compiled_llm.serve.worker.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
 from compiled_llm.serve.worker.request_rows import RequestRows
-from compiled_llm.serve.worker.sampler import SamplingTensors, TokenLogprobs, greedy_ids, penalised_rows, sample, suppress_tokens, token_logprobs
+from compiled_llm.serve.worker.sampler import (SamplingTensors, TokenLogprobs, greedy_ids, penalised_rows, race_candidates,
+                                               sample, seeded_noise, suppress_tokens, token_logprobs)
 from compiled_llm.serve.sampling_params import MIN_TOKENS_COLUMN, SAMPLING_COLUMNS, SamplingParams, stop_tokens
 from compiled_llm.serve.core.scheduler import ScheduledBatch
 from compiled_llm.serve.core.sequence import Sequence
-from compiled_llm.serve.core.structured_output.sampling_mode import checks_grammar_after
+from compiled_llm.serve.core.structured_output.sampling_mode import masks_before_sampling, may_check_after
 from compiled_llm.kernels import registry
 from compiled_llm.serve.worker.step_inputs import StepInputs
 from compiled_llm.serve.worker.token_history import TokenHistory
 
 Program = Callable[[dict, PackedBatch, Tensor], Tensor]
 
+# A checked row's tokens read back in its race's order: the first its grammar allows is taken
+# when the sampled one is refused (inside a JSON string nearly every token is allowed)
+RACE_CANDIDATES = 8
 
 # One position's log-probabilities: (chosen token's, its rank, top ids, top values).
 PositionLogprobs = tuple[float, int, list[int], list[float]]
@@ -159,6 +163,7 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = ()  # what min_tokens holds back, with stop_token_ids
         self._bitmask = None  # the StepBitmask, made by the first structured step
         self._bitmask_dev: Tensor | None = None
+        self._redraw_stream = None  # the CUDA stream refused rows are drawn again on, made at first use
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
@@ -238,7 +243,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, ahead_of: StepHandle | None = None,
-               ahead_rows: list[int] | None = None, defer_sample: bool = False) -> StepHandle:
+               ahead_rows: list[int] | None = None, defer_sample: bool = False,
+               prepared: DeviceStep | None = None) -> StepHandle:
         """Queue the step's forward and sampling on the device without waiting for them.
 
         With ``ahead_of`` the batch is a decode step scheduled before the step ``ahead_of``
@@ -248,9 +254,10 @@ class ModelRunner:
 
         ``defer_sample``: queue only the forward; ``sample_deferred`` queues the sampling once
         the earlier step's tokens are applied (a grammar's bitmask needs them). The device
-        runs the forward meanwhile."""
+        runs the forward meanwhile. ``prepared``: the step's host inputs, filled by
+        ``prepare_decode``."""
         with _label(self.profile_labels, "forward"):
-            logits = self._forward(batch, ahead_of, ahead_rows)
+            logits = self._forward(batch, ahead_of, ahead_rows, prepared)
         prompt_lp = self._prompt_logprobs(batch, logits) if self._prompt_lp_rows else None
         if self._last_logit_rows is not None:
             logits = logits.index_select(0, self._to_device(self._last_logit_rows))
@@ -266,22 +273,29 @@ class ModelRunner:
         return handle
 
     @torch.inference_mode()
-    def sample_deferred(self, handle: StepHandle) -> None:
+    def sample_deferred(self, handle: StepHandle, stale: Collection[int] = ()) -> None:
         """Queue the sampling of a step launched with ``defer_sample`` (its sequences now hold
-        the tokens of the step before it) and its read-back, filling in ``handle``."""
+        the tokens of the step before it) and its read-back, filling in ``handle``. ``stale``:
+        seq ids whose rows were computed from a token since drawn again, to be dropped: their
+        draws leave their generators where they were (the row is sampled again next step)."""
         batch, logits, step_rows = handle.deferred
         handle.deferred = None
+        generators = [s.generator for s in batch.seqs if s.seq_id in stale and s.generator is not None]
+        states = [g.get_state() for g in generators]
         with _label(self.profile_labels, "sample"):
-            ids, lp, _ = self._sample(batch, logits, step_rows, ahead=0)
+            ids, lp, check = self._sample(batch, logits, step_rows, ahead=0)
+        for g, state in zip(generators, states):
+            g.set_state(state)
         done = self._read_back(ids, lp, None)
         handle.ids, handle.host, handle.event, handle.logprobs = done.ids, done.host, done.event, done.logprobs
+        handle.check = check
 
     def start_grammar_bitmask(self, handle: StepHandle) -> None:
         """Begin filling the grammar bitmask of a step launched with ``defer_sample``, once the
         tokens before it are accepted: on a thread, while the host goes on (``StepBitmask``);
         ``sample_deferred`` takes it."""
         batch, logits, _ = handle.deferred
-        grammars = [batch.seqs[r].grammar for r in batch.sample_rows]
+        grammars = [s.grammar if masks_before_sampling(s) else None for s in (batch.seqs[r] for r in batch.sample_rows)]
         self._step_bitmask(logits.shape[0]).start(grammars)
 
     def _step_bitmask(self, rows: int):
@@ -346,9 +360,62 @@ class ModelRunner:
         return out
 
     def _forward(self, batch: ScheduledBatch, ahead_of: StepHandle | None = None,
-                 ahead_rows: list[int] | None = None) -> Tensor:
+                 ahead_rows: list[int] | None = None, prepared: DeviceStep | None = None) -> Tensor:
+        if batch.is_decode or batch.is_verify:
+            step = prepared or self.prepare_decode(batch, ahead_of is not None, ahead_rows)
+            if ahead_of is not None:
+                step = dataclasses.replace(step, ahead_ids=len(ahead_of.ids))
+            return self.run_device_step(step, ahead_of)
+        seqs = batch.seqs
+        rows = self._start_step(batch)
+        inputs = self.inputs
+        bucket = None
+        if len(seqs) == 1 and self.prefill_graphs.enabled and not seqs[0].wants_prompt_logprobs:
+            bucket = self.prefill_graphs.bucket_for(batch.num_new_tokens[0])
+        width = self.width if bucket is not None else self._width_of(seqs)
+        T = self._fill_mixed(inputs, seqs, rows, batch.num_new_tokens, width)
+        if bucket is not None:
+            inputs.pad_tokens(T, bucket)
+            return self.run_device_step(DeviceStep(False, bucket, 1, width, "prefill_graph", 1))
+        logits_rows = self._logits_rows(seqs, batch.num_new_tokens)
+        if logits_rows is not None:
+            return self.run_device_step(DeviceStep(False, T, len(seqs), width, "program_rows", len(logits_rows),
+                                                   logits_rows=logits_rows))
+        return self.run_device_step(DeviceStep(False, T, len(seqs), width, "program", len(seqs)))
+
+    @torch.inference_mode()
+    def prepare_decode(self, batch: ScheduledBatch, ahead: bool = False,
+                       ahead_rows: list[int] | None = None) -> DeviceStep:
+        """The host part of a decode (or verification) step: its inputs filled, nothing queued
+        on the device yet (``launch(..., prepared=)`` queues it). ``ahead``: queued before the
+        previous step's tokens are applied, as ``launch``'s ahead_of."""
         seqs = batch.seqs
         S = len(seqs)
+        rows = self._start_step(batch)
+        ahead = int(ahead)
+        assert ahead == 0 or batch.is_decode, "only decode steps are scheduled ahead"
+        # a verification step is a decode step of one row per token: each row a one-token
+        # query whose context ends at its own position, so the decode graphs (by row count)
+        # replay it and every position yields its logits
+        R = batch.num_tokens
+        bucket = self.graphs.bucket_for(R) if self.decode_buckets else None
+        if bucket is not None:
+            # Padded to the bucket at full width, with or without graphs: eager decode
+            # runs exactly the kernels and shapes the graphs replay.
+            inputs, T, width = self.decode_inputs(), bucket, self.width
+            graphs = self.graphs if self.graphs.enabled else None
+        else:
+            inputs, T, width, graphs = self.inputs, R, self._width_of(seqs), None
+        if batch.is_verify:
+            self._fill_verify(inputs, seqs, rows, batch.draft_tokens, T, width)
+        else:
+            self._fill_decode(inputs, seqs, rows, T, width, ahead, batch.host_fed)
+        return DeviceStep(bucket is not None, T, T, width, "decode_graph" if graphs is not None else "program", R,
+                          S - batch.host_fed if ahead else 0, ahead_rows)
+
+    def _start_step(self, batch: ScheduledBatch) -> np.ndarray:
+        """The runner rows of the step's seqs (new ones take their sampling parameters)."""
+        seqs = batch.seqs
         self._wait_for_copies()
         self.rows.release(batch.released_seq_ids)
         rows = self._step_rows = self.rows.rows_of(seqs)
@@ -358,42 +425,7 @@ class ModelRunner:
             if seqs[i].params.has_penalties:
                 self.history.fill(int(rows[i]), seqs[i].token_ids, seqs[i].num_prompt_tokens)
         self._last_logit_rows, self._prompt_lp_rows = None, []
-        ahead = 0 if ahead_of is None else 1
-        assert ahead == 0 or batch.is_decode, "only decode steps are scheduled ahead"
-        if batch.is_decode or batch.is_verify:
-            # a verification step is a decode step of one row per token: each row a one-token
-            # query whose context ends at its own position, so the decode graphs (by row count)
-            # replay it and every position yields its logits
-            R = batch.num_tokens
-            bucket = self.graphs.bucket_for(R) if self.decode_buckets else None
-            if bucket is not None:
-                # Padded to the bucket at full width, with or without graphs: eager decode
-                # runs exactly the kernels and shapes the graphs replay.
-                inputs, T, width = self.decode_inputs(), bucket, self.width
-                graphs = self.graphs if self.graphs.enabled else None
-            else:
-                inputs, T, width, graphs = self.inputs, R, self._width_of(seqs), None
-            if batch.is_verify:
-                self._fill_verify(inputs, seqs, rows, batch.draft_tokens, T, width)
-            else:
-                self._fill_decode(inputs, seqs, rows, T, width, ahead, batch.host_fed)
-            step = DeviceStep(bucket is not None, T, T, width, "decode_graph" if graphs is not None else "program", R,
-                              S - batch.host_fed if ahead else 0, ahead_rows, len(ahead_of.ids) if ahead else 0)
-            return self.run_device_step(step, ahead_of)
-        inputs = self.inputs
-        bucket = None
-        if S == 1 and self.prefill_graphs.enabled and not seqs[0].wants_prompt_logprobs:
-            bucket = self.prefill_graphs.bucket_for(batch.num_new_tokens[0])
-        width = self.width if bucket is not None else self._width_of(seqs)
-        T = self._fill_mixed(inputs, seqs, rows, batch.num_new_tokens, width)
-        if bucket is not None:
-            inputs.pad_tokens(T, bucket)
-            return self.run_device_step(DeviceStep(False, bucket, 1, width, "prefill_graph", 1))
-        logits_rows = self._logits_rows(seqs, batch.num_new_tokens)
-        if logits_rows is not None:
-            return self.run_device_step(DeviceStep(False, T, S, width, "program_rows", len(logits_rows),
-                                                   logits_rows=logits_rows))
-        return self.run_device_step(DeviceStep(False, T, S, width, "program", S))
+        return rows
 
     def run_device_step(self, step: DeviceStep, ahead_of: StepHandle | None = None) -> Tensor:
         """The device part of a step whose host inputs are filled: copy them in, run the graph
@@ -496,10 +528,18 @@ class ModelRunner:
             seqs = [batch.seqs[r] for r in rows]
         check = None
         if any(s.grammar is not None for s in seqs):
-            if batch.is_verify or not checks_grammar_after(seqs):
+            if batch.is_verify:
                 self._apply_grammars(logits, [s.grammar for s in seqs], drafts)
             else:
-                check = self._keep_for_check(logits, seqs, step_rows)
+                masked = [ahead == 0 and masks_before_sampling(s) for s in seqs]
+                # a dormant grammar's row too: the token it samples may wake it
+                checked = [i for i, s in enumerate(seqs) if s.grammar is not None and not masked[i]]
+                assert ahead == 0 or all(may_check_after(seqs[i]) for i in checked), \
+                    "a row that must be masked was queued before its grammar had the tokens"
+                if checked:
+                    check = self._keep_for_check(logits, seqs, step_rows, checked)
+                if any(masked):
+                    self._apply_grammars(logits, [s.grammar if m else None for s, m in zip(seqs, masked)], None)
         offsets = None  # per row: its token's place after the seq's current output (verify steps)
         if batch.is_verify:
             # every position of every seq samples with its seq's parameters and generator
@@ -515,17 +555,15 @@ class ModelRunner:
         return ids, (token_logprobs(logits, ids, k) if k >= 0 else None), check
 
     def _draw(self, logits: Tensor, seqs: list[Sequence], step_rows: np.ndarray, table: np.ndarray,
-              offsets: list[int] | None, ahead: int, is_verify: bool) -> Tensor:
+              offsets: list[int] | None, ahead: int, is_verify: bool, keep_tensors: bool = True) -> Tensor:
         """Token ids [rows] sampled from ``logits`` with each row's parameters (``table``, its
-        seq's generator and penalties)."""
-        sample_logits = logits  # the raw ones stay for the log-probabilities
-        if table[:, MIN_TOKENS_COLUMN].any():
-            sample_logits = self._hold_back_stops(sample_logits, table, seqs, offsets, ahead)
-        if any(s.params.logit_bias for s in seqs):
-            sample_logits = self._add_logit_bias(sample_logits, seqs)
+        seq's generator and penalties). ``keep_tensors``: the sampling tensors may be kept for
+        the next step with the same rows (not a redraw's, made on its own stream)."""
+        sample_logits = self._sampling_logits(logits, seqs, table, offsets, ahead)
         if not (table[:, 0] > 0).any() and not penalised_rows(table).any():
             return greedy_ids(sample_logits)
-        st = self._sampling_tensors(step_rows, table, logits)
+        st = (self._sampling_tensors(step_rows, table, logits) if keep_tensors
+              else SamplingTensors.from_table(table, logits.shape[-1], logits.device))
         gens = [s.generator for s in seqs] if table[:, 8].any() else None
         seen = None
         if st.has_penalties:
@@ -541,18 +579,70 @@ class ModelRunner:
             self.history.append(runner_rows, ids)
         return ids
 
-    def _keep_for_check(self, logits: Tensor, seqs: list[Sequence], step_rows: np.ndarray) -> GrammarCheck:
-        """The structured rows' logits, copied (a graph's logits are overwritten by the next
-        step, which may be queued before these ids are checked)."""
-        positions = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    def _sampling_logits(self, logits: Tensor, seqs: list[Sequence], table: np.ndarray, offsets: list[int] | None,
+                         ahead: int) -> Tensor:
+        """The logits the rows sample from: stop tokens held back (min_tokens) and logit_bias
+        added, on a copy (the raw ones stay for the log-probabilities)."""
+        if table[:, MIN_TOKENS_COLUMN].any():
+            logits = self._hold_back_stops(logits, table, seqs, offsets, ahead)
+        if any(s.params.logit_bias for s in seqs):
+            logits = self._add_logit_bias(logits, seqs)
+        return logits
+
+    def _keep_for_check(self, logits: Tensor, seqs: list[Sequence], step_rows: np.ndarray,
+                        positions: list[int]) -> GrammarCheck:
+        """The check of the rows ``positions`` (sampled unmasked, checked after), with their
+        logits copied (a graph's logits are overwritten by the next step, which may be queued
+        before these ids are checked)."""
         kept = logits.index_select(0, self._to_device(positions)) if len(positions) < len(seqs) else logits.clone()
         return GrammarCheck(kept, positions, [seqs[i] for i in positions], step_rows[positions])
 
-    @torch.inference_mode()
+    def race_candidates(self, handle: StepHandle, positions: list[int]) -> list[list[int]]:
+        """For the sampled rows ``positions`` of a checked step (their grammars refused their
+        tokens): each row's first RACE_CANDIDATES tokens of its race, in order, from the kept
+        logits (``sampler.race_candidates``). A seeded row's generator is set back to before
+        its draw and draws the same noise again, so its first allowed candidate is the token
+        its masked draw would be; the others draw new noise (a draw from p, refused, then a
+        draw from p restricted to what the grammar allows, is a draw from the latter)."""
+        return self._on_redraw_stream(self._race_candidates, handle, positions)
+
     def resample(self, handle: StepHandle, positions: list[int]) -> list[int]:
         """New tokens for the sampled rows ``positions`` of a checked step (their grammars
-        refused their tokens): their kept logits masked by their grammars, drawn again. Waits
-        for them (a rare path: a grammar's mask costs more than the wait)."""
+        refused their tokens, and every candidate of their race): their kept logits masked by
+        their grammars, drawn again."""
+        return self._on_redraw_stream(self._resample, handle, positions)
+
+    @torch.inference_mode()
+    def _on_redraw_stream(self, fn, *args):
+        """fn(*args) on a stream of its own: the step queued ahead is running on the main one,
+        and waiting for it would idle the device while the host catches up."""
+        if self.device.type != "cuda":
+            return fn(*args)
+        if self._redraw_stream is None:
+            self._redraw_stream = torch.cuda.Stream(self.device)
+        # the kept logits are complete: the step's read-back, queued after them, was waited for
+        with torch.cuda.stream(self._redraw_stream):
+            return fn(*args)
+
+    def _race_candidates(self, handle: StepHandle, positions: list[int]) -> list[list[int]]:
+        check = handle.check
+        index = [check.positions.index(p) for p in positions]
+        seqs = [check.seqs[i] for i in index]
+        step_rows = check.step_rows[index]
+        table = self._row_params[step_rows]
+        logits = self._sampling_logits(check.logits.index_select(0, self._to_device(index)), seqs, table, None, 0)
+        noise = None
+        if table[:, 8].any():  # seeded rows
+            for i, seq in zip(index, seqs):
+                if check.generator_states[i] is not None:
+                    seq.generator.set_state(check.generator_states[i])
+            noise = seeded_noise(logits, [s.generator for s in seqs])
+        temperature = torch.from_numpy(np.ascontiguousarray(table[:, 0], dtype=np.float32))
+        if self.device.type == "cuda":  # pinned: a pageable copy would wait for the stream
+            temperature = temperature.pin_memory().to(self.device, non_blocking=True)
+        return race_candidates(logits, temperature, RACE_CANDIDATES, noise).tolist()
+
+    def _resample(self, handle: StepHandle, positions: list[int]) -> list[int]:
         check = handle.check
         index = [check.positions.index(p) for p in positions]
         logits = check.logits.index_select(0, self._to_device(index))
@@ -563,17 +653,19 @@ class ModelRunner:
                 # masked draw would have (the same noise, the others' logits at -inf), and the
                 # generator ends where the masked draw leaves it, whatever was queued since
                 seq.generator.set_state(check.generator_states[i])
-        self._apply_grammars(logits, [s.grammar for s in seqs], None)
+        self._apply_grammars(logits, [s.grammar for s in seqs], None, own_buffer=True)
         step_rows = check.step_rows[index]
-        ids = self._draw(logits, seqs, step_rows, self._row_params[step_rows], None, 0, False)
+        ids = self._draw(logits, seqs, step_rows, self._row_params[step_rows], None, 0, False, keep_tensors=False)
         return ids.tolist()
 
-    def _apply_grammars(self, logits: Tensor, grammars: list, drafts: list[list[int]] | None) -> None:
+    def _apply_grammars(self, logits: Tensor, grammars: list, drafts: list[list[int]] | None,
+                        own_buffer: bool = False) -> None:
         """Set to -inf, in place, every logit a row's grammar rules out (rows of seqs without
         one are left alone): the rows' bitmask filled on the host by their matchers, one copy
-        to the device, one kernel."""
+        to the device, one kernel. ``own_buffer``: the device copy is a new tensor, not the
+        steps' buffer (a redraw, on its own stream)."""
         host = self._step_bitmask(logits.shape[0]).fill(grammars, drafts)
-        dev = self._bitmask_dev[:host.shape[0]]
+        dev = torch.empty_like(host, device=self.device) if own_buffer else self._bitmask_dev[:host.shape[0]]
         dev.copy_(host, non_blocking=True)
         registry.kernel_for("apply_token_bitmask", logits.device.type, logits.dtype)(logits, dev)
 

@@ -157,7 +157,42 @@ def sample(
     truncate = None
     if st.needs_truncation:
         truncate = lambda scaled: truncate_logits(scaled, st.top_k, st.top_p, st.min_p)  # noqa: E731
-    return ops.exponential_race(logits, st.temperature, truncate, _seeded_noise(logits, generators) if seeded else None)
+    return ops.exponential_race(logits, st.temperature, truncate, seeded_noise(logits, generators) if seeded else None)
+
+
+def race_candidates(logits: Tensor, temperature: Tensor, k: int, noise: Tensor | None = None) -> Tensor:
+    """Each row's k first tokens [S, k] of the race ``ops.exponential_race`` runs with the same
+    noise, in the order it ranks them (greedy rows: the k largest logits). The first is the
+    race's token; the first of them a grammar allows is the token the race picks when every
+    token the grammar refuses is masked, so a row whose sampled token is refused needs no mask
+    unless all k are refused."""
+    logits = logits.float()
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    if noise is None:
+        noise = torch.empty_like(logits).exponential_()
+    # log(p / E) up to each row's constant: ranks as the race does, without p's underflow (an
+    # allowed token far below a refused favourite would score 0, tied with all the others)
+    score = torch.where((temperature > 0)[:, None], logits / temp[:, None] - noise.log(), logits)
+    return top_ids(score, min(k, logits.shape[-1]))
+
+
+# Columns a top_ids pass ranks at once: torch.topk over a whole vocabulary row runs on few
+# thread blocks, many times an argmax's time (benchmarks/NOTES.md)
+TOP_IDS_CHUNK = 1024
+
+
+def top_ids(score: Tensor, k: int) -> Tensor:
+    """Each row's k highest-scoring ids [S, k], highest first: the k best of each chunk of
+    TOP_IDS_CHUNK columns, then the k best of those (every row's best k are among them)."""
+    rows, n = score.shape
+    if n <= 2 * TOP_IDS_CHUNK or k > TOP_IDS_CHUNK:
+        return score.topk(k, dim=-1).indices
+    chunks = -(-n // TOP_IDS_CHUNK)
+    padded = torch.nn.functional.pad(score, (0, chunks * TOP_IDS_CHUNK - n), value=float("-inf"))
+    values, ids = padded.view(rows, chunks, TOP_IDS_CHUNK).topk(k, dim=-1)
+    ids = ids + torch.arange(chunks, device=score.device)[None, :, None] * TOP_IDS_CHUNK
+    best = values.reshape(rows, -1).topk(k, dim=-1).indices
+    return ids.reshape(rows, -1).gather(1, best)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +215,7 @@ def token_logprobs(logits: Tensor, ids: Tensor, k: int) -> TokenLogprobs:
     return TokenLogprobs(sampled[:, 0], rank, top_values, top_ids)
 
 
-def _seeded_noise(logits: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+def seeded_noise(logits: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
     """The race's Exp(1) noise, seeded rows drawn from their own generator so that their stream
     does not depend on their neighbours."""
     noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)

@@ -224,10 +224,49 @@ def test_property_order_is_part_of_a_schema_key():
     assert first.key != second.key and first.key == Structured(json=json.dumps(first.json)).key
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.3])
+def test_a_seeded_request_gives_one_output_masked_first_or_checked_after(llm, monkeypatch, temperature):
+    """Checked after sampling, a refused token is replaced by the first token its race ranks
+    next that the grammar allows (or drawn again masked): the token a masked draw takes."""
+    from compiled_llm.serve.core.structured_output import grammar_matcher
+
+    params = SamplingParams(temperature=temperature, max_tokens=40, seed=3, structured_outputs=Structured(json=PERSON))
+    outputs = []
+    for share in (2.0, 0.0):  # every mask narrow: masked first; every mask wide: checked after
+        monkeypatch.setattr(grammar_matcher, "WIDE_MASK_SHARE", share)
+        before = llm.engine.stats.grammar_candidates + llm.engine.stats.grammar_redraws
+        outputs.append(llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids)
+        refused = llm.engine.stats.grammar_candidates + llm.engine.stats.grammar_redraws - before
+        assert (refused == 0) == (share == 2.0)  # only checked rows are refused
+    assert outputs[0] == outputs[1]
+
+
 def test_a_seeded_request_gives_one_output_whichever_way_its_step_samples(llm):
     seeded = SamplingParams(temperature=1.0, max_tokens=30, seed=7, structured_outputs=Structured(json=PERSON))
     alone = llm.generate([PROMPT], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    # a neighbour asking for logprobs makes every step mask before sampling
+    # a neighbour asking for logprobs is masked before sampling: no step is sampled ahead
     masked = SamplingParams(temperature=1.0, max_tokens=30, seed=1, logprobs=1, structured_outputs=Structured(json=PERSON))
     together = llm.generate([PROMPT, PROMPT[:4]], [seeded, masked], use_tqdm=False)
     assert together[0].outputs[0].token_ids == alone
+
+
+def test_a_row_is_masked_first_where_few_tokens_are_allowed_and_checked_after_inside_a_string(llm):
+    from compiled_llm.serve.core.structured_output.step_bitmask import StepBitmask
+
+    note = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
+    grammar = llm.engine.grammar_compiler().matcher(Structured(json=note, disable_any_whitespace=True))
+    grammar.future.result()
+    bitmask = StepBitmask(1, llm.model.config.vocab_size, pin=False)
+    ids = lambda text: llm.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert grammar.masks_first  # nothing seen yet: "{" is the only token
+    bitmask.fill([grammar])
+    assert grammar.masks_first
+    assert all(grammar.accept(t) for t in ids('{"note": "ab'))
+    bitmask.fill([grammar])  # inside the string: nearly every token
+    assert not grammar.masks_first
+    assert grammar.accept(ids('"')[0])  # a quote may end the string: the next token is masked first
+    assert grammar.masks_first
+    bitmask.fill([grammar])  # only "}" now
+    assert grammar.masks_first
+    bitmask.close()
+    grammar.release()

@@ -201,3 +201,31 @@ def test_invalid_sampling_params_are_refused(kwargs, fragment):
 def test_stop_is_normalised_to_a_tuple():
     assert SamplingParams(stop="###").stop == ("###",)
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+def test_the_first_allowed_race_candidate_is_the_masked_race_token():
+    """A grammar-checked row keeps its race's next tokens: the first of them its grammar allows
+    is the token the race picks, with the same noise, from the logits masked to what it allows."""
+    from compiled_llm.serve.worker.sampler import race_candidates
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab, k = 64, 3000, 64  # a row has an allowed token among its first 64 (0.8^64 it has not)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.5] * (rows // 4))
+    noise = torch.empty(rows, vocab).exponential_(generator=g)
+    allowed = torch.rand(rows, vocab, generator=g) < 0.2
+    allowed[:, 0] = True  # at least one token
+    logits[1::2, 1], allowed[1::2, 1] = 200.0, False  # a refused favourite: the others' p underflows
+    candidates = race_candidates(logits, temperature, k, noise)
+    assert torch.equal(candidates[:, 0], ops.exponential_race(logits, temperature, noise=noise))
+    masked = ops.exponential_race(logits.masked_fill(~allowed, float("-inf")), temperature, noise=noise)
+    first_allowed = [next(t for t in row.tolist() if allowed[i, t]) for i, row in enumerate(candidates)]
+    assert first_allowed == masked.tolist()
+
+
+def test_top_ids_over_chunks_are_the_rows_best_in_order():
+    from compiled_llm.serve.worker.sampler import TOP_IDS_CHUNK, top_ids
+
+    score = torch.randn(3, 5 * TOP_IDS_CHUNK + 17, generator=torch.Generator().manual_seed(1))
+    score[1, -3:] = 100.0 + torch.arange(3.0)  # the best in the last, partial chunk
+    assert torch.equal(top_ids(score, 8), score.topk(8, dim=-1).indices)

@@ -41,6 +41,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the cache
         self._compiler_lock = threading.Lock()  # the first compile's pass over the vocabulary
         self._compiler: xgr.GrammarCompiler | None = None
+        self._quote_ids: frozenset[int] = frozenset()
         self._cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
         self._max_cached = max_cached
         self.compile_s: dict[tuple, float] = {}  # seconds each cached grammar took to compile
@@ -49,7 +50,12 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A new sequence's matcher of ``params``' grammar (compiled once for all of them)."""
         self.live_matchers += 1
-        return GrammarMatcher(self.compile(params), on_release=self._released, dormant_until=params.start_after_token_id)
+        return GrammarMatcher(self.compile(params), on_release=self._released, dormant_until=params.start_after_token_id,
+                              quote_ids=self._quote_ids_of_vocabulary)
+
+    def _quote_ids_of_vocabulary(self) -> frozenset[int]:
+        """The ids whose text holds a double quote (made with the first compile)."""
+        return self._quote_ids
 
     def _released(self) -> None:
         self.live_matchers -= 1
@@ -73,6 +79,7 @@ class GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
                 info = tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)
+                self._quote_ids = frozenset(i for i, t in enumerate(info.decoded_vocab) if b'"' in t)
                 # our own cache holds the results; xgrammar's would hold them twice
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
