@@ -128,8 +128,12 @@ def paged_attention_ref(
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling=None) -> Tensor:
-    """cos/sin table [max_positions, head_dim] in float32 (llama3 frequency scaling when
-    ``scaling`` is given)."""
+    """cos/sin table [max_positions, head_dim] in float32, with ``scaling``'s frequency scaling
+    when given (a ``RopeScaling``: llama3 or yarn)."""
+    if scaling is not None and scaling.rope_type == "yarn":
+        inv_freq, attention_factor = yarn_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is not None:
         old_len = scaling.original_max_position_embeddings
@@ -147,6 +151,38 @@ def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling=None) 
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def yarn_inv_freq(head_dim: int, theta: float, scaling) -> tuple[Tensor, float]:
+    """YaRN's inverse frequencies [head_dim / 2] (float32) and the factor its cos/sin are
+    scaled by: the dimensions that turn more than beta_fast times over the original context
+    keep their frequency, those turning fewer than beta_slow times are divided by ``factor``,
+    and a linear ramp joins them (float32, in transformers' order of operations, so that
+    tables match to the bit)."""
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq = (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention_factor = mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+        else:
+            attention_factor = mscale(scaling.factor)
+    return inv_freq, float(attention_factor)
 
 
 # ---------------------------------------------------------------------------------------------

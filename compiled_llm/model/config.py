@@ -19,12 +19,26 @@ from compiled_llm.model.families import SUPPORTED_ARCHITECTURES, architecture_of
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+    """Frequency scaling of the rotary embedding, computed into its cos/sin table at build
+    (``ops.rope_cos_sin``): "llama3" (Llama 3.1 on) or "yarn" (Qwen2.5 and Qwen3 past 32k).
+    Fields are transformers' names; those of the other type keep their defaults."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
     original_max_position_embeddings: int
+    rope_type: str = "llama3"
+    # llama3: wavelengths between original / high_freq_factor and original / low_freq_factor
+    # are interpolated, longer ones divided by factor
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    # yarn: dimensions ramp from extrapolated to interpolated between beta_fast and beta_slow
+    # rotations over the original context; cos/sin are scaled by attention_factor (None: from
+    # factor, with mscale / mscale_all_dim when both are set)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,20 +240,35 @@ def checked_config_dict(d: Any) -> dict[str, Any]:
     return d
 
 
+# Each rope type's required fields (beyond factor and original_max_position_embeddings)
+ROPE_TYPE_FIELDS = {"llama3": ("low_freq_factor", "high_freq_factor"), "yarn": ()}
+
+
 def _check_rope_scaling(scaling: Any) -> None:
     if scaling is None:
         return
     names = {f.name for f in dataclasses.fields(RopeScaling)}
-    if not isinstance(scaling, dict) or set(scaling) != names:
-        raise ValueError(f"model_config rope_scaling is {_shown(scaling)}; it must be null or hold {', '.join(sorted(names))}")
-    for name in ("factor", "low_freq_factor", "high_freq_factor"):
-        if not _positive_float(scaling[name]):
-            raise ValueError(f"model_config rope_scaling.{name} is {_shown(scaling[name])}; it must be a positive number")
-    original = scaling["original_max_position_embeddings"]
+    if not isinstance(scaling, dict) or not set(scaling) <= names:
+        raise ValueError(f"model_config rope_scaling is {_shown(scaling)}; it must be null or hold some of "
+                         f"{', '.join(sorted(names))}")
+    rope_type = scaling.get("rope_type", "llama3")
+    if not isinstance(rope_type, str) or rope_type not in ROPE_TYPE_FIELDS:
+        raise ValueError(f"model_config rope_scaling.rope_type is {_shown(rope_type)}; it must be one of "
+                         f"{', '.join(ROPE_TYPE_FIELDS)}")
+    for name in ("factor", *ROPE_TYPE_FIELDS[rope_type]):
+        if not _positive_float(scaling.get(name)):
+            raise ValueError(f"model_config rope_scaling.{name} is {_shown(scaling.get(name))}; it must be a positive number")
+    for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "low_freq_factor",
+                 "high_freq_factor"):
+        if scaling.get(name) is not None and not _positive_float(scaling[name]):
+            raise ValueError(f"model_config rope_scaling.{name} is {_shown(scaling[name])}; it must be null or a positive number")
+    if type(scaling.get("truncate", True)) is not bool:
+        raise ValueError(f"model_config rope_scaling.truncate is {_shown(scaling['truncate'])}; it must be true or false")
+    original = scaling.get("original_max_position_embeddings")
     if not _is_int(original) or not 1 <= original <= CONFIG_INT_RANGES["max_position_embeddings"][1]:
         raise ValueError(f"model_config rope_scaling.original_max_position_embeddings is {_shown(original)}; "
                          "it must be a positive integer")
-    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError("model_config rope_scaling.high_freq_factor must be above low_freq_factor")
 
 

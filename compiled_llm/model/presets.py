@@ -66,6 +66,26 @@ def _llama(**kw) -> dict[str, Any]:
     return d
 
 
+def _mistral(**kw) -> dict[str, Any]:
+    d = {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    }
+    d.update(kw)
+    return d
+
+
+def _phi3(**kw) -> dict[str, Any]:
+    d = _mistral(architectures=["Phi3ForCausalLM"], model_type="phi3", rope_theta=10000.0)
+    d.update(kw)
+    return d
+
+
 def _gpt2(**kw) -> dict[str, Any]:
     d = {
         "architectures": ["GPT2LMHeadModel"],
@@ -100,6 +120,15 @@ _PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
         tie_word_embeddings=False, rope_scaling=dict(_LLAMA3_SCALING, factor=8.0),
     ),
+    "mistral-7b": _mistral(  # v0.3
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+    ),
+    "phi-3-mini": _phi3(  # 4k: its 2,047-token sliding window cuts the context (families/base.py)
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+        original_max_position_embeddings=4096, sliding_window=2047,
+    ),
     "qwen2.5-7b": _qwen2(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
@@ -121,6 +150,10 @@ _PRESETS: dict[str, dict[str, Any]] = {
         rope_scaling=dict(_LLAMA3_SCALING, factor=8.0, original_max_position_embeddings=256),
     ),
     "tiny-gpt2": _gpt2(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024),
+    "tiny-mistral": _mistral(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    ),
 }
 
 PRESET_NAMES = tuple(_PRESETS)

@@ -29,9 +29,11 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     # transformers falls back from generation_config to the model config for EOS: clear both.
     saved = hf.generation_config.eos_token_id, hf.config.eos_token_id
     hf.generation_config.eos_token_id = hf.config.eos_token_id = None
+    ids = torch.tensor([prompt])
     try:
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+            # every prompt token attends (left alone, transformers masks those equal to the pad id)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     finally:
         hf.generation_config.eos_token_id, hf.config.eos_token_id = saved
     assert out.shape[1] == len(prompt) + n

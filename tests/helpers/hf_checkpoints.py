@@ -24,12 +24,20 @@ FAMILY_CONFIGS = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
         rope_theta=500000.0)),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    # Mistral 7B v0.3's shape of config: no sliding window, rope_theta 1e6
+    "mistral": lambda: transformers.MistralConfig(**_small(tie_word_embeddings=False, sliding_window=None,
+                                                          rope_theta=1000000.0)),
+    # Phi-3 mini's shape of config at a small size (its pad/bos/eos ids lie past this vocabulary)
+    "phi3": lambda: transformers.Phi3Config(**_small(tie_word_embeddings=False, sliding_window=None,
+                                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 MODEL_CLASSES = {
     "qwen2": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
     "llama": transformers.LlamaForCausalLM,
     "gpt2": transformers.GPT2LMHeadModel,
+    "mistral": transformers.MistralForCausalLM,
+    "phi3": transformers.Phi3ForCausalLM,
 }
 
 

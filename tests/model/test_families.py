@@ -79,8 +79,8 @@ def test_each_family_reads_every_weight_transformers_writes(written):
 
 
 @pytest.mark.parametrize("raw", [
-    {"model_type": "mistral"},
-    {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+    {"model_type": "gemma2"},
+    {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
 ])
 def test_an_unknown_family_is_refused_in_one_line_naming_the_supported_ones(tmp_path, raw):
     (tmp_path / "config.json").write_text(json.dumps({**raw, "vocab_size": 32, "hidden_size": 8}))
@@ -88,7 +88,7 @@ def test_an_unknown_family_is_refused_in_one_line_naming_the_supported_ones(tmp_
         load_config(tmp_path)
     message = str(e.value)
     assert "\n" not in message
-    assert message.startswith(f"unsupported architecture {(raw.get('architectures') or ['mistral'])[0]!r}")
+    assert message.startswith(f"unsupported architecture {(raw.get('architectures') or ['gemma2'])[0]!r}")
     for family in FAMILIES:
         assert all(a in message for a in family.architectures), family.name
 
@@ -110,3 +110,27 @@ def test_a_tensor_name_reads_both_ways():
     assert rule.to_spec("model.layers.1.mlp.down_proj.weight") is None  # not an alternative
     assert rule.to_spec("model.layers.x.mlp.up_proj.weight") is None  # a layer is a number
     assert rule.to_spec("model.layers.1.mlp.up_proj.weight.extra") is None  # the whole name
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_a_window_shorter_than_the_context_cuts_the_context_to_it(tmp_path, family):
+    """Mistral 7B v0.1 attends within 4,096 tokens of a 32k context, Phi-3 4k within 2,047:
+    until the attention kernels take a window, the context is the window, inside which full
+    attention is the same."""
+    make_checkpoint(family, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["sliding_window"] = 48
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_config(tmp_path).max_position_embeddings == 48
+    raw["sliding_window"] = 4096  # longer than the context: nothing to cut
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_config(tmp_path).max_position_embeddings == raw["max_position_embeddings"]
+
+
+def test_rotary_embeddings_over_part_of_each_head_are_refused_in_one_line(tmp_path):
+    make_checkpoint("phi3", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["partial_rotary_factor"] = 0.75  # Phi-4-mini
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor 0.75"):
+        load_config(tmp_path)

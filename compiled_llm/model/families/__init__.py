@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from compiled_llm.errors import UnsupportedArchitectureError
-from compiled_llm.model.families import gpt2, llama, qwen2, qwen3
+from compiled_llm.model.families import gpt2, llama, mistral, phi3, qwen2, qwen3
 from compiled_llm.model.families.base import Family
 
 # In the order the unsupported-architecture error lists them.
@@ -20,6 +20,8 @@ FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    mistral.FAMILY,
+    phi3.FAMILY,
 )
 
 _BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}

@@ -11,11 +11,14 @@ architecture, bos/eos ids), and ``config.py`` makes the ModelConfig of it.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from compiled_llm.errors import UnsupportedArchitectureError
+
+logger = logging.getLogger(__name__)
 
 # {name} or {name:a|b|c} in a TensorName template
 _FIELD = re.compile(r"\{(\w+)(?::([^}]*))?\}")
@@ -141,25 +144,55 @@ class Family:
 
 
 def rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """rope_theta and llama3 frequency scaling (as ModelConfig fields) from either the
-    transformers 4.x keys (rope_theta, rope_scaling) or the 5.x key rope_parameters."""
+    """rope_theta and frequency scaling (llama3 or yarn, as ModelConfig fields) from either the
+    transformers 4.x keys (rope_theta, rope_scaling) or the 5.x key rope_parameters. A yarn
+    model's positions reach factor x original_max_position_embeddings (as vLLM derives its
+    longest context), which max_position_embeddings is raised to."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     merged = {**scaling, **params}
+    # rotary embeddings over part of each head (Phi-4-mini: 0.75) are not in the spec
+    for partial in (merged.get("partial_rotary_factor"), hf.get("partial_rotary_factor")):
+        if partial is not None and partial != 1.0:
+            raise UnsupportedArchitectureError(f"unsupported partial_rotary_factor {partial!r}; supported: 1.0")
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type in (None, "default"):
         return {"rope_theta": theta, "rope_scaling": None}
-    if rope_type != "llama3":
+    if rope_type not in ("llama3", "yarn"):
         raise UnsupportedArchitectureError(
-            f"unsupported rope scaling type {rope_type!r}; supported: default, llama3"
+            f"unsupported rope scaling type {rope_type!r}; supported: default, llama3, yarn"
         )
-    return {
-        "rope_theta": theta,
-        "rope_scaling": {
+    max_positions = hf.get("max_position_embeddings", 2048)
+    original = int(merged.get("original_max_position_embeddings") or max_positions)
+    if rope_type == "llama3":
+        return {"rope_theta": theta, "rope_scaling": {
+            "rope_type": "llama3",
             "factor": float(merged["factor"]),
             "low_freq_factor": float(merged["low_freq_factor"]),
             "high_freq_factor": float(merged["high_freq_factor"]),
-            "original_max_position_embeddings": int(merged["original_max_position_embeddings"]),
-        },
+            "original_max_position_embeddings": original,
+        }}
+    factor = float(merged["factor"]) if merged.get("factor") is not None else max_positions / original
+    optional = {name: float(merged[name]) for name in ("beta_fast", "beta_slow", "attention_factor", "mscale",
+                                                       "mscale_all_dim") if merged.get(name)}
+    return {
+        "rope_theta": theta,
+        "max_position_embeddings": max(max_positions, int(factor * original)),
+        "rope_scaling": {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+                         "truncate": bool(merged.get("truncate", True)), **optional},
     }
+
+
+def context_within_window(fields: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with max_position_embeddings cut to config.json's ``sliding_window`` when
+    that is shorter (Mistral 7B v0.1, Phi-3 4k): a query attends to the keys less than a window
+    behind it, so within a context no longer than the window, full attention is the same. The
+    attention kernels take no window yet; this keeps such models exact, over a shorter context."""
+    window = hf.get("sliding_window")
+    if window is not None and window < fields["max_position_embeddings"]:
+        logger.warning("sliding_window %d is shorter than max_position_embeddings %d: the context is cut to %d "
+                       "tokens (sliding-window attention is not supported yet)", window,
+                       fields["max_position_embeddings"], window)
+        fields = {**fields, "max_position_embeddings": window}
+    return fields

@@ -27,7 +27,7 @@ def decoder_fields(hf: dict[str, Any], *, qkv_bias: bool, o_bias: bool, qk_norm:
         "num_kv_heads": hf.get("num_key_value_heads") or heads,
         # Qwen3 and Llama 3.2 name a head_dim that is not hidden_size / heads
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "max_position_embeddings": rope.pop("max_position_embeddings", hf.get("max_position_embeddings", 2048)),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "norm_type": "rms",
         "mlp_type": "silu_glu",
@@ -45,13 +45,17 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return decoder_fields(hf, qkv_bias=bias, o_bias=bias)
 
 
-# The names transformers' LlamaForCausalLM saves, which Qwen2 and Qwen3 share.
-TENSOR_NAMES = (
+# The names transformers' Llama-style models save for the embeddings and norms (Phi-3 too).
+EMBEDDING_AND_NORM_NAMES = (
     TensorName("model.embed_tokens.weight", "embed.weight"),
     TensorName("model.norm.weight", "final_norm.weight"),
     TensorName("lm_head.weight", "lm_head.weight"),
     TensorName("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.attn_norm.weight"),
     TensorName("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.mlp_norm.weight"),
+)
+
+# The names transformers' LlamaForCausalLM saves, which Qwen2, Qwen3 and Mistral share.
+TENSOR_NAMES = EMBEDDING_AND_NORM_NAMES + (
     TensorName("model.layers.{layer}.self_attn.{proj:q|k|v|o}_proj.{kind:weight|bias}", "layers.{layer}.{proj}.{kind}"),
     TensorName("model.layers.{layer}.mlp.{proj:gate|up|down}_proj.weight", "layers.{layer}.{proj}.weight"),
 )
