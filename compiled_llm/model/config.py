@@ -248,18 +248,20 @@ def _check_rope_scaling(scaling: Any) -> None:
     if scaling is None:
         return
     names = {f.name for f in dataclasses.fields(RopeScaling)}
-    if not isinstance(scaling, dict) or not set(scaling) <= names:
-        raise ValueError(f"model_config rope_scaling is {_shown(scaling)}; it must be null or hold some of "
-                         f"{', '.join(sorted(names))}")
+    if not isinstance(scaling, dict):
+        raise ValueError(f"model_config rope_scaling is {_shown(scaling)}; it must be null or an object")
+    unknown = sorted(str(k) for k in set(scaling) - names)
+    if unknown:
+        raise ValueError(f"model_config rope_scaling holds {_shown(unknown[0])}, which is no field of it; its fields "
+                         f"are {', '.join(sorted(names))}")
     rope_type = scaling.get("rope_type", "llama3")
     if not isinstance(rope_type, str) or rope_type not in ROPE_TYPE_FIELDS:
         raise ValueError(f"model_config rope_scaling.rope_type is {_shown(rope_type)}; it must be one of "
                          f"{', '.join(ROPE_TYPE_FIELDS)}")
-    for name in ("factor", *ROPE_TYPE_FIELDS[rope_type]):
+    for name in ("factor", *ROPE_TYPE_FIELDS[rope_type], *(n for n in ("beta_fast", "beta_slow") if n in scaling)):
         if not _positive_float(scaling.get(name)):
             raise ValueError(f"model_config rope_scaling.{name} is {_shown(scaling.get(name))}; it must be a positive number")
-    for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "low_freq_factor",
-                 "high_freq_factor"):
+    for name in ("attention_factor", "mscale", "mscale_all_dim", "low_freq_factor", "high_freq_factor"):
         if scaling.get(name) is not None and not _positive_float(scaling[name]):
             raise ValueError(f"model_config rope_scaling.{name} is {_shown(scaling[name])}; it must be null or a positive number")
     if type(scaling.get("truncate", True)) is not bool:

@@ -32,6 +32,8 @@ from compiled_llm.model.weights import load_params, random_params
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*")
 # Files a checkpoint needs; everything else in a hub repo (other formats, images) is skipped.
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+# Mistral's repos also ship their weights once more in Mistral's own format (consolidated.*)
+HUB_IGNORE_PATTERNS = ["consolidated*"]
 HUB_TIMEOUT_S = 10.0
 GENERATION_CONFIG = "generation_config.json"
 # generation_config.json's sampling fields -> the SamplingParams fields they default (vLLM's
@@ -97,7 +99,8 @@ def _hub_snapshot(repo_id: str) -> Path:
             f"{repo_id!r} looks like a hub id but huggingface_hub is not installed; pass a local directory"
         ) from None
     try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_PATTERNS,
+                                                      ignore_patterns=HUB_IGNORE_PATTERNS, local_files_only=True))
     except Exception:  # not cached (huggingface_hub raises several types for that)
         pass
     hint = "download it elsewhere and pass the local checkpoint directory instead"
@@ -109,7 +112,8 @@ def _hub_snapshot(repo_id: str) -> Path:
     except Exception as e:
         raise CompiledLLMError(f"cannot reach {repo_id!r} on the Hugging Face Hub ({first_line(e, limit=None)}); {hint}") from None
     try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_PATTERNS,
+                                                      ignore_patterns=HUB_IGNORE_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
     except Exception as e:
         raise CompiledLLMError(f"downloading {repo_id!r} failed ({first_line(e, limit=None)}); {hint}") from None
 

@@ -75,10 +75,19 @@ def test_an_unsupported_rope_scaling_type_is_refused_in_one_line(tmp_path):
     assert "longrope" in str(e.value) and "yarn" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_yarn_config_survives_the_manifest_round_trip(tmp_path):
+def test_a_yarn_config_survives_the_manifest_round_trip_and_bad_fields_are_named(tmp_path):
     qwen2_config(mscale=0.7, mscale_all_dim=1.0).save_pretrained(tmp_path)
     config = load_config(tmp_path)
-    assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    written = json.loads(json.dumps(config.to_dict()))
+    assert ModelConfig.checked_from_dict(written) == config
+    for field, value, named in [("beta_fast", None, "rope_scaling.beta_fast"), ("foo", 1, "'foo'"),
+                                ("rope_type", "longrope", "rope_scaling.rope_type"),
+                                ("truncate", "yes", "rope_scaling.truncate")]:
+        bad = json.loads(json.dumps(written))
+        bad["rope_scaling"][field] = value
+        with pytest.raises(ValueError) as e:
+            ModelConfig.checked_from_dict(bad)
+        assert named in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_built_yarn_engine_decodes_as_transformers_past_the_original_context(tmp_path):

@@ -85,6 +85,9 @@ FAMILIES = {
         num_key_value_heads=1, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))),
+    # q, k, v and gate, up stored stacked (split at load, then sharded); pad id 0 (a token here)
+    "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**_llama_like(
+        num_key_value_heads=2, pad_token_id=0))),
     # 257 tokens: the vocabulary is padded to 258 to give each rank 129 rows; learned positions,
     # biases everywhere (row-parallel ones added once)
     "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
