@@ -492,9 +492,10 @@ class LLMEngine:
     def _advance_grammars(self, batch: ScheduledBatch, sampled: list[int], positions: list[int] | None,
                           handle) -> list[Sequence]:
         """Give each structured row's token to its grammar before the tokens are applied. A
-        checked step's row whose grammar refuses its token (``ModelRunner._sample``) is drawn
-        again under its mask, in ``sampled``; if the step queued ahead holds its seq, that row
-        was computed from the refused token and is dropped there (``stale_ahead``).
+        checked row whose grammar refuses its token (``ModelRunner._sample``) takes the first
+        later token of its race the grammar allows, else is drawn again under its mask, in
+        ``sampled``; if the step queued ahead holds its seq, that row was computed from the
+        refused token and is dropped there (``stale_ahead``).
 
         A row whose grammar refuses even the token drawn under its mask had every token masked:
         no token of the vocabulary continues the grammar (one the tokenizer cannot spell). Its
@@ -513,32 +514,36 @@ class LLMEngine:
         place = (lambda j: j) if positions is None else positions.__getitem__
         stuck = [batch.seqs[batch.sample_rows[j]] for j in refused if place(j) not in checked]
         ahead = {s.seq_id for s in self._pending[0].seqs} if self._pending is not None else set()
+
+        def replace(j: int, token: int) -> None:
+            sampled[j] = token
+            if batch.seqs[batch.sample_rows[j]].seq_id in ahead:
+                self.scheduler.stale_ahead.add(batch.seqs[batch.sample_rows[j]].seq_id)
+
         # a greedy row is masked instead: a masked argmax breaks ties by the lowest id, a
         # ranking in no set order
-        drawn = [j for j in refused if place(j) in checked and batch.seqs[batch.sample_rows[j]].params.temperature > 0]
-        redraw = [j for j in refused if place(j) in checked and j not in drawn]
+        drawn, redraw = [], []
+        for j in refused:
+            if place(j) in checked:
+                (drawn if batch.seqs[batch.sample_rows[j]].params.temperature > 0 else redraw).append(j)
         for j, candidates in zip(drawn, self.runner.race_candidates(handle, [place(j) for j in drawn]) if drawn else []):
-            seq = batch.seqs[batch.sample_rows[j]]
-            seq.grammar.masks_first = True  # its state may allow few tokens: its next mask tells
-            token = next((t for t in candidates if seq.grammar.accept(t)), None)
+            grammar = batch.seqs[batch.sample_rows[j]].grammar
+            grammar.masks_first = True  # its state may allow few tokens: its next mask tells
+            token = next((t for t in candidates if grammar.accept(t)), None)
             if token is None:
                 redraw.append(j)
                 continue
-            sampled[j] = token
+            replace(j, token)
             self._stats.grammar_candidates += 1
-            if seq.seq_id in ahead:
-                self.scheduler.stale_ahead.add(seq.seq_id)
         if redraw:
             redrawn = self.runner.resample(handle, [place(j) for j in redraw])
             self._stats.grammar_redraws += len(redraw)
             for j, token in zip(redraw, redrawn):
                 seq = batch.seqs[batch.sample_rows[j]]
-                if not seq.grammar.accept(token):
+                if seq.grammar.accept(token):
+                    replace(j, token)
+                else:
                     stuck.append(seq)
-                    continue
-                sampled[j] = token
-                if seq.seq_id in ahead:
-                    self.scheduler.stale_ahead.add(seq.seq_id)
         for seq in stuck:
             logger.warning("request %s: no token of the vocabulary continues its grammar here; it is aborted",
                            seq.request_id)

@@ -482,10 +482,10 @@ class ModelRunner:
             src = src.index_select(0, self._to_device(rows))
         tok[:S].copy_(src)
 
-    def _to_device(self, values: list[int]) -> Tensor:
-        """A small index list on the device without a host sync (pinned, non-blocking copy; a
-        plain torch.tensor(..., device=cuda) waits for the stream)."""
-        t = torch.tensor(values, dtype=torch.int64)
+    def _to_device(self, values: list, dtype: torch.dtype = torch.int64) -> Tensor:
+        """A small list (an index list by default) on the device without a host sync (pinned,
+        non-blocking copy; a plain torch.tensor(..., device=cuda) waits for the stream)."""
+        t = torch.tensor(values, dtype=dtype)
         if self.device.type != "cuda":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
@@ -509,12 +509,13 @@ class ModelRunner:
 
         Structured rows are sampled one of two ways. Exactly: their logits are masked by their
         grammars first (in place: what the log-probabilities report too), which needs their
-        bitmask filled on the host before sampling. Or checked (``checks_grammar_after``): the
-        rows sample as if unconstrained, and the host then asks each grammar whether it takes
-        its row's token, a few microseconds; only a row whose token it refuses is masked and
-        drawn again (``resample``), from the logits kept for that. A token drawn from p and
-        kept when allowed, else drawn from p masked, is distributed as p masked: the output
-        is the same either way. logit_bias and min_tokens act on the sampling logits only."""
+        bitmask filled on the host before sampling. Or checked (where
+        ``sampling_mode.masks_before_sampling`` says no): the rows sample as if unconstrained,
+        and the host then asks each grammar whether it takes its row's token, a few
+        microseconds; a row whose token it refuses takes a later token of its race
+        (``race_candidates``) or is masked and drawn again (``resample``), from the logits kept
+        for that. A token drawn from p and kept when allowed, else drawn from p masked, is
+        distributed as p masked: the output is the same either way. logit_bias and min_tokens act on the sampling logits only."""
         rows = batch.sample_rows
         if not rows:
             return None, None, None
@@ -624,37 +625,30 @@ class ModelRunner:
         with torch.cuda.stream(self._redraw_stream):
             return fn(*args)
 
-    def _race_candidates(self, handle: StepHandle, positions: list[int]) -> list[list[int]]:
-        check = handle.check
+    def _refused_rows(self, check: GrammarCheck, positions: list[int]) -> tuple[Tensor, list[Sequence], np.ndarray]:
+        """The kept logits, seqs and runner rows of a check's sampled rows ``positions``, each
+        seeded row's generator set back to before the step drew: drawn again, it takes the
+        refused draw's noise, so the race picks the token the masked draw would have (the same
+        noise, the refused logits at -inf), and the generator ends where the masked draw
+        leaves it, whatever was queued since."""
         index = [check.positions.index(p) for p in positions]
-        seqs = [check.seqs[i] for i in index]
-        step_rows = check.step_rows[index]
-        table = self._row_params[step_rows]
-        logits = self._sampling_logits(check.logits.index_select(0, self._to_device(index)), seqs, table, None, 0)
-        noise = None
-        if table[:, 8].any():  # seeded rows
-            for i, seq in zip(index, seqs):
-                if check.generator_states[i] is not None:
-                    seq.generator.set_state(check.generator_states[i])
-            noise = seeded_noise(logits, [s.generator for s in seqs])
-        temperature = torch.from_numpy(np.ascontiguousarray(table[:, 0], dtype=np.float32))
-        if self.device.type == "cuda":  # pinned: a pageable copy would wait for the stream
-            temperature = temperature.pin_memory().to(self.device, non_blocking=True)
-        return race_candidates(logits, temperature, RACE_CANDIDATES, noise).tolist()
-
-    def _resample(self, handle: StepHandle, positions: list[int]) -> list[int]:
-        check = handle.check
-        index = [check.positions.index(p) for p in positions]
-        logits = check.logits.index_select(0, self._to_device(index))
         seqs = [check.seqs[i] for i in index]
         for i, seq in zip(index, seqs):
             if check.generator_states[i] is not None:
-                # the redraw takes the refused draw's noise: the race then picks the token the
-                # masked draw would have (the same noise, the others' logits at -inf), and the
-                # generator ends where the masked draw leaves it, whatever was queued since
                 seq.generator.set_state(check.generator_states[i])
+        return check.logits.index_select(0, self._to_device(index)), seqs, check.step_rows[index]
+
+    def _race_candidates(self, handle: StepHandle, positions: list[int]) -> list[list[int]]:
+        logits, seqs, step_rows = self._refused_rows(handle.check, positions)
+        table = self._row_params[step_rows]
+        logits = self._sampling_logits(logits, seqs, table, None, 0)
+        noise = seeded_noise(logits, [s.generator for s in seqs]) if table[:, 8].any() else None
+        temperature = self._to_device(table[:, 0].tolist(), torch.float32)
+        return race_candidates(logits, temperature, RACE_CANDIDATES, noise).tolist()
+
+    def _resample(self, handle: StepHandle, positions: list[int]) -> list[int]:
+        logits, seqs, step_rows = self._refused_rows(handle.check, positions)
         self._apply_grammars(logits, [s.grammar for s in seqs], None, own_buffer=True)
-        step_rows = check.step_rows[index]
         ids = self._draw(logits, seqs, step_rows, self._row_params[step_rows], None, 0, False, keep_tensors=False)
         return ids.tolist()
 

@@ -86,9 +86,14 @@ class GrammarMatcher:
                 self.dormant_until = None
             return True
         ok = int(token) not in self.special_ids and self.matcher.accept_token(int(token))
-        if ok and int(token) in self.quote_ids:
-            self.masks_first = True
+        if ok:
+            self._took(int(token))
         return ok
+
+    def _took(self, token: int) -> None:
+        """A token it accepted: one holding a quote may end a JSON string (module doc)."""
+        if token in self.quote_ids:
+            self.masks_first = True
 
     @property
     def constrains(self) -> bool:
@@ -164,8 +169,8 @@ def accept_tokens(grammars: Sequence[GrammarMatcher], tokens: Sequence[int]) -> 
             live_tokens.append(token)
     if live:
         for i, token, ok in zip(live, live_tokens, xgr.BatchGrammarMatcher.batch_accept_token(matchers, live_tokens)):
-            if not ok:
+            if ok:
+                grammars[i]._took(token)
+            else:
                 out[i] = False
-            elif token in grammars[i].quote_ids:
-                grammars[i].masks_first = True
     return out
