@@ -67,10 +67,10 @@ def test_missing_gpt2_tensor_uses_checkpoint_name(tmp_path, capsys):
 
 def test_unknown_architecture_lists_the_supported_ones(ckpt, capsys):
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["architectures"], cfg["model_type"] = ["Gemma2ForCausalLM"], "gemma2"
+    cfg["architectures"], cfg["model_type"] = ["Olmo2ForCausalLM"], "olmo2"
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    fails_with(capsys, [ckpt, "--prompt-ids", "1,2"], "Gemma2ForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
-               "LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+    fails_with(capsys, [ckpt, "--prompt-ids", "1,2"], "Olmo2ForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
+               "LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def test_corrupt_config_json(ckpt, capsys):

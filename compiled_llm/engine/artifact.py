@@ -390,7 +390,7 @@ def _check_kernels(manifest: dict) -> None:
             failed = registry.failed_provider_modules()
             why = f" (provider modules that failed to import: {', '.join(failed)})" if failed else ""
             raise EngineError(
-                f"engine uses kernel {provider!r} for cllm::{op}, which is not available here{why}"
+                f"the engine's manifest names kernel {provider!r} for cllm::{op}, which is not available here{why}"
             ) from None
 
 
@@ -402,6 +402,30 @@ def _load_program(engine_dir: Path, manifest: dict) -> torch.fx.GraphModule:
     except (ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
         raise EngineError(f"cannot read {rel} as a JSON program ({type(e).__name__}); rebuild the engine") from None
     return graph_from_json(data, manifest["program"]["param_names"], build_config(manifest).device)
+
+
+def attention_windows(gm: torch.fx.GraphModule) -> list[int]:
+    """The sliding window of each paged-attention call of a program (0: global), in graph order
+    (one call per layer), whichever kernel provider the call was given."""
+    from compiled_llm.graph.ops import OPS
+
+    window_at = OPS["paged_attention"].params.index("sliding_window")
+    windows = []
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "name", lambda: "")() if node.op == "call_function" else ""
+        if name == "cllm::paged_attention" or name.startswith("cllm::paged_attention__"):
+            window = node.args[window_at] if len(node.args) > window_at else node.kwargs.get("sliding_window", 0)
+            windows.append(window)
+    return windows
+
+
+def _check_windows(gm: torch.fx.GraphModule, config: ModelConfig) -> None:
+    """The manifest's sliding windows are the program's: the runtime gives back KV blocks behind
+    ``config.kv_window``, which is only safe when no attention call reads further back."""
+    expected = [config.layer_window(n) for n in range(config.num_layers)]
+    if attention_windows(gm) != expected:
+        raise EngineError("manifest model_config's sliding windows (sliding_window, layer_types) are not the "
+                          "program's attention windows; rebuild the engine")
 
 
 def _load_weights(engine_dir: Path, manifest: dict, device: torch.device, rank: int,
@@ -445,7 +469,9 @@ def load_engine(
     t2 = time.perf_counter()
     times["weights"] = t2 - t1
     _check_kernels(manifest)
-    program = PortableProgram(_load_program(engine_dir, manifest), manifest["program"]["param_names"])
+    gm = _load_program(engine_dir, manifest)
+    _check_windows(gm, config)
+    program = PortableProgram(gm, manifest["program"]["param_names"])
     t3 = time.perf_counter()
     times["program"] = t3 - t2
     if checks is not None:

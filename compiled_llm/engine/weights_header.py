@@ -22,7 +22,7 @@ from compiled_llm.engine import limits
 from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.quantized_ops import int4_group_size
-from compiled_llm.model.spec import ROPE_PARAM, param_shapes
+from compiled_llm.model.spec import is_derived, param_shapes
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
 
@@ -125,7 +125,7 @@ def expected_tensors(config: ModelConfig, build: BuildConfig) -> dict[str, tuple
         shapes[f"layers.{n}.qkv.weight"] = (qkv, h)
         shapes[f"layers.{n}.qkv.bias"] = (qkv,)
         shapes[f"layers.{n}.gate_up.weight"] = (2 * i, h)
-    out = {name: ("float32" if name == ROPE_PARAM else dtype, shape) for name, shape in shapes.items()}
+    out = {name: ("float32" if is_derived(name) else dtype, shape) for name, shape in shapes.items()}
     if size > 1:
         out[sharding.VOCAB_START] = ("int64", (1,))
     if scheme is not None:

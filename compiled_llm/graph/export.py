@@ -26,7 +26,7 @@ from torch.export import Dim
 
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
-from compiled_llm.model.spec import BATCH_FIELDS, PackedBatch, SpecModule, kv_cache_shape
+from compiled_llm.model.spec import BATCH_FIELDS, PackedBatch, SpecModule, is_derived, kv_cache_shape
 
 INPUT_NAMES = (*BATCH_FIELDS, "kv_cache")
 PARAM_META = "cllm_param"
@@ -97,7 +97,7 @@ def flat_graph_module(ep: torch.export.ExportedProgram, param_names: list[str]) 
 
 def capture(config: ModelConfig, params: dict[str, Tensor]) -> Captured:
     """Export the spec (weights as inputs) and return its flat graph: IR0 of the build."""
-    some = next(t for n, t in params.items() if n != "rope.cos_sin")
+    some = next(t for n, t in params.items() if not is_derived(n))
     batch, kv = example_inputs(config, some.dtype, some.device)
     ep = export_program(SpecModule(config), params, batch, kv)
     names = list(params)

@@ -55,8 +55,29 @@ def add_residual(out: Tensor, residual: Optional[Tensor]) -> Tensor:
     return out if residual is None else residual + out
 
 
+def fused_rms_norm_residual_ref(x: Tensor, weight: Tensor, eps: float, residual: Tensor) -> Tensor:
+    """``residual + rms_norm(x)``: Gemma's post-norms, which norm a sublayer's output before the
+    residual add (the norm rounded to the dtype first, as the separate ops do)."""
+    return residual + rms_norm_ref(x, weight, eps)
+
+
 def fused_linear_residual_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor) -> Tensor:
     return residual + F.linear(x, weight, bias)
+
+
+# The gated MLP's activations (``fused_rms_norm_glu_mlp``'s ``activation``): "silu" is SwiGLU
+# (Llama, Qwen), "gelu_tanh" GeGLU (Gemma 2 and 3: transformers' gelu_pytorch_tanh).
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def glu_activation_ref(gate: Tensor, activation: str) -> Tensor:
+    """The gate's activation in a gated MLP, ``act(gate) * up``, as the unfused graph computes it
+    (rounded to gate's dtype)."""
+    if activation == "silu":
+        return F.silu(gate)
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh")
+    raise ValueError(f"unknown GLU activation {activation!r}; known: {', '.join(GLU_ACTIVATIONS)}")
 
 
 def fused_rms_norm_glu_mlp_ref(
@@ -66,10 +87,14 @@ def fused_rms_norm_glu_mlp_ref(
     gate_up_weight: Tensor,
     down_weight: Tensor,
     residual: Optional[Tensor] = None,
+    activation: str = "silu",
 ) -> Tensor:
+    """down(act(gate(n)) * up(n)) (+ residual), n = rms_norm(x), act one of GLU_ACTIVATIONS.
+    ``activation`` comes last and defaults to silu, what graphs saved before it existed meant,
+    so they still load and run."""
     n = rms_norm_ref(x, norm_weight, eps)
     gate, up = F.linear(n, gate_up_weight).chunk(2, dim=-1)
-    return add_residual(F.linear(F.silu(gate) * up, down_weight), residual)
+    return add_residual(F.linear(glu_activation_ref(gate, activation) * up, down_weight), residual)
 
 
 def fused_layer_norm_gelu_mlp_ref(
@@ -135,6 +160,7 @@ linear = cllm_op("linear", linear_ref)
 fused_add_rms_norm = cllm_op("fused_add_rms_norm", fused_add_rms_norm_ref)
 fused_add_layer_norm = cllm_op("fused_add_layer_norm", fused_add_layer_norm_ref)
 fused_linear_residual = cllm_op("fused_linear_residual", fused_linear_residual_ref)
+fused_rms_norm_residual = cllm_op("fused_rms_norm_residual", fused_rms_norm_residual_ref)
 fused_rms_norm_glu_mlp = cllm_op("fused_rms_norm_glu_mlp", fused_rms_norm_glu_mlp_ref)
 fused_layer_norm_gelu_mlp = cllm_op("fused_layer_norm_gelu_mlp", fused_layer_norm_gelu_mlp_ref)
 fused_qkv_rope = cllm_op("fused_qkv_rope", fused_qkv_rope_ref)

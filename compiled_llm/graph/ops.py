@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import struct
 from typing import Callable, Optional
 
 import torch
@@ -68,6 +69,25 @@ def kv_store_ref(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -
     flat[1].index_copy_(0, slots, v[keep].to(kv_cache.dtype))
 
 
+def round_to_dtype(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (to nearest even), as a Python float: a constant that a
+    traced graph multiplies by exactly as transformers' ``tensor(value).to(dtype)`` does, with
+    no tensor made while tracing."""
+    value32 = struct.unpack("<f", struct.pack("<f", value))[0]  # torch.tensor(value) is float32
+    if dtype == torch.bfloat16:
+        bits = struct.unpack("<I", struct.pack("<f", value32))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", value32))[0]
+    return value32 if dtype == torch.float32 else value
+
+
+def soft_cap(x: Tensor, cap: float) -> Tensor:
+    """Gemma's logit soft-capping, ``cap * tanh(x / cap)``; x itself when cap is 0."""
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
 def paged_attention_read_ref(
     q: Tensor,
     kv_cache: Tensor,
@@ -75,12 +95,18 @@ def paged_attention_read_ref(
     seq_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Causal attention of packed queries q[T, Hq, D] over each sequence's paged context.
 
     Sequence s owns rows query_start_loc[s]:query_start_loc[s+1] of q; they are the last
     tokens of its context of seq_lens[s] tokens, whose keys/values sit in the blocks listed in
-    block_tables[s]. Rows past query_start_loc[-1] (padding) are left zero.
+    block_tables[s]. Rows past query_start_loc[-1] (padding) are left zero. With a
+    ``sliding_window`` w > 0, the query at position p sees only keys p - w + 1 .. p, and the
+    blocks wholly before the first query's window are never read (nor their block-table
+    entries: the cache may have given them back). ``softcap`` > 0 caps the scaled scores
+    (``soft_cap``) before the softmax.
     """
     out = torch.zeros_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -94,17 +120,21 @@ def paged_attention_read_ref(
         n_q = end - start
         if n_q == 0 or ctx_len == 0:
             continue
+        first_block = max(0, ctx_len - n_q - sliding_window + 1) // block_size if sliding_window else 0
         n_blocks = (ctx_len + block_size - 1) // block_size
-        blocks = block_tables[s, :n_blocks].long()
-        k = kv_cache[0].index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx_len]
-        v = kv_cache[1].index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx_len]
+        blocks = block_tables[s, first_block:n_blocks].long()
+        offset = first_block * block_size  # position of the first key read
+        k = kv_cache[0].index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx_len - offset]
+        v = kv_cache[1].index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx_len - offset]
         k = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v.float().repeat_interleave(group, dim=1)
         qs = q[start:end].float()  # [n, Hq, D]
-        scores = torch.einsum("nhd,lhd->hnl", qs, k) * scale
+        scores = soft_cap(torch.einsum("nhd,lhd->hnl", qs, k) * scale, softcap)
         q_pos = torch.arange(ctx_len - n_q, ctx_len, device=q.device)
-        k_pos = torch.arange(ctx_len, device=q.device)
+        k_pos = torch.arange(offset, ctx_len, device=q.device)
         mask = k_pos[None, :] > q_pos[:, None]
+        if sliding_window:
+            mask |= k_pos[None, :] <= q_pos[:, None] - sliding_window
         scores = scores.masked_fill(mask[None], float("-inf"))
         probs = scores.softmax(-1)
         out[start:end] = torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
@@ -121,19 +151,26 @@ def paged_attention_ref(
     seq_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Write this step's k/v into the layer's cache, then attend (see paged_attention_read_ref)."""
     kv_store_ref(k, v, kv_cache, slot_mapping)
-    return paged_attention_read_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+    return paged_attention_read_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window,
+                                    softcap)
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling=None) -> Tensor:
-    """cos/sin table [max_positions, head_dim] in float32, with ``scaling``'s frequency scaling
-    when given (a ``RopeScaling``: llama3 or yarn)."""
-    if scaling is not None and scaling.rope_type == "yarn":
-        inv_freq, attention_factor = yarn_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+    """cos/sin table [max_positions, head_dim] in float32 (cos in the first half of a row, sin in
+    the second), with ``scaling``'s frequency scaling when given (a ``RopeScaling``: llama3,
+    yarn, linear or longrope)."""
+    rope_type = scaling.rope_type if scaling is not None else None
+    if rope_type == "longrope":
+        return longrope_cos_sin(head_dim, max_positions, theta, scaling)
+    if rope_type in ("yarn", "linear"):
+        inv_freq, attention_factor = (yarn_inv_freq if rope_type == "yarn" else linear_inv_freq)(
+            head_dim, theta, scaling)
+        return _cos_sin(torch.arange(max_positions, dtype=torch.float32), inv_freq, attention_factor)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is not None:
         old_len = scaling.original_max_position_embeddings
@@ -183,6 +220,65 @@ def yarn_inv_freq(head_dim: int, theta: float, scaling) -> tuple[Tensor, float]:
         else:
             attention_factor = mscale(scaling.factor)
     return inv_freq, float(attention_factor)
+
+
+def _cos_sin(positions: Tensor, inv_freq: Tensor, attention_factor: float) -> Tensor:
+    """The rows of the cos/sin table at ``positions`` (float32), scaled as transformers scales
+    its cos and sin (after the cos and sin, in float32)."""
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+
+
+def linear_inv_freq(head_dim: int, theta: float, scaling) -> tuple[Tensor, float]:
+    """Linear scaling ("position interpolation"; Gemma 3's global layers): every frequency
+    divided by ``factor``, which is dividing the positions by it; cos/sin unscaled (float32, in
+    transformers' order of operations)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return inv_freq / scaling.factor, 1.0
+
+
+def longrope_inv_freq(head_dim: int, theta: float, factors) -> Tensor:
+    """LongRoPE's inverse frequencies [head_dim / 2] (float32): each dimension's frequency
+    divided by its own factor of ``factors`` (a short_factor or long_factor list), in
+    transformers' order of operations, so that tables match to the bit."""
+    if len(factors) != head_dim // 2:  # a table of the wrong width would fail far from here
+        raise ValueError(f"longrope has {len(factors)} factors; a head_dim of {head_dim} needs {head_dim // 2}")
+    ext_factors = torch.tensor(factors, dtype=torch.float32)
+    return 1.0 / (ext_factors * theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def longrope_attention_factor(scaling) -> float:
+    """What LongRoPE scales cos/sin by: ``attention_factor`` when given, else
+    sqrt(1 + log(factor) / log(original context)) when the context is extended at all (factor
+    is config.json's, or max_position_embeddings / original_max_position_embeddings, as
+    ``rope_fields`` reads it), as transformers computes it."""
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    if scaling.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_position_embeddings))
+
+
+def longrope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling) -> Tensor:
+    """LongRoPE's table (Phi-3 128k, Phi-3.5): the positions below original_max_position_embeddings
+    rotate at the short factors' frequencies, those at or beyond it at the long factors', both
+    scaled by ``longrope_attention_factor``.
+
+    This differs from transformers once a sequence outgrows the original context. transformers
+    picks one set of factors for a whole forward: the long ones for every position, the first
+    ones included, as soon as the forward reaches past the original context (Phi-3's generate
+    even drops its KV cache at that step and recomputes the whole sequence with them). A table
+    built once per position cannot do that: here a position's rotation never changes, so the
+    keys of positions below the original context stay short-factor keys for the whole
+    sequence, as a KV cache that keeps the keys it wrote holds them. Sequences within the
+    original context match transformers; past it, the keys and queries of positions below the
+    original context differ from transformers', and so may the output."""
+    attention_factor = longrope_attention_factor(scaling)
+    original = scaling.original_max_position_embeddings
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    short = _cos_sin(positions[:original], longrope_inv_freq(head_dim, theta, scaling.short_factor), attention_factor)
+    long = _cos_sin(positions[original:], longrope_inv_freq(head_dim, theta, scaling.long_factor), attention_factor)
+    return torch.cat((short, long))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -108,10 +108,11 @@ def fused_rms_norm_glu_mlp_wq_ref(
     down_scale: Tensor,
     down_zero: Optional[Tensor],
     residual: Optional[Tensor] = None,
+    activation: str = "silu",
 ) -> Tensor:
     return fused_rms_norm_glu_mlp_ref(
         x, norm_weight, eps, dequantize(gate_up_qweight, gate_up_scale, gate_up_zero, x.dtype),
-        dequantize(down_qweight, down_scale, down_zero, x.dtype), residual,
+        dequantize(down_qweight, down_scale, down_zero, x.dtype), residual, activation,
     )
 
 

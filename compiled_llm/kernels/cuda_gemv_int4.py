@@ -7,7 +7,8 @@ int4 weights in groups of 128. Four ops:
 - ``linear_wq`` (the lm_head) and ``fused_linear_residual_wq`` (o, down): one launch;
 - ``fused_rms_norm_glu_mlp_wq``: two launches, RMSNorm + gate/up + silu * up (x normalised while
   the block stages it; gate and up rows of one output column in the same block), then down with
-  the residual;
+  the residual. SwiGLU only: the kernel's GLU epilogue is silu, so a GeGLU call (Gemma's
+  ``activation="gelu_tanh"``) runs Triton's INT4 form;
 - ``fused_qkv_rope_wq`` without per-head q/k norm: one launch, RMSNorm + q/k/v + bias + RoPE (the
   two rows RoPE rotates together in the same block), each head written to q, k or v.
 
@@ -130,10 +131,12 @@ def linear_residual_wq(x, qweight, scale, zero, bias, residual):
 
 
 def fused_rms_norm_glu_mlp_wq(x, norm_weight, eps: float, gate_up_qweight, gate_up_scale, gate_up_zero,
-                              down_qweight, down_scale, down_zero, residual=None):
+                              down_qweight, down_scale, down_zero, residual=None, activation: str = "silu"):
     x2, N = x.reshape(-1, x.shape[-1]), down_qweight.shape[0]
     r2 = residual.reshape(-1, N) if residual is not None else None
-    if (takes(x2, gate_up_qweight, gate_up_scale, gate_up_zero, norm_weight, r2, mode="glu")
+    # the kernel's GLU epilogue is silu's: GeGLU runs Triton's INT4 form
+    if (activation == "silu" and takes(x2, gate_up_qweight, gate_up_scale, gate_up_zero, norm_weight, r2,
+                                       mode="glu")
             and norm_weight.dtype == x2.dtype and (r2 is None or r2.dtype == x2.dtype)):
         act = gemv_int4(x2, gate_up_qweight, gate_up_scale, gate_up_zero, norm_weight=norm_weight, eps=eps, glu=True)
         if takes(act, down_qweight, down_scale, down_zero):
@@ -143,7 +146,8 @@ def fused_rms_norm_glu_mlp_wq(x, norm_weight, eps: float, gate_up_qweight, gate_
                                    zero=down_zero)
         return out.view(*x.shape[:-1], N)
     return triton_norm_mlp.fused_rms_norm_glu_mlp_wq(x, norm_weight, eps, gate_up_qweight, gate_up_scale,
-                                                     gate_up_zero, down_qweight, down_scale, down_zero, residual)
+                                                     gate_up_zero, down_qweight, down_scale, down_zero, residual,
+                                                     activation)
 
 
 @functools.lru_cache(maxsize=None)

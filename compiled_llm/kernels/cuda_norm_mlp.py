@@ -7,6 +7,9 @@ below run the Triton kernels instead (the build records that through ``cuda_exte
 Shape policy: the CUDA kernels are decode GEMVs for T <= 8 rows of bf16/fp16 with H and I
 multiples of 8 (16-byte vector loads); other shapes take matmul-based math inside the provider
 (CUDA norm kernel + cuBLAS + torch activation), never an error.
+
+The GLU MLP takes both of the op's activations, SwiGLU and GeGLU (``activation``), in the same
+kernels (a template parameter of the gate/up kernel).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from compiled_llm.graph.fused_ops import glu_activation_ref
 from compiled_llm.graph.ops import layer_norm_ref, rms_norm_ref
 from compiled_llm.kernels import triton_norm_mlp
 from compiled_llm.kernels.cuda_build import CudaSource, toolchain_available
@@ -25,7 +29,8 @@ SOURCE = CudaSource(
 #include <torch/extension.h>
 #include <optional>
 torch::Tensor cllm_norm(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> b, double eps);
-torch::Tensor cllm_gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch::Tensor> b1, bool glu);
+torch::Tensor cllm_gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch::Tensor> b1, bool glu,
+                               bool gate_gelu);
 torch::Tensor cllm_down_proj(torch::Tensor act, torch::Tensor w2, std::optional<torch::Tensor> b2);
 int cllm_max_rows();
 """,
@@ -53,10 +58,14 @@ def _gemv_ok(ext, x2, H: int, inter: int, tensors) -> bool:
     )
 
 
-def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weight):
+def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weight, activation: str = "silu"):
+    """The op without its residual (providers._residual_after adds it); ``activation`` "silu"
+    (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    gelu_gate = triton_norm_mlp.gate_gelu(activation)  # an unknown name fails on every path
     ext = extension()
     if ext is None:
-        return triton_norm_mlp.fused_rms_norm_glu_mlp(x, norm_weight, eps, gate_up_weight, down_weight)
+        return triton_norm_mlp.fused_rms_norm_glu_mlp(x, norm_weight, eps, gate_up_weight, down_weight,
+                                                      activation=activation)
     x2 = x.reshape(-1, x.shape[-1])
     H, inter = x2.shape[1], down_weight.shape[1]
     out_shape = (*x.shape[:-1], down_weight.shape[0])
@@ -64,11 +73,11 @@ def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weig
         return x.new_empty(out_shape)
     if _gemv_ok(ext, x2, H, inter, (norm_weight, gate_up_weight, down_weight)):
         n = ext.cllm_norm(x2, norm_weight, None, eps)
-        out = ext.cllm_down_proj(ext.cllm_gate_up_act(n, gate_up_weight, None, True), down_weight, None)
+        out = ext.cllm_down_proj(ext.cllm_gate_up_act(n, gate_up_weight, None, True, gelu_gate), down_weight, None)
     else:  # many rows (or odd shapes): cuBLAS matmuls around the norm
         n = _norm(ext, x2, norm_weight, None, eps)
         gate, up = F.linear(n, gate_up_weight).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, down_weight)
+        out = F.linear(glu_activation_ref(gate, activation) * up, down_weight)
     return out.view(out_shape)
 
 
@@ -85,7 +94,7 @@ def fused_layer_norm_gelu_mlp(x, norm_weight, norm_bias, eps: float, fc_weight, 
         return x.new_empty(out_shape)
     if _gemv_ok(ext, x2, H, inter, (norm_weight, norm_bias, fc_weight, fc_bias, proj_weight, proj_bias)):
         n = ext.cllm_norm(x2, norm_weight, norm_bias, eps)
-        out = ext.cllm_down_proj(ext.cllm_gate_up_act(n, fc_weight, fc_bias, False), proj_weight, proj_bias)
+        out = ext.cllm_down_proj(ext.cllm_gate_up_act(n, fc_weight, fc_bias, False, False), proj_weight, proj_bias)
     else:
         n = _norm(ext, x2, norm_weight, norm_bias, eps)
         out = F.linear(F.gelu(F.linear(n, fc_weight, fc_bias), approximate="tanh"), proj_weight, proj_bias)

@@ -114,6 +114,7 @@ TRITON_KERNELS = {  # op -> (kernel, handles)
     "layer_norm": (triton_norm.layer_norm, _row_fits),
     "fused_add_rms_norm": (triton_norm.fused_add_rms_norm, _row_fits_and_residual_matches),
     "fused_add_layer_norm": (triton_norm.fused_add_layer_norm, _row_fits_and_residual_matches),
+    "fused_rms_norm_residual": (triton_norm.fused_rms_norm_residual, _row_fits_and_residual_matches),
     "rotary_embedding": (triton_qkv_rope.rotary_embedding, _even_head_dim),
     "fused_qkv_rope": (triton_qkv_rope.fused_qkv_rope, _qkv_rope_fits),
     "paged_attention": (triton_paged_attention.paged_attention, None),
@@ -144,13 +145,14 @@ SAMPLER_KERNELS = {
 
 
 def _residual_after(op_name: str, kernel):
-    """The CUDA C++ kernels have no residual epilogue: they get the arguments before the op's
-    optional ``residual``, which is added after them, on the rounded output (what the reference
-    computes), still saving the separate graph node."""
+    """The CUDA C++ kernels have no residual epilogue: they get the op's arguments but its
+    optional ``residual`` (those after it too: the GLU MLP's activation), which is added after
+    them, on the rounded output (what the reference computes), still saving the separate graph
+    node."""
     n = ops.OPS[op_name].params.index("residual")
 
     def call(*args):
-        return fused_ops.add_residual(kernel(*args[:n]), args[n] if len(args) > n else None)
+        return fused_ops.add_residual(kernel(*args[:n], *args[n + 1:]), args[n] if len(args) > n else None)
 
     call.__name__ = call.__qualname__ = f"{op_name}__{CUDA}"
     return call

@@ -4,7 +4,8 @@ One program per row holds the whole row in registers (hidden sizes up to a few 1
 element is read once and written once. Numerics mirror the references in graph/ops.py:
 statistics in fp32; RMSNorm rounds the normalised row to the input dtype before the weight
 multiply (as Hugging Face does); the fused add rounds ``residual + x`` to the input dtype before
-normalising it, exactly like the unfused graph. ``rms_norm_and_copy`` also writes the input row
+normalising it, exactly like the unfused graph; ``fused_rms_norm_residual`` adds the residual
+after the norm (Gemma's post-norms). ``rms_norm_and_copy`` also writes the input row
 to a fresh tensor, for a caller that needs a copy of it (the prefill MLP's residual).
 """
 
@@ -24,6 +25,7 @@ def _norm_kernel(
     stride_x, stride_r, stride_o, stride_s,
     N, eps,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, STORE_INPUT: tl.constexpr = False,
+    ADD_AFTER: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
@@ -45,7 +47,11 @@ def _norm_kernel(
         rstd = tl.rsqrt(tl.sum(xc * xc, 0) / N + eps)
         b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = xc * rstd * w + b
-    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = y.to(out_ptr.dtype.element_ty)
+    if ADD_AFTER:  # residual + norm(x), the norm rounded to the dtype first
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -54,12 +60,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x, residual, weight, bias, eps, is_rms, store_input: bool = False):
+def _launch(x, residual, weight, bias, eps, is_rms, store_input: bool = False, add_after: bool = False):
     shape = x.shape
     x2 = _rows(x)
     rows, n = x2.shape
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    keep = residual is not None or store_input
+    keep = (residual is not None and not add_after) or store_input
     summed = torch.empty(shape, dtype=x.dtype, device=x.device) if keep else None
     if rows == 0:
         return out, summed
@@ -72,8 +78,8 @@ def _launch(x, residual, weight, bias, eps, is_rms, store_input: bool = False):
         x2, r2, weight, bias if bias is not None else weight, o2, s2,
         x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0),
         n, eps,
-        IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, BLOCK_N=block, STORE_INPUT=store_input,
-        num_warps=row_warps(block, cap),
+        IS_RMS=is_rms, HAS_RESIDUAL=residual is not None and not add_after, BLOCK_N=block,
+        STORE_INPUT=store_input, ADD_AFTER=add_after, num_warps=row_warps(block, cap),
     )
     return out, summed
 
@@ -95,6 +101,11 @@ def rms_norm_and_copy(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
 
 def fused_add_rms_norm(x, residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch(x, residual, weight, None, eps, True)
+
+
+def fused_rms_norm_residual(x, weight, eps: float, residual) -> torch.Tensor:
+    """``residual + rms_norm(x)`` in one launch (Gemma's post-norms)."""
+    return _launch(x, residual, weight, None, eps, True, add_after=True)[0]
 
 
 def fused_add_layer_norm(x, residual, weight, bias, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,8 @@ Decode form (T <= MAX_DECODE_TOKENS): two weight-streaming launches (see triton_
      [2I, H] weight (or fc rows). It recomputes the norm statistics of its BLOCK_T rows of x (x is
      tiny and stays cached), streams its weight rows once along H in 16-byte vectors, multiplies
      them by the normalised rows with FMAs (no tl.dot: at a few rows tensor-core tiles are mostly
-     padding), and writes silu(gate) * up (or gelu-tanh(fc + b)) as act [T, I].
+     padding), and writes act(gate) * up (or gelu-tanh(fc + b)) as act [T, I], act being silu
+     (SwiGLU) or gelu-tanh (GeGLU), a constexpr of the kernel (GATE_GELU).
   2. the down (or proj) GEMV over act with bias and residual in its epilogue
      (``triton_gemv.gemv``, launch-config table "norm_mlp_down").
   At one row (batch-1 decode) both launches use the one-row forms (``_norm_mlp_one_row_kernel``
@@ -24,9 +25,10 @@ compute-bound and cuBLAS beats a hand-written Triton GEMM. Weight-only quantized
 their two matmuls through triton_gemv.matmul_wq (the quantized GEMM, or dequantize + cuBLAS),
 the residual in the second one's epilogue.
 
-Both round intermediates (the gate/up outputs, silu, the product, the MLP output before the
-residual) to the input dtype where the unfused graph does, so they agree with the references to
-within accumulation order (the prefill addmm rounds the residual sum once instead of twice).
+Both round intermediates (the gate/up outputs, the gate's activation, the product, the MLP output
+before the residual) to the input dtype where the unfused graph does, so they agree with the
+references to within accumulation order (the prefill addmm rounds the residual sum once instead of
+twice).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from compiled_llm.graph.fused_ops import GLU_ACTIVATIONS
 from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import pdl_launch, pdl_open, pdl_wait, use_pdl
 from compiled_llm.kernels.triton_common import next_pow2
@@ -60,16 +63,27 @@ def _gelu_tanh(h):
 
 
 @triton.jit
-def _activation(y1, y3, b1, act_ptr, IS_GLU: tl.constexpr):
+def _gate_activation(g, GATE_GELU: tl.constexpr):
+    """A GLU's gate activation in fp32: silu (SwiGLU) or gelu_tanh (GeGLU). A constexpr, so the
+    SwiGLU kernels compile exactly as they did before GeGLU existed."""
+    if GATE_GELU:
+        a = _gelu_tanh(g)
+    else:
+        a = g * tl.sigmoid(g)
+    return a
+
+
+@triton.jit
+def _activation(y1, y3, b1, act_ptr, IS_GLU: tl.constexpr, GATE_GELU: tl.constexpr = False):
     """fp32 activation of the first projection's fp32 sums, with the reference's roundings to
-    act_ptr's dtype: silu(gate) * up (GLU: y1 gate, y3 up; F.linear rounds both, F.silu rounds
-    its output, the product rounds again) or gelu_tanh(fc + b1) (y1 fc, rounded once with its
-    bias)."""
+    act_ptr's dtype: act(gate) * up (GLU: y1 gate, y3 up; F.linear rounds both, F.silu or F.gelu
+    rounds its output, the product rounds again) or gelu_tanh(fc + b1) (y1 fc, rounded once with
+    its bias)."""
     dtype = act_ptr.dtype.element_ty
     if IS_GLU:
         g = y1.to(dtype).to(tl.float32)
         u = y3.to(dtype).to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
+        act = _gate_activation(g, GATE_GELU).to(dtype).to(tl.float32) * u
     else:
         act = _gelu_tanh((y1 + b1).to(dtype).to(tl.float32))
     return act
@@ -129,9 +143,11 @@ def _norm_mlp_decode_kernel(
     IS_RMS: tl.constexpr, IS_GLU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
     SCALED: tl.constexpr = False, INT4: tl.constexpr = False, GROUP: tl.constexpr = 128, VB: tl.constexpr = 16,
+    GATE_GELU: tl.constexpr = False,
 ):
     """act[t, i] for BLOCK_T rows t and BLOCK_I intermediate rows i: norm(x) against gate row i
-    and up row i + I of w1 = [gate; up] (GLU), or against fc row i (GELU), streamed along H."""
+    and up row i + I of w1 = [gate; up] (GLU; GATE_GELU: GeGLU rather than SwiGLU), or against
+    fc row i (GELU), streamed along H."""
     pdl_open(PDL)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -189,7 +205,7 @@ def _norm_mlp_decode_kernel(
                 y3 *= tl.load(s1_ptr + offs_i + I, mask=mask_i, other=0.0)[None, :]
         else:
             b1 = tl.load(b1_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)[None, :]
-    act = _activation(y1, y3, b1, act_ptr, IS_GLU)
+    act = _activation(y1, y3, b1, act_ptr, IS_GLU, GATE_GELU)
     # the activation goes to memory ([T, I] is tiny at decode sizes) for the down GEMV; summing
     # down's partial products here with atomics would save that launch but make the sum order
     # (and so greedy decoding in bf16) vary from run to run
@@ -203,7 +219,7 @@ def _norm_mlp_one_row_kernel(
     H, I, eps, stride_w1,
     IS_RMS: tl.constexpr, IS_GLU: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr = False,
-    SCALED: tl.constexpr = False,
+    SCALED: tl.constexpr = False, GATE_GELU: tl.constexpr = False,
 ):
     """``_norm_mlp_decode_kernel`` for one row of x (batch-1 decode), with the one-row GEMV's
     layout (see triton_gemv._gemv_one_row_kernel): weight tiles [BLOCK_I, BLOCK_H / VEC, VEC],
@@ -255,16 +271,17 @@ def _norm_mlp_one_row_kernel(
         y3 = tl.sum(acc3, 1)
         if SCALED:
             y3 *= tl.load(s1_ptr + offs_i + I, mask=mask_i, other=0.0)
-    act = _activation(y1, y3, b1, act_ptr, IS_GLU)
+    act = _activation(y1, y3, b1, act_ptr, IS_GLU, GATE_GELU)
     tl.store(act_ptr + offs_i, act.to(act_ptr.dtype.element_ty), mask=mask_i)
 
 
 @triton.jit
 def _act_kernel(
     in_ptr, out_ptr, I, stride_in, stride_out,
-    IS_GLU: tl.constexpr, BLOCK: tl.constexpr,
+    IS_GLU: tl.constexpr, BLOCK: tl.constexpr, GATE_GELU: tl.constexpr = False,
 ):
-    """silu(gate) * up from rows [gate | up] of width 2I, or gelu-tanh(h) of width I."""
+    """act(gate) * up from rows [gate | up] of width 2I (act silu, or gelu-tanh with GATE_GELU),
+    or gelu-tanh(h) of width I."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -272,22 +289,36 @@ def _act_kernel(
     a = tl.load(in_ptr + row * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
     if IS_GLU:
         u = tl.load(in_ptr + row * stride_in + I + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (a * tl.sigmoid(a)).to(dtype).to(tl.float32) * u
+        y = _gate_activation(a, GATE_GELU).to(dtype).to(tl.float32) * u
     else:
         y = _gelu_tanh(a)
     tl.store(out_ptr + row * stride_out + offs, y.to(dtype), mask=mask)
 
 
+def gate_gelu(activation: str) -> bool:
+    """The kernels' GATE_GELU for a GLU activation name (fused_ops.GLU_ACTIVATIONS): whether the
+    gate's activation is gelu_tanh (GeGLU) rather than silu. An unknown name is a ValueError (a
+    tampered program.json), never silently silu."""
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"unknown GLU activation {activation!r}; known: {', '.join(GLU_ACTIVATIONS)}")
+    return activation == "gelu_tanh"
+
+
+def glu_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up [T, I], act named by ``activation``."""
+    return _act(gate_up, True, gate_gelu(activation))
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
-    return _act(gate_up, True)
+    return glu_mul(gate_up, "silu")
 
 
 def gelu_tanh(h: torch.Tensor) -> torch.Tensor:
     return _act(h, False)
 
 
-def _act(inp: torch.Tensor, is_glu: bool) -> torch.Tensor:
+def _act(inp: torch.Tensor, is_glu: bool, gelu_gate: bool = False) -> torch.Tensor:
     T = inp.shape[0]
     width = inp.shape[1] // 2 if is_glu else inp.shape[1]
     out = torch.empty((T, width), dtype=inp.dtype, device=inp.device)
@@ -298,19 +329,20 @@ def _act(inp: torch.Tensor, is_glu: bool) -> torch.Tensor:
     block = min(cfg["BLOCK"], next_pow2(width))
     _act_kernel[(T, triton.cdiv(width, block))](
         inp, out, width, inp.stride(0), out.stride(0),
-        IS_GLU=is_glu, BLOCK=block, num_warps=cfg["num_warps"],
+        IS_GLU=is_glu, BLOCK=block, GATE_GELU=gelu_gate, num_warps=cfg["num_warps"],
     )
     return out
 
 
 def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bool, is_glu: bool,
-                      scale1=None, zero1=None) -> torch.Tensor:
-    """The decode form's first kernel: act [T, I] = silu(gate(n)) * up(n) (GLU; w1 = [gate; up]
-    of [2I, H]) or gelu_tanh(fc(n) + b1) (w1 = fc [I, H]), n = norm(x2). With ``scale1`` (one
-    fp32 per row of w1), w1 is int8; with ``zero1`` too, w1 is int4 [rows, H / 2] with a scale and
-    zero point per group of columns, run by the general kernel's INT4 form at every T
-    (weight-only quantized, graph/quantized_ops.py)."""
+                      scale1=None, zero1=None, activation: str = "silu") -> torch.Tensor:
+    """The decode form's first kernel: act [T, I] = act(gate(n)) * up(n) (GLU; w1 = [gate; up]
+    of [2I, H]; act named by ``activation``) or gelu_tanh(fc(n) + b1) (w1 = fc [I, H]), n =
+    norm(x2). With ``scale1`` (one fp32 per row of w1), w1 is int8; with ``zero1`` too, w1 is
+    int4 [rows, H / 2] with a scale and zero point per group of columns, run by the general
+    kernel's INT4 form at every T (weight-only quantized, graph/quantized_ops.py)."""
     T, H = x2.shape
+    gelu_gate = is_glu and gate_gelu(activation)
     inter = w1.shape[0] // 2 if is_glu else w1.shape[0]
     act = torch.empty((T, inter), dtype=x2.dtype, device=x2.device)
     if T == 0:
@@ -334,7 +366,7 @@ def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bo
             H, inter, eps, w1.stride(0),
             IS_RMS=is_rms, IS_GLU=is_glu,
             BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"], VEC=VECTOR_BYTES // itemsize, PDL=pdl,
-            SCALED=scale1 is not None,
+            SCALED=scale1 is not None, GATE_GELU=gelu_gate,
             num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
         )
         return act
@@ -346,18 +378,18 @@ def decode_activation(x2, norm_weight, norm_bias, eps: float, w1, b1, is_rms: bo
         x2.stride(0), w1.stride(0), act.stride(0),
         IS_RMS=is_rms, IS_GLU=is_glu,
         BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"], PDL=pdl,
-        SCALED=scale1 is not None and zero1 is None, **int4,
+        SCALED=scale1 is not None and zero1 is None, GATE_GELU=gelu_gate, **int4,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
     )
     return act
 
 
 def _decode(x2, norm_weight, norm_bias, eps, w1, b1, w2, b2, residual2, is_rms: bool, is_glu: bool,
-            scale1=None, scale2=None, zero1=None, zero2=None):
-    """Two launches: norm + first projection + activation, then the down/proj GEMV with the
-    bias and residual in its epilogue (int8 or int4 weights with their scales and zero points,
-    when given)."""
-    act = decode_activation(x2, norm_weight, norm_bias, eps, w1, b1, is_rms, is_glu, scale1, zero1)
+            scale1=None, scale2=None, zero1=None, zero2=None, activation: str = "silu"):
+    """Two launches: norm + first projection + activation (the GLU's named by ``activation``),
+    then the down/proj GEMV with the bias and residual in its epilogue (int8 or int4 weights with
+    their scales and zero points, when given)."""
+    act = decode_activation(x2, norm_weight, norm_bias, eps, w1, b1, is_rms, is_glu, scale1, zero1, activation)
     return gemv(act, w2, b2, residual2, config="norm_mlp_down", scale=scale2, zero=zero2)
 
 
@@ -381,9 +413,10 @@ def _pick_form(T: int, form: str | None) -> str:
 
 
 def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weight, residual=None,
-                           form: str | None = None):
-    """down(silu(gate(n)) * up(n)) (+ residual), n = rms_norm(x); ``form`` forces
-    "decode"/"prefill". The MLP output is rounded to the dtype before the residual is added."""
+                           activation: str = "silu", form: str | None = None):
+    """down(act(gate(n)) * up(n)) (+ residual), n = rms_norm(x), act "silu" or "gelu_tanh"
+    (``activation``); ``form`` forces "decode"/"prefill". The MLP output is rounded to the dtype
+    before the residual is added."""
     x2 = _flat(x)
     T = x2.shape[0]
     out_shape = (*x.shape[:-1], down_weight.shape[0])
@@ -391,15 +424,16 @@ def fused_rms_norm_glu_mlp(x, norm_weight, eps: float, gate_up_weight, down_weig
         return x.new_empty(out_shape)
     r2 = _flat(residual) if residual is not None else None
     if _pick_form(T, form) == "decode":
-        out = _decode(x2, norm_weight, None, eps, gate_up_weight, None, down_weight, None, r2, True, True)
+        out = _decode(x2, norm_weight, None, eps, gate_up_weight, None, down_weight, None, r2, True, True,
+                      activation=activation)
     elif r2 is not None and _same_rows(r2, x2):
         # h + mlp(norm(h)): the norm launch also copies h, and down accumulates into that copy in
         # place (beta = 1), so addmm does not copy the residual in a memcpy launch of its own
         n, out = tr_rms_norm_and_copy(x2, norm_weight, eps)
-        out.addmm_(silu_mul(F.linear(n, gate_up_weight)), down_weight.t())
+        out.addmm_(glu_mul(F.linear(n, gate_up_weight), activation), down_weight.t())
     else:
         n = tr_rms_norm(x2, norm_weight, eps)
-        out = dense_linear(silu_mul(F.linear(n, gate_up_weight)), down_weight, None, r2)
+        out = dense_linear(glu_mul(F.linear(n, gate_up_weight), activation), down_weight, None, r2)
     return out.view(out_shape)
 
 
@@ -437,7 +471,7 @@ def takes_quantized(qweights: tuple, scales: tuple, zeros: tuple, T: int) -> boo
 
 
 def fused_rms_norm_glu_mlp_wq(x, norm_weight, eps: float, gate_up_qweight, gate_up_scale, gate_up_zero,
-                              down_qweight, down_scale, down_zero, residual=None):
+                              down_qweight, down_scale, down_zero, residual=None, activation: str = "silu"):
     """``fused_rms_norm_glu_mlp`` with int8 or int4 weights (``takes_quantized`` says which
     calls): the decode form, or at prefill sizes the norm kernel and two quantized matmuls
     (triton_gemv.matmul_wq)."""
@@ -445,10 +479,10 @@ def fused_rms_norm_glu_mlp_wq(x, norm_weight, eps: float, gate_up_qweight, gate_
     r2 = _flat(residual) if residual is not None else None
     if use_decode_form(x2.shape[0]):
         out = _decode(x2, norm_weight, None, eps, gate_up_qweight, None, down_qweight, None, r2, True, True,
-                      gate_up_scale, down_scale, gate_up_zero, down_zero)
+                      gate_up_scale, down_scale, gate_up_zero, down_zero, activation)
     else:
         n = tr_rms_norm(x2, norm_weight, eps)
-        act = silu_mul(matmul_wq(n, gate_up_qweight, gate_up_scale, gate_up_zero))
+        act = glu_mul(matmul_wq(n, gate_up_qweight, gate_up_scale, gate_up_zero), activation)
         out = matmul_wq(act, down_qweight, down_scale, down_zero, None, r2)
     return out.view(*x.shape[:-1], down_qweight.shape[0])
 

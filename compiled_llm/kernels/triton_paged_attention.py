@@ -35,7 +35,8 @@ Decode (every sequence has exactly one query row, T == S, recognisable from shap
   * Programmatic dependent launch: the step inputs (lengths, block table, slot mapping) and the
     cache rows of earlier steps are not the previous kernel's output, so each program loads its
     first key/value tile before the PDL wait; q, the new k/v rows and every store come after it.
-  NUM_SPLITS comes from the block table's width and the batch size, never from seq_lens values,
+  NUM_SPLITS comes from the block table's width (or a sliding layer's window, if shorter) and the
+  batch size, never from seq_lens values,
   so the launch is the same for every step of a CUDA-graph bucket; each program derives its own
   slice from seq_lens on the device. Splits past a short context are empty (lse = -inf), the
   combiner skips them; a padding row (seq_len 0) has only empty splits and its output is 0.
@@ -50,9 +51,16 @@ whole group. The query rows of sequence s are the last q_len tokens of its seq_l
 context, so row i sees keys 0 .. seq_len - q_len + i; earlier chunks are read from the cache
 through the block table like the new ones (the new k/v are stored first, by kv_store). Key
 tiles below the block's first query position are visible to every row and run without any mask;
-only the tiles on the diagonal pay for the causal mask.
+only the tiles on the diagonal pay for the causal mask (and, on a sliding layer, those at the
+window's start, which some rows see in part).
 
 Softmax runs in base 2 (scores pre-multiplied by scale * log2(e)), accumulation in fp32.
+
+Sliding layers (Mistral, Gemma) and soft-capped scores (Gemma 2) are constexpr arguments of the
+same kernels (WINDOW, SOFTCAP; 0 turns each off and compiles it out). With a window w the query at
+position p sees keys p - w + 1 .. p: decode splits only the window, and a prefill program starts
+at the first key its block's first row sees, masks the tiles the rows see in part, and loads no
+key (nor block-table entry) below it, so the cache may have given those blocks back.
 """
 
 from __future__ import annotations
@@ -70,11 +78,33 @@ from compiled_llm.kernels.triton_common import (
 from compiled_llm.kernels.triton_kv_store import kv_store, store_slot
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (a jitted function reads constexpr globals only)
 
 
 # ---------------------------------------------------------------------------------------------
 # decode
 # ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(q, k, qk_scale, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """q k^T scaled into base 2; with SOFTCAP > 0, Gemma's soft cap cap * tanh(s / cap) on the
+    scaled scores s first (tanh from exp2, which the interpreter runs too)."""
+    scores = dot(q, tl.trans(k), IEEE) * qk_scale
+    if SOFTCAP > 0:
+        x = scores * (2.0 / (_LOG2E * SOFTCAP))  # 2 s / cap, in base e
+        scores = (SOFTCAP * _LOG2E) * (1.0 - 2.0 / (tl.exp2(x * _LOG2E) + 1.0))
+    return scores
+
+
+@triton.jit
+def _window_start(seq_len, first_query, WINDOW: tl.constexpr):
+    """The first key a query at ``first_query`` (or later) of a sliding layer can see; 0 for a
+    global layer (WINDOW 0)."""
+    if WINDOW > 0:
+        return tl.maximum(first_query - WINDOW + 1, 0)
+    else:
+        return seq_len * 0
 
 
 @triton.jit
@@ -133,7 +163,7 @@ def _cached_kv_tile(kv_base, bt_row, n0, end, new_pos, offs_d, mask_d,
 
 @triton.jit
 def _attend_tile(q, k, v, n0, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
-                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     """One BLOCK_N-key step of the online softmax over cached rows k, v (keys n0.., below end),
     the new row standing in at ``new_pos``. A tile with no key (an empty split) changes nothing."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -143,7 +173,7 @@ def _attend_tile(q, k, v, n0, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scal
     v = tl.where(is_new, new_v[None, :], v)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
-    scores = dot(q, tl.trans(k), IEEE) * qk_scale
+    scores = _scores(q, k, qk_scale, SOFTCAP, IEEE)
     scores = tl.where(mask_n[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key yet: exp2(-inf) = 0, not NaN
@@ -213,7 +243,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     # PDL: launched while the previous kernel (q/k/v) runs. The step inputs (lengths, block
     # table, slot mapping) and the cache rows of earlier steps need nothing from it, so the first
@@ -227,8 +257,10 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + s)
     n_q = tl.load(qsl_ptr + s + 1) - tl.load(qsl_ptr + s)
     seq_len = tl.where(n_q > 0, seq_len, 0)
-    per_split = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
-    start = split * per_split
+    # a sliding layer reads the window only: the splits share it, not the whole context
+    lo = _window_start(seq_len, seq_len - 1, WINDOW)
+    per_split = _split_len(seq_len - lo, NUM_SPLITS, BLOCK_N)
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -265,17 +297,17 @@ def _decode_kernel(
             k_next, v_next = _cached_kv_tile(kv_base, bt_row, n0, end, new_pos, offs_d, mask_d, stride_bt_b,
                                              stride_c_kv, stride_c_blk, stride_c_off, stride_c_d, BLOCK_SIZE, BLOCK_N)
             m_i, l_i, acc = _attend_tile(q, k, v, n_cur, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
-                                         BLOCK_N, IEEE)
+                                         BLOCK_N, SOFTCAP, IEEE)
             k, v, n_cur = k_next, v_next, n0
     else:
         # the first tile (loaded before the wait) is peeled off; the loop loads the rest
         m_i, l_i, acc = _attend_tile(q, k_first, v_first, start, end, m_i, l_i, acc, new_pos, new_k, new_v,
-                                     qk_scale, BLOCK_N, IEEE)
+                                     qk_scale, BLOCK_N, SOFTCAP, IEEE)
         for n0 in range(start + BLOCK_N, end, BLOCK_N):
             k, v = _cached_kv_tile(kv_base, bt_row, n0, end, new_pos, offs_d, mask_d, stride_bt_b,
                                    stride_c_kv, stride_c_blk, stride_c_off, stride_c_d, BLOCK_SIZE, BLOCK_N)
             m_i, l_i, acc = _attend_tile(q, k, v, n0, end, m_i, l_i, acc, new_pos, new_k, new_v, qk_scale,
-                                         BLOCK_N, IEEE)
+                                         BLOCK_N, SOFTCAP, IEEE)
 
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
@@ -298,7 +330,7 @@ def _decode_kernel(
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if ticket == NUM_SPLITS - 1:  # the last program of (s, kvh): all partials are in
             tl.debug_barrier()
-            n_live = tl.cdiv(seq_len, tl.maximum(per_split, 1))
+            n_live = tl.cdiv(seq_len - lo, tl.maximum(per_split, 1))
             _combine_splits(
                 mid_o_ptr, mid_lse_ptr, out_ptr, s, kvh, n_live,
                 stride_mo_s, stride_mo_h, stride_mo_p, stride_ml_s, stride_ml_h,
@@ -316,17 +348,20 @@ def _decode_kernel(
 
 @triton.jit
 def _prefill_tile(
-    q, acc, m_i, l_i, kv_base, bt_row, n0, q_pos, end, offs_d, mask_d, qk_scale,
+    q, acc, m_i, l_i, kv_base, bt_row, n0, q_pos, lo, end, offs_d, mask_d, qk_scale,
     stride_bt_b, stride_c_kv, stride_c_blk, stride_c_off, stride_c_d,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-    IEEE: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One BLOCK_N-key step of the online softmax. MASKED: a diagonal tile (causal limit and the
-    end of the keys apply); otherwise every key is visible to every row and nothing is masked.
-    The first tile a program runs holds key 0, visible to all rows, so m_i is finite after it."""
+    """One BLOCK_N-key step of the online softmax. MASKED: a tile some row sees only part of
+    (the causal limit, the window of a sliding layer and the end of the keys apply, and keys
+    below ``lo``, the block's first visible one, are not loaded); otherwise every key is visible
+    to every row and nothing is masked. Without a window the first tile a program runs holds
+    key 0, visible to all rows, so m_i is finite after it; with one, a row may see no key of
+    its first tiles, and the running max is guarded as in decode."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
-        mask_n = offs_n < end
+        mask_n = (offs_n < end) & (offs_n >= lo)
         blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_b, mask=mask_n, other=0)
     else:
         blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_b)
@@ -344,12 +379,19 @@ def _prefill_tile(
         v = tl.load(ptrs + stride_c_kv, mask=mask_d[None, :], other=0.0)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
-    scores = dot(q, tl.trans(k), IEEE) * qk_scale
+    scores = _scores(q, k, qk_scale, SOFTCAP, IEEE)
     if MASKED:
-        scores = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], scores, float("-inf"))
+        visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        if WINDOW > 0:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.exp2(scores - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if WINDOW > 0:
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key yet: exp2(-inf) = 0, not NaN
+    else:
+        m_use = m_new
+    p = tl.exp2(scores - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
     return acc, m_new, l_i
@@ -367,6 +409,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     # grid (T // TOKENS + S + 1, Hkv), sized from shapes alone (no host read of the longest
     # query): sequence s owns tiles [first(s), first(s + 1)) with
@@ -421,24 +464,40 @@ def _prefill_kernel(
         q_pos = ctx_before + i  # causal limit of each row (inclusive)
         first = ctx_before + mb * TOKENS  # the block's smallest query position
         end = ctx_before + tl.minimum((mb + 1) * TOKENS, q_len)  # one past its largest
-        full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys below: visible to every row
+        full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys below: causally visible to every row
+        # a sliding layer: keys from win_lo on are in some row's window, keys from window_all on
+        # in every row's (the last row's window starts at end - WINDOW); tiles [win_lo, in_all)
+        # are masked, [in_all, full_end) are not, [full_end, end) are masked (the diagonal)
+        win_lo = _window_start(seq_len, first, WINDOW)
+        if WINDOW > 0:
+            window_all = tl.cdiv(tl.maximum(end - WINDOW, 0), BLOCK_N) * BLOCK_N
+        else:
+            window_all = win_lo
+        in_all = tl.minimum(window_all, full_end)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_base = cache_ptr + kvh * stride_c_h
         bt_row = bt_ptr + s * stride_bt_s
-        for n0 in range(0, full_end, BLOCK_N):
+        if WINDOW > 0:
+            for n0 in range(win_lo // BLOCK_N * BLOCK_N, in_all, BLOCK_N):
+                acc, m_i, l_i = _prefill_tile(
+                    q, acc, m_i, l_i, kv_base, bt_row, n0, q_pos, win_lo, end, offs_d, mask_d, qk_scale,
+                    stride_bt_b, stride_c_kv, stride_c_blk, stride_c_off, stride_c_d,
+                    BLOCK_SIZE, BLOCK_N, True, HEAD_DIM == BLOCK_D, WINDOW, SOFTCAP, IEEE,
+                )
+        for n0 in range(in_all, full_end, BLOCK_N):
             acc, m_i, l_i = _prefill_tile(
-                q, acc, m_i, l_i, kv_base, bt_row, n0, q_pos, end, offs_d, mask_d, qk_scale,
+                q, acc, m_i, l_i, kv_base, bt_row, n0, q_pos, win_lo, end, offs_d, mask_d, qk_scale,
                 stride_bt_b, stride_c_kv, stride_c_blk, stride_c_off, stride_c_d,
-                BLOCK_SIZE, BLOCK_N, False, HEAD_DIM == BLOCK_D, IEEE,
+                BLOCK_SIZE, BLOCK_N, False, HEAD_DIM == BLOCK_D, WINDOW, SOFTCAP, IEEE,
             )
         for n0 in range(full_end, end, BLOCK_N):
             acc, m_i, l_i = _prefill_tile(
-                q, acc, m_i, l_i, kv_base, bt_row, n0, q_pos, end, offs_d, mask_d, qk_scale,
+                q, acc, m_i, l_i, kv_base, bt_row, n0, q_pos, win_lo, end, offs_d, mask_d, qk_scale,
                 stride_bt_b, stride_c_kv, stride_c_blk, stride_c_off, stride_c_d,
-                BLOCK_SIZE, BLOCK_N, True, HEAD_DIM == BLOCK_D, IEEE,
+                BLOCK_SIZE, BLOCK_N, True, HEAD_DIM == BLOCK_D, WINDOW, SOFTCAP, IEEE,
             )
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -503,18 +562,29 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def decode_plan(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> dict[str, int]:
+def for_head_dim(cfg: dict[str, int], head_dim: int) -> dict[str, int]:
+    """A launch config (tuned at head_dim 64/128) at ``head_dim``: past 128 (Gemma's 256) the
+    key tile shrinks in proportion and the decode prefetch is off, so a program holds the same
+    bytes of K/V in registers as at 128 (without it they spill: test_attention_interpret)."""
+    if head_dim <= 128:
+        return cfg
+    return dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] * 128 // next_pow2(head_dim)), PREFETCH=0)
+
+
+def decode_plan(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
+                head_dim: int = 128) -> dict[str, int]:
     """The decode launch for these shapes: the config plus NUM_SPLITS."""
-    cfg = launch_configs.get("paged_attention_decode", num_seqs)
+    cfg = for_head_dim(launch_configs.get("paged_attention_decode", num_seqs), head_dim)
     splits = num_decode_splits(num_seqs, num_kv_heads, max_context, cfg["BLOCK_N"], cfg["MAX_SPLITS"], device,
                                cfg.get("PROGRAMS_PER_SM", 2))
     return dict(cfg, NUM_SPLITS=splits)
 
 
 def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables,
-                           scale: float) -> torch.Tensor:
+                           scale: float, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """cllm::paged_attention of a decode batch (row s = sequence s's new token): one launch, no
-    host syncs, shapes-only launch (CUDA-graph capturable)."""
+    host syncs, shapes-only launch (CUDA-graph capturable). A sliding layer's splits share its
+    window, so its launch is sized by the window, not the block table."""
     T, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -522,7 +592,9 @@ def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq
     out = torch.empty((T, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    plan = decode_plan(T, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    max_context = block_tables.shape[1] * block_size
+    plan = decode_plan(T, num_kv_heads, min(max_context, sliding_window) if sliding_window else max_context,
+                       q.device, head_dim)
     splits = plan["NUM_SPLITS"]
     if splits == 1:  # the program writes the output itself: no partials, no counters
         mid_o = mid_lse = out  # not read
@@ -547,8 +619,8 @@ def paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_N=plan["BLOCK_N"], BLOCK_D=block_d,
         BLOCK_G=block_g, BLOCK_P=min(next_pow2(splits), next_pow2(plan.get("COMBINE_SPLITS", 16))),
-        IEEE=is_fp32(q), PDL=pdl, PREFETCH=bool(plan.get("PREFETCH", 0)), num_warps=plan["num_warps"],
-        num_stages=plan["num_stages"], **pdl_launch(pdl),
+        IEEE=is_fp32(q), PDL=pdl, PREFETCH=bool(plan.get("PREFETCH", 0)), WINDOW=int(sliding_window),
+        SOFTCAP=float(softcap), num_warps=plan["num_warps"], num_stages=plan["num_stages"], **pdl_launch(pdl),
     )
     return out
 
@@ -562,7 +634,8 @@ def prefill_tile(num_heads: int, num_kv_heads: int, block_m: int) -> tuple[int, 
     return rows, rows // group
 
 
-def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables, scale: float) -> torch.Tensor:
+def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables, scale: float,
+                            sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of packed query rows over the paged cache (their k/v already stored).
     No host sync (prefill steps run on while the host prepares the next; graphs capture it):
     the programs find their sequences themselves."""
@@ -574,7 +647,7 @@ def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables
     out = (torch.empty if S > 0 else torch.zeros)((T, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if T == 0 or S == 0:
         return out
-    cfg = launch_configs.get("paged_attention_prefill", T)
+    cfg = for_head_dim(launch_configs.get("paged_attention_prefill", T), head_dim)
     block_m, tokens = prefill_tile(num_heads, num_kv_heads, cfg["BLOCK_M"])
     _prefill_kernel[(T // tokens + S + 1, num_kv_heads)](
         q, kv_cache, block_tables, seq_lens, query_start_loc, out,
@@ -582,17 +655,21 @@ def paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables
         *q.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2], TOKENS=tokens,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=max(16, next_pow2(head_dim)),
-        IEEE=is_fp32(q), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=is_fp32(q), WINDOW=int(sliding_window), SOFTCAP=float(softcap), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out
 
 
-def paged_attention(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, scale: float):
+def paged_attention(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, scale: float,
+                    sliding_window: int = 0, softcap: float = 0.0):
     """cllm::paged_attention: store k/v at slot_mapping, then causal attention of each
-    sequence's rows over its paged context. Decode-shaped batches take the one-launch split-K
-    path (no host sync, capturable; it stores k/v itself); others kv_store + the prefill kernel."""
+    sequence's rows over its paged context (over its window only, for a sliding layer; with
+    soft-capped scores for Gemma 2). Decode-shaped batches take the one-launch split-K path (no
+    host sync, capturable; it stores k/v itself); others kv_store + the prefill kernel."""
     if is_decode_batch(q, query_start_loc):
         return paged_attention_decode(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables,
-                                      scale)
+                                      scale, sliding_window, softcap)
     kv_store(k, v, kv_cache, slot_mapping)
-    return paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+    return paged_attention_prefill(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window,
+                                   softcap)

@@ -1,8 +1,8 @@
 """ModelConfig: the few numbers and switches that tell the model families apart.
 
-GPT-2, Llama, Qwen2 and Qwen3 are one spec (``model/spec.py``); a family is a set of values of
-this dataclass, read from a Hugging Face ``config.json`` by the family's module in
-``model/families/``.
+Every family (GPT-2, Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3) is one spec (``model/spec.py``);
+a family is a set of values of this dataclass, read from a Hugging Face ``config.json`` by the
+family's module in ``model/families/``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from compiled_llm.model.families import SUPPORTED_ARCHITECTURES, architecture_of
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Frequency scaling of the rotary embedding, computed into its cos/sin table at build
-    (``ops.rope_cos_sin``): "llama3" (Llama 3.1 on) or "yarn" (Qwen2.5 and Qwen3 past 32k).
-    Fields are transformers' names; those of the other type keep their defaults."""
+    (``ops.rope_cos_sin``): "llama3" (Llama 3.1 on), "yarn" (Qwen2.5 and Qwen3 past 32k),
+    "linear" (Gemma 3's global layers) or "longrope" (Phi-3 128k, Phi-3.5). Fields are
+    transformers' names; those of the other types keep their defaults."""
 
     factor: float
     original_max_position_embeddings: int
@@ -39,6 +40,19 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # longrope: each dimension's frequency divided by its own factor (head_dim / 2 of them),
+    # the short ones at positions below the original context, the long ones from it on; cos/sin
+    # scaled by attention_factor (None: from factor). linear: every frequency divided by factor.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        # from_dict passes a JSON object's lists: kept as tuples, so that the config stays
+        # hashable and compares equal to the one it was written from
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(float(x) for x in value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +81,23 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # sliding-window attention: a query at position p of a "sliding_attention" layer sees the
+    # keys at p - sliding_window + 1 .. p; layer_types names each layer's kind (empty: all
+    # "full_attention"). Mistral: every layer sliding; Gemma 2: every other; Gemma 3: 5 of 6.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # RoPE base of the sliding layers when it differs from the global one (Gemma 3: 10,000 vs
+    # 1,000,000); their table has no frequency scaling
+    rope_local_theta: float | None = None
+    # Gemma: cap * tanh(x / cap) on attention scores and on the final logits
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # Gemma: scores scaled by query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5
+    query_pre_attn_scalar: float | None = None
+    # Gemma: embeddings times sqrt(hidden_size) (rounded to the activations' dtype, as
+    # transformers does); a norm after the attention and after the MLP as well as before each
+    embed_scale: bool = False
+    sandwich_norms: bool = False
 
     @property
     def q_size(self) -> int:
@@ -78,7 +109,20 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of ``layer``'s attention, 0 for a global layer."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding and self.sliding_window else 0
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer is a sliding one (Mistral 7B v0.1, Phi-3 4k): no step
+        reads a key more than a window behind its queries, so the cache may drop those blocks;
+        None when some layer attends to the whole context."""
+        windows = {self.layer_window(n) for n in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 and 0 not in windows else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,6 +133,7 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["layer_types"] = tuple(d.get("layer_types") or ())
         return cls(**d)
 
     @classmethod
@@ -102,7 +147,7 @@ class ModelConfig:
         """Parameter count (tied embeddings counted once)."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        mlp = (3 if self.mlp_type == "silu_glu" else 2) * h * i
+        mlp = (2 if self.mlp_type == "gelu_tanh" else 3) * h * i
         n = L * (attn + mlp) + self.vocab_size * h
         if not self.tie_word_embeddings:
             n += self.vocab_size * h
@@ -179,10 +224,11 @@ CONFIG_INT_RANGES = {
 CONFIG_CHOICES = {
     "architecture": SUPPORTED_ARCHITECTURES,
     "norm_type": ("rms", "layer"),
-    "mlp_type": ("silu_glu", "gelu_tanh"),
+    "mlp_type": ("silu_glu", "gelu_tanh_glu", "gelu_tanh"),
     "position_type": ("rope", "learned"),
 }
-CONFIG_FLAGS = ("qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings")
+CONFIG_FLAGS = ("qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings", "embed_scale", "sandwich_norms")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 MAX_EOS_TOKEN_IDS = 64
 
 
@@ -228,6 +274,7 @@ def checked_config_dict(d: Any) -> dict[str, Any]:
     if d["position_type"] == "rope" and d["head_dim"] % 2:
         raise ValueError(f"model_config head_dim is {d['head_dim']}; rotary embeddings need an even head_dim")
     _check_rope_scaling(d.get("rope_scaling"))
+    _check_attention_variants(d)
     bos = d.get("bos_token_id")
     # token ids outside the vocabulary occur in real configs (a tiny GPT-2 keeps 50256): the
     # loader drops them, so only their type and sign are checked
@@ -241,7 +288,11 @@ def checked_config_dict(d: Any) -> dict[str, Any]:
 
 
 # Each rope type's required fields (beyond factor and original_max_position_embeddings)
-ROPE_TYPE_FIELDS = {"llama3": ("low_freq_factor", "high_freq_factor"), "yarn": ()}
+ROPE_TYPE_FIELDS = {"llama3": ("low_freq_factor", "high_freq_factor"), "yarn": (), "linear": (),
+                    "longrope": ("short_factor", "long_factor")}
+# longrope's lists of per-dimension factors: one per rotated pair of a head's dimensions
+ROPE_FACTOR_LISTS = ("short_factor", "long_factor")
+MAX_ROPE_FACTORS = CONFIG_INT_RANGES["head_dim"][1] // 2
 
 
 def _check_rope_scaling(scaling: Any) -> None:
@@ -258,7 +309,9 @@ def _check_rope_scaling(scaling: Any) -> None:
     if not isinstance(rope_type, str) or rope_type not in ROPE_TYPE_FIELDS:
         raise ValueError(f"model_config rope_scaling.rope_type is {_shown(rope_type)}; it must be one of "
                          f"{', '.join(ROPE_TYPE_FIELDS)}")
-    for name in ("factor", *ROPE_TYPE_FIELDS[rope_type], *(n for n in ("beta_fast", "beta_slow") if n in scaling)):
+    required = ("factor", *ROPE_TYPE_FIELDS[rope_type])
+    for name in (*(n for n in required if n not in ROPE_FACTOR_LISTS),
+                 *(n for n in ("beta_fast", "beta_slow") if n in scaling)):
         if not _positive_float(scaling.get(name)):
             raise ValueError(f"model_config rope_scaling.{name} is {_shown(scaling.get(name))}; it must be a positive number")
     for name in ("attention_factor", "mscale", "mscale_all_dim", "low_freq_factor", "high_freq_factor"):
@@ -272,6 +325,53 @@ def _check_rope_scaling(scaling: Any) -> None:
                          "it must be a positive integer")
     if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError("model_config rope_scaling.high_freq_factor must be above low_freq_factor")
+    _check_rope_factor_lists(scaling, required)
+
+
+def _check_rope_factor_lists(scaling: dict[str, Any], required: tuple[str, ...]) -> None:
+    """longrope's short_factor and long_factor: lists of positive numbers, of one length (that
+    it is head_dim / 2 is checked where the table is built), required when ``required`` names them."""
+    lengths = {}
+    for name in ROPE_FACTOR_LISTS:
+        value = scaling.get(name)
+        if value is None and name not in required:
+            continue
+        if not isinstance(value, (list, tuple)) or not 1 <= len(value) <= MAX_ROPE_FACTORS:
+            raise ValueError(f"model_config rope_scaling.{name} is {_shown(value)}; it must be a list of 1.."
+                             f"{MAX_ROPE_FACTORS} positive numbers")
+        bad = next((i for i, x in enumerate(value) if not _positive_float(x)), None)
+        if bad is not None:
+            raise ValueError(f"model_config rope_scaling.{name}[{bad}] is {_shown(value[bad])}; "
+                             "it must be a positive number")
+        lengths[name] = len(value)
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"model_config rope_scaling.long_factor has {lengths['long_factor']} entries but "
+                         f"short_factor has {lengths['short_factor']}; they must be as many")
+
+
+def _check_attention_variants(d: dict[str, Any]) -> None:
+    """The sliding-window, soft-capping and scaling fields (all optional)."""
+    window = d.get("sliding_window")
+    if window is not None and (not _is_int(window) or not 1 <= window <= CONFIG_INT_RANGES["max_position_embeddings"][1]):
+        raise ValueError(f"model_config sliding_window is {_shown(window)}; it must be null or a positive integer")
+    types = d.get("layer_types", ())
+    if not isinstance(types, (list, tuple)) or (types and len(types) != d["num_layers"]):
+        raise ValueError(f"model_config layer_types is {_shown(types)}; it must list one kind per layer "
+                         f"({d['num_layers']})")
+    bad = next((t for t in types if t not in LAYER_TYPES), None)
+    if bad is not None:
+        raise ValueError(f"model_config layer_types holds {_shown(bad)}; each must be one of {', '.join(LAYER_TYPES)}")
+    if window is None and "sliding_attention" in types:
+        raise ValueError("model_config layer_types has sliding layers but sliding_window is null")
+    if d.get("rope_local_theta") is not None and not _positive_float(d["rope_local_theta"]):
+        raise ValueError(f"model_config rope_local_theta is {_shown(d['rope_local_theta'])}; it must be null or a "
+                         "positive number")
+    # caps and scales the kernels take as float32 constants: bounded far past any model's
+    for name, (lo, hi) in {"attn_softcap": (1e-3, 1e4), "final_softcap": (1e-3, 1e4),
+                           "query_pre_attn_scalar": (1e-3, 1e6)}.items():
+        value = d.get(name)
+        if value is not None and not (_positive_float(value) and lo <= value <= hi):
+            raise ValueError(f"model_config {name} is {_shown(value)}; it must be null or a number in [{lo:g}, {hi:g}]")
 
 
 def _shown(value: Any) -> str:

@@ -86,6 +86,43 @@ def _phi3(**kw) -> dict[str, Any]:
     return d
 
 
+def _gemma2(**kw) -> dict[str, Any]:
+    d = {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "tie_word_embeddings": True,
+    }
+    d.update(kw)
+    return d
+
+
+def _gemma3(**kw) -> dict[str, Any]:
+    d = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": None,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "tie_word_embeddings": True,
+    }
+    d.update(kw)
+    return d
+
+
 def _gpt2(**kw) -> dict[str, Any]:
     d = {
         "architectures": ["GPT2LMHeadModel"],
@@ -124,10 +161,18 @@ _PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
     ),
-    "phi-3-mini": _phi3(  # 4k: its 2,047-token sliding window cuts the context (families/base.py)
+    "phi-3-mini": _phi3(  # 4k, with a 2,047-token sliding window on every layer
         vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
         original_max_position_embeddings=4096, sliding_window=2047,
+    ),
+    "gemma-2-2b": _gemma2(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+    ),
+    "gemma-3-1b": _gemma3(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
     ),
     "qwen2.5-7b": _qwen2(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -150,9 +195,19 @@ _PRESETS: dict[str, dict[str, Any]] = {
         rope_scaling=dict(_LLAMA3_SCALING, factor=8.0, original_max_position_embeddings=256),
     ),
     "tiny-gpt2": _gpt2(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024),
-    "tiny-mistral": _mistral(
+    "tiny-mistral": _mistral(  # a window that prompts and generations outrun
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=48,
+    ),
+    "tiny-gemma2": _gemma2(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        query_pre_attn_scalar=32, sliding_window=48,
+    ),
+    "tiny-gemma3": _gemma3(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+        query_pre_attn_scalar=32, sliding_window=48, sliding_window_pattern=3,
     ),
 }
 

@@ -1,7 +1,7 @@
 """The model, written once: a pure function of (params, packed batch, paged KV cache).
 
-One function serves GPT-2, Llama, Qwen2 and Qwen3; the families differ only by ModelConfig
-fields (how each reads its checkpoint is ``model/families/``). Batches are flat as in vLLM v1, so prefill, decode and mixed steps are the same code
+One function serves every family (GPT-2, Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3); they differ
+only by ModelConfig fields (how each reads its checkpoint is ``model/families/``). Batches are flat as in vLLM v1, so prefill, decode and mixed steps are the same code
 with different shapes:
 
     token_ids[T], positions[T]       every scheduled token of every sequence, packed
@@ -30,6 +30,8 @@ import compiled_llm.graph.ops as ops
 from compiled_llm.model.config import ModelConfig
 
 ROPE_PARAM = "rope.cos_sin"
+# the sliding layers' table where their RoPE base differs (Gemma 3)
+LOCAL_ROPE_PARAM = "rope.local.cos_sin"
 
 
 class PackedBatch(NamedTuple):
@@ -53,10 +55,13 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["pos_embed.weight"] = (c.max_position_embeddings, h)
     else:
         shapes[ROPE_PARAM] = (c.max_position_embeddings, c.head_dim)
+        if c.rope_local_theta is not None:
+            shapes[LOCAL_ROPE_PARAM] = (c.max_position_embeddings, c.head_dim)
     layer_norm = c.norm_type == "layer"
+    norms = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm") if c.sandwich_norms else ("attn_norm", "mlp_norm")
     for n in range(c.num_layers):
         p = f"layers.{n}."
-        for norm in ("attn_norm", "mlp_norm"):
+        for norm in norms:
             shapes[p + norm + ".weight"] = (h,)
             if layer_norm:
                 shapes[p + norm + ".bias"] = (h,)
@@ -73,7 +78,7 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "o.weight"] = (h, c.q_size)
         if c.o_bias:
             shapes[p + "o.bias"] = (h,)
-        if c.mlp_type == "silu_glu":
+        if c.mlp_type in ("silu_glu", "gelu_tanh_glu"):
             shapes[p + "gate.weight"] = (i, h)
             shapes[p + "up.weight"] = (i, h)
             shapes[p + "down.weight"] = (h, i)
@@ -94,10 +99,16 @@ def derived_params(config: ModelConfig, device: torch.device | str) -> dict[str,
     """Params computed from the config rather than read from a checkpoint (kept in float32)."""
     if config.position_type != "rope":
         return {}
-    table = ops.rope_cos_sin(
-        config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-    )
-    return {ROPE_PARAM: table.to(device)}
+    c = config
+    tables = {ROPE_PARAM: ops.rope_cos_sin(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)}
+    if c.rope_local_theta is not None:
+        tables[LOCAL_ROPE_PARAM] = ops.rope_cos_sin(c.head_dim, c.max_position_embeddings, c.rope_local_theta)
+    return {name: table.to(device) for name, table in tables.items()}
+
+
+def is_derived(name: str) -> bool:
+    """True for a param ``derived_params`` computes (the RoPE tables, kept in float32)."""
+    return name in (ROPE_PARAM, LOCAL_ROPE_PARAM)
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -131,8 +142,13 @@ def _attention(
     if c.qk_norm:
         q = ops.rms_norm(q, params[p + "q_norm.weight"], c.norm_eps)
         k = ops.rms_norm(k, params[p + "k_norm.weight"], c.norm_eps)
+    window = c.layer_window(layer)
     if c.position_type == "rope":
-        q, k = ops.rotary_embedding(q, k, batch.positions, params[ROPE_PARAM])
+        table = LOCAL_ROPE_PARAM if window and c.rope_local_theta is not None else ROPE_PARAM
+        q, k = ops.rotary_embedding(q, k, batch.positions, params[table])
+    # a sliding window and soft-capping are the op's trailing arguments, left out where unused
+    # so that the other families' graphs are what they were
+    variant = (window, c.attn_softcap or 0.0) if window or c.attn_softcap else ()
     out = ops.paged_attention(
         q,
         k,
@@ -143,6 +159,7 @@ def _attention(
         batch.seq_lens,
         batch.block_tables,
         c.attn_scale,
+        *variant,
     )
     return _linear(params, p + "o", out.view(T, c.q_size))
 
@@ -153,6 +170,10 @@ def _mlp(config: ModelConfig, params: dict[str, Tensor], layer: int, x: Tensor) 
         gate = _linear(params, p + "gate", x)
         up = _linear(params, p + "up", x)
         return _linear(params, p + "down", F.silu(gate) * up)
+    if config.mlp_type == "gelu_tanh_glu":  # Gemma's GeGLU
+        gate = _linear(params, p + "gate", x)
+        up = _linear(params, p + "up", x)
+        return _linear(params, p + "down", F.gelu(gate, approximate="tanh") * up)
     return _linear(params, p + "proj", F.gelu(_linear(params, p + "fc", x), approximate="tanh"))
 
 
@@ -165,17 +186,26 @@ def forward(
 ) -> Tensor:
     """Logits [S, vocab] of the last scheduled token of each sequence, or [len(logits_rows),
     vocab] of the token rows ``logits_rows``; writes the batch's keys/values into kv_cache."""
+    c = config
     h = F.embedding(batch.token_ids, params["embed.weight"])
-    if config.position_type == "learned":
+    if c.embed_scale:
+        h = h * ops.round_to_dtype(c.hidden_size ** 0.5, h.dtype)
+    if c.position_type == "learned":
         h = h + F.embedding(batch.positions, params["pos_embed.weight"])
-    for layer in range(config.num_layers):
+    for layer in range(c.num_layers):
         p = f"layers.{layer}."
-        h = h + _attention(config, params, layer, _norm(config, params, p + "attn_norm", h), batch, kv_cache)
-        h = h + _mlp(config, params, layer, _norm(config, params, p + "mlp_norm", h))
+        attn = _attention(c, params, layer, _norm(c, params, p + "attn_norm", h), batch, kv_cache)
+        if c.sandwich_norms:
+            attn = _norm(c, params, p + "post_attn_norm", attn)
+        h = h + attn
+        mlp = _mlp(c, params, layer, _norm(c, params, p + "mlp_norm", h))
+        if c.sandwich_norms:
+            mlp = _norm(c, params, p + "post_mlp_norm", mlp)
+        h = h + mlp
     rows = batch.query_start_loc[1:] - 1 if logits_rows is None else logits_rows
-    h = _norm(config, params, "final_norm", h.index_select(0, rows))
-    lm_head = params["embed.weight"] if config.tie_word_embeddings else params["lm_head.weight"]
-    return F.linear(h, lm_head)
+    h = _norm(c, params, "final_norm", h.index_select(0, rows))
+    lm_head = params["embed.weight"] if c.tie_word_embeddings else params["lm_head.weight"]
+    return ops.soft_cap(F.linear(h, lm_head), c.final_softcap or 0.0)
 
 
 class SpecProgram:

@@ -55,6 +55,12 @@ def _to_spec_layout(
     return list(zip(names, t.split(rows, dim=0)))
 
 
+def _is_norm_weight(spec_name: str) -> bool:
+    """A norm's scale (``layers.3.post_attn_norm.weight``, ``final_norm.weight``)."""
+    parts = spec_name.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2].endswith("norm")
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
@@ -136,6 +142,8 @@ def load_params(
                 raise WeightLoadError(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; {config.architecture} with this config expects {expected[name]} for {name}"
                 )
+            if family.norm_offset and _is_norm_weight(name):
+                t = t.float() + family.norm_offset  # added in float32, as transformers does, then cast
             loaded = t.to(device=device, dtype=dtype).contiguous()
             if not _all_finite(loaded):  # checked on the target device, after the cast
                 raise _non_finite_error(file, hf_name, tensor, loaded)

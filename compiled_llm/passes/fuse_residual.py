@@ -9,6 +9,12 @@ as that op's epilogue instead of as a launch of its own.
   h = r + all_reduce(linear(x, W, b))         => h = all_reduce(cllm::linear(x, W, b), r)
                                                 (the linear then runs the engine's GEMV at decode
                                                 sizes, as fused_linear_residual does unsharded)
+  h = r + rms_norm(x, w, eps)                 => h = fused_rms_norm_residual(x, w, eps, r)
+  rms_norm([all_reduce(]linear(x, W, b)[)])  => rms_norm([all_reduce(]cllm::linear(x, W, b)[)])
+                                                (Gemma's sandwich: a sublayer's output is normed
+                                                before the residual add, which the norm takes;
+                                                the o projection has no add to take, but runs
+                                                the engine's GEMV all the same)
 
 Either operand order matches (float addition commutes bit for bit). The producer must have no
 other user (its output before the add is needed nowhere else), and the add must neither
@@ -46,11 +52,12 @@ def _plain_add(node: Node) -> bool:
 
 
 def _mlp_without_residual(node: Node) -> bool:
-    """A fused MLP called positionally (as fuse_norm_mlp emits it) that adds no residual yet."""
+    """A fused MLP called positionally (as fuse_norm_mlp emits it) that adds no residual yet;
+    arguments after the residual (the GLU MLP's activation) may follow its None."""
     if not is_call(node, *_MLP_ARITY) or node.kwargs:
         return False
     n = _MLP_ARITY[node.target]
-    return len(node.args) == n or (len(node.args) == n + 1 and node.args[n] is None)
+    return len(node.args) == n or (len(node.args) > n and node.args[n] is None)
 
 
 def _with_residual(producer: Node, residual: Node) -> tuple[Any, tuple] | None:
@@ -60,8 +67,11 @@ def _with_residual(producer: Node, residual: Node) -> tuple[Any, tuple] | None:
         return cllm.fused_linear_residual.default, (x, w, b, residual)
     if is_call(producer, cllm.all_reduce.default) and len(producer.args) == 1 and not producer.kwargs:
         return producer.target, (producer.args[0], residual)
+    if is_call(producer, cllm.rms_norm.default) and len(producer.args) == 3 and not producer.kwargs:
+        return cllm.fused_rms_norm_residual.default, (*producer.args, residual)
     if _mlp_without_residual(producer):
-        return producer.target, (*producer.args[: _MLP_ARITY[producer.target]], residual)
+        n = _MLP_ARITY[producer.target]
+        return producer.target, (*producer.args[:n], residual, *producer.args[n + 1:])
     return None
 
 
@@ -92,11 +102,24 @@ def _fuse(gm: GraphModule, add: Node) -> bool:
     return False
 
 
+def _feeds_a_post_norm(node: Node) -> bool:
+    """An aten.linear whose only reader is an RMSNorm (a post-norm, before the residual add),
+    directly or through its all-reduce (a sharded program's row-parallel o projection)."""
+    if not (is_call(node, aten.linear.default) and single_user(node)):
+        return False
+    reader = next(iter(node.users))
+    if is_call(reader, cllm.all_reduce.default) and single_user(reader):
+        reader = next(iter(reader.users))
+    return is_call(reader, cllm.rms_norm.default)
+
+
 def run(gm: GraphModule, ctx: PassContext) -> int:
     count = 0
     for node in list(gm.graph.nodes):
         if _plain_add(node) and _fuse(gm, node):
             count += 1
+        elif _feeds_a_post_norm(node):
+            _to_engine_linear(node)
     finish(gm)
     return count
 

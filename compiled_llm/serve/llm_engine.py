@@ -26,7 +26,7 @@ from compiled_llm.serve.engine_config import EngineConfig
 from compiled_llm.serve.worker.sampler import make_generator
 from compiled_llm.serve.sampling_params import SamplingParams
 from compiled_llm.serve.worker import kv_cache as kvc
-from compiled_llm.serve.core.block_manager import BlockManager, cdiv
+from compiled_llm.serve.core.block_manager import BlockManager, cdiv, hybrid_kv_savings
 from compiled_llm.serve.core.detokenizer import IncrementalDetokenizer
 from compiled_llm.serve.executor.multiproc import MultiprocExecutor
 from compiled_llm.engine.loaded_model import LoadedModel
@@ -147,7 +147,8 @@ class LLMEngine:
         kv_cache = kvc.allocate(mc, num_blocks, bs, model.dtype, self.device)
         self._stats.init_s = {"kv_sizing": t1 - t0, "kv_alloc": time.perf_counter() - t1}
 
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, sliding_window=mc.kv_window)
+        _log_kv_layout(mc, self.max_model_len, bs, config.max_num_batched_tokens)
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -670,6 +671,25 @@ class LLMEngine:
 
     def prefix_cache_stats(self):
         return self.block_manager.stats
+
+
+def _log_kv_layout(mc, max_model_len: int, block_size: int, step_tokens: int) -> None:
+    """Say once, at start-up, how a sliding window shapes the KV cache of ``mc`` (the
+    ModelConfig): a model whose layers all slide gives back the blocks behind the window; one
+    mixing sliding and global layers keeps one pool with the whole context for every layer, and
+    this says what a hybrid allocator (a pool per layer kind) would save, its sliding pools
+    holding a step's ``step_tokens`` (a prefill chunk) on top of the window."""
+    if mc.kv_window is not None:
+        logger.info("sliding window of %d tokens on every layer: each sequence's KV blocks behind it are given back",
+                    mc.kv_window)
+        return
+    saved = hybrid_kv_savings(mc, max_model_len, block_size, step_tokens)
+    if saved > 0:
+        local = sum(1 for layer in range(mc.num_layers) if mc.layer_window(layer))
+        logger.info("%d of %d layers attend within a sliding window of %d tokens, but the KV cache keeps one pool with "
+                    "the whole context for every layer: a hybrid allocator would save %.0f%% of the KV memory at "
+                    "max_model_len %d (steps of up to %d tokens)", local, mc.num_layers, mc.sliding_window,
+                    100 * saved, max_model_len, step_tokens)
 
 
 def solo_prefill_max_tokens(config: EngineConfig, device: torch.device, max_model_len: int) -> int:

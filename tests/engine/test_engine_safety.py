@@ -414,6 +414,24 @@ def test_a_model_config_out_of_range_is_one_line_naming_the_field(tampered, fiel
     assert field in message or (field == "num_layers" and "layer 2" in message), message
 
 
+@pytest.mark.parametrize("field, value", [
+    ("attn_softcap", 1e300), ("final_softcap", 0.0), ("query_pre_attn_scalar", 1e-9), ("sliding_window", 0),
+    ("layer_types", ["sliding_attention"]), ("layer_types", ["local", "global"]), ("rope_local_theta", -1.0),
+])
+def test_a_tampered_window_or_cap_is_one_line_naming_the_field(tampered, field, value):
+    edit_model_config(tampered, **{field: value})
+    message = one_line_refusal(tampered)
+    assert "manifest.json" in message and field in message, message
+
+
+def test_a_manifest_whose_windows_the_program_lacks_is_refused(tampered):
+    """Every layer sliding in the manifest, none in the program: the runtime would give back KV
+    blocks the program still reads, so the load refuses the engine."""
+    edit_model_config(tampered, sliding_window=8, layer_types=["sliding_attention"] * 2)
+    message = one_line_refusal(tampered)
+    assert "manifest" in message and "sliding windows" in message
+
+
 def test_a_negative_max_model_len_is_one_line(tampered):
     m = json.loads((tampered / "manifest.json").read_text())
     rewrite_manifest(tampered, build_options={**m["build_options"], "max_model_len": -5})

@@ -13,7 +13,10 @@ What is specified here:
     so consecutive calls (decode steps, layers) reuse them;
   * prefill / mixed batches (chunked prefill over a cached prefix, decode rows among prompts)
     with the GQA group stacked into one tile, for groups 3 and 7, block sizes 4 and 16, tiles
-    smaller and larger than the chunks, lengths that fit no tile.
+    smaller and larger than the chunks, lengths that fit no tile;
+  * sliding layers (windows shorter than a tile, than a block, than the chunk, and longer than
+    the context) read no block wholly before their window, nor its block-table entry, in
+    decode and prefill; soft-capped scores (Gemma 2) in both.
 """
 
 import os
@@ -94,7 +97,7 @@ def decode_steps(case: AttnCase, steps: int, pad_rows: int = 0) -> list[AttnCase
             query_start_loc=torch.arange(S + pad_rows + 1, dtype=torch.int32),
             seq_lens=pad(case.seq_lens - (steps - 1 - j)),
             block_tables=pad(case.block_tables),
-            scale=case.scale,
+            scale=case.scale, sliding_window=case.sliding_window, softcap=case.softcap,
         ))
     return out
 
@@ -255,3 +258,67 @@ def test_prefill_rows_past_the_last_sequence_are_zero(pad, monkeypatch):
     assert out[T:].abs().sum() == 0
     assert same_cache(cache, ref_cache)
     assert rel_err(out, ref) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# sliding windows and soft-capping: arguments of the same kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def windowed(case: AttnCase, window: int, softcap: float = 0.0) -> AttnCase:
+    """``case`` on a sliding layer: blocks wholly before each sequence's window hold NaN and its
+    table points them at a NaN block, as after the cache gave them back."""
+    case.sliding_window, case.softcap = window, softcap
+    if window:
+        case.drop_blocks_outside_window()
+    return case
+
+
+@pytest.mark.parametrize("window", [3, 16, 37, 1000])
+@pytest.mark.parametrize("max_splits", [1, 3])
+def test_decode_on_a_sliding_layer_reads_only_the_window(window, max_splits):
+    use_decode_config(block_n=16, max_splits=max_splits)
+    case = decode_steps(attention_case([(0, 1), (16, 1), (40, 1), (70, 1), (7, 1)], num_heads=6, num_kv_heads=2,
+                                       head_dim=24, block_size=4, dtype=F32, device="cpu", seed=41, max_blocks=32),
+                        steps=1, pad_rows=1)[0]
+    windowed(case, window)
+    out, ref, cache, ref_cache = run_both(case)
+    assert same_cache(cache, ref_cache)
+    assert rel_err(out, ref) <= TOL, rel_err(out, ref)
+    assert counters_are_zero()
+
+
+def test_decode_window_sizes_the_splits_not_the_block_table():
+    use_decode_config(block_n=16, max_splits=64)
+    wide = pa.decode_plan(1, 2, 1024, CPU)["NUM_SPLITS"]
+    assert wide > pa.decode_plan(1, 2, 32, CPU)["NUM_SPLITS"] == 2
+
+
+@pytest.mark.parametrize("window", [2, 5, 16, 40, 1000])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_and_mixed_batch_on_a_sliding_layer(window, block_size):
+    use_prefill_config(32, 16)
+    case = windowed(attention_case(MIXED, num_heads=6, num_kv_heads=2, head_dim=24, block_size=block_size,
+                                   dtype=F32, device="cpu", seed=50 + window), window)
+    out, ref, cache, ref_cache = run_both(case)
+    assert same_cache(cache, ref_cache)
+    assert rel_err(out, ref) <= TOL, rel_err(out, ref)
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_soft_capped_scores_in_decode_and_prefill(window):
+    use_decode_config(block_n=16, max_splits=3)
+    use_prefill_config(32, 16)
+    prefill = attention_case(MIXED, num_heads=6, num_kv_heads=2, head_dim=24, block_size=4, dtype=F32,
+                             device="cpu", seed=60)
+    # scores of a few units: a cap of 2 bends them, so a kernel without it is far off
+    prefill.q = prefill.q * 3
+    decode = decode_steps(attention_case([(40, 1), (3, 1)], num_heads=6, num_kv_heads=2, head_dim=24, block_size=4,
+                                         dtype=F32, device="cpu", seed=61, max_blocks=16), steps=1)[0]
+    decode.q = decode.q * 3
+    for case in (windowed(prefill, window, 2.0), windowed(decode, window, 2.0)):
+        out, ref, cache, ref_cache = run_both(case)
+        assert same_cache(cache, ref_cache)
+        assert rel_err(out, ref) <= TOL, rel_err(out, ref)
+        uncapped = ops.paged_attention(*AttnCase(**{**case.__dict__, "softcap": 0.0}).args(case.kv_cache.clone()))
+        assert rel_err(uncapped, ref) > 0.05

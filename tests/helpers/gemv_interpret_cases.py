@@ -161,24 +161,26 @@ def _residual(T, H, seed):
     return torch.randn((T, H), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("activation", fused_ops.GLU_ACTIVATIONS)  # SwiGLU (Llama, Qwen), GeGLU (Gemma)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("form,T", [("decode", 1), ("decode", 3), ("decode", 7), ("prefill", 2), ("prefill", 9)])
-def test_rms_norm_glu_mlp_matches_reference(form, T, with_residual):
+def test_rms_norm_glu_mlp_matches_reference(form, T, with_residual, activation):
     args = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=20 + T)
     r = _residual(T, 40, T) if with_residual else None
-    out = triton_norm_mlp.fused_rms_norm_glu_mlp(*args, residual=r, form=form)
-    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, residual=r)) <= TOL
+    out = triton_norm_mlp.fused_rms_norm_glu_mlp(*args, residual=r, activation=activation, form=form)
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, residual=r, activation=activation)) <= TOL
 
 
+@pytest.mark.parametrize("activation", fused_ops.GLU_ACTIVATIONS)
 @pytest.mark.parametrize("form,T", [("decode", 1), ("prefill", 9)])
-def test_rms_norm_glu_mlp_with_its_own_input_as_residual(form, T):
+def test_rms_norm_glu_mlp_with_its_own_input_as_residual(form, T, activation):
     # h + mlp(norm(h)), as every Llama/Qwen layer calls it: the prefill form accumulates down into
     # the copy of h its norm launch writes; h itself must stay untouched
     x, *rest = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=70 + T)
     before = x.clone()
-    out = triton_norm_mlp.fused_rms_norm_glu_mlp(x, *rest, residual=x, form=form)
+    out = triton_norm_mlp.fused_rms_norm_glu_mlp(x, *rest, residual=x, activation=activation, form=form)
     assert torch.equal(x, before) and out.data_ptr() != x.data_ptr()
-    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(x, *rest, residual=x)) <= TOL
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(x, *rest, residual=x, activation=activation)) <= TOL
 
 
 def test_rms_norm_and_copy_returns_the_norm_and_a_fresh_copy():
@@ -202,26 +204,39 @@ def test_layer_norm_gelu_mlp_matches_reference(form, T, with_residual):
 
 
 @pytest.mark.parametrize("T", [1, pytest.param(5, marks=SLOW)])
-@pytest.mark.parametrize("gelu", [False, True])
-def test_norm_mlp_decode_with_tiny_blocks(gelu, T):
+@pytest.mark.parametrize("mlp", ["swiglu", "geglu", "gelu"])
+def test_norm_mlp_decode_with_tiny_blocks(mlp, T):
     # 5 rows in blocks of 2 (1 row: the one-row kernels), 56/72 intermediate rows in blocks of 4,
     # H in chunks of 16 (last partial)
     launch_configs.use_configs({"norm_mlp_decode": {"inf": TINY_MLP}, "norm_mlp_down": {"inf": TINY_GEMV}})
-    if gelu:
-        args = mlp_gelu_inputs(T, 40, 72, F32, "cpu", seed=40)
-        fn, ref_fn = triton_norm_mlp.fused_layer_norm_gelu_mlp, fused_ops.fused_layer_norm_gelu_mlp_ref
-    else:
-        args = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=41)
-        fn, ref_fn = triton_norm_mlp.fused_rms_norm_glu_mlp, fused_ops.fused_rms_norm_glu_mlp_ref
     r = _residual(T, 40, 42)
-    assert rel_err(fn(*args, residual=r, form="decode"), ref_fn(*args, residual=r)) <= TOL
+    if mlp == "gelu":
+        args = mlp_gelu_inputs(T, 40, 72, F32, "cpu", seed=40)
+        out = triton_norm_mlp.fused_layer_norm_gelu_mlp(*args, residual=r, form="decode")
+        assert rel_err(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args, residual=r)) <= TOL
+        return
+    activation = "gelu_tanh" if mlp == "geglu" else "silu"
+    args = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=41)
+    out = triton_norm_mlp.fused_rms_norm_glu_mlp(*args, residual=r, activation=activation, form="decode")
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, r, activation)) <= TOL
 
 
-def test_norm_mlp_decode_activation_is_silu_gate_times_up():
-    x, nw, eps, gate_up, _ = mlp_glu_inputs(3, 40, 56, F32, "cpu", seed=43)
-    act = triton_norm_mlp.decode_activation(x, nw, None, eps, gate_up, None, True, True)
+@pytest.mark.parametrize("T", [1, 3])  # the one-row kernel, the general one
+@pytest.mark.parametrize("activation", fused_ops.GLU_ACTIVATIONS)
+def test_norm_mlp_decode_activation_is_the_gate_activation_times_up(activation, T):
+    x, nw, eps, gate_up, _ = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=43)
+    act = triton_norm_mlp.decode_activation(x, nw, None, eps, gate_up, None, True, True, activation=activation)
     gate, up = F.linear(ops.rms_norm_ref(x, nw, eps), gate_up).chunk(2, -1)
-    assert act.shape == (3, 56) and rel_err(act, F.silu(gate) * up) <= TOL
+    want = F.silu(gate) * up if activation == "silu" else F.gelu(gate, approximate="tanh") * up
+    assert act.shape == (T, 56) and rel_err(act, want) <= TOL
+
+
+def test_norm_mlp_refuses_an_unknown_activation():
+    """A name the kernels do not know (a tampered program.json) is an error, never silu."""
+    args = mlp_glu_inputs(1, 40, 56, F32, "cpu", seed=44)
+    for form in ("decode", "prefill"):
+        with pytest.raises(ValueError, match="unknown GLU activation 'gelu'"):
+            triton_norm_mlp.fused_rms_norm_glu_mlp(*args, activation="gelu", form=form)
 
 
 def test_norm_mlp_takes_leading_dims():
@@ -467,6 +482,20 @@ def test_int4_norm_mlps_equal_their_dequantizing_references(T, tiny, H, I):
     assert rel_err(triton_norm_mlp.fused_layer_norm_gelu_mlp_wq(*args), ref) <= TOL
 
 
+@pytest.mark.parametrize("scheme,T", [("int8", 1), ("int8", 3), ("int4", 1), ("int4", 3)])
+def test_quantized_geglu_mlp_equals_its_dequantizing_reference(scheme, T):
+    """Gemma's GeGLU through the quantized decode forms: int8 in the one-row (T = 1) and the
+    general kernel, int4 in the INT4 form (int4 groups of 8 columns at H = 40, I = 56)."""
+    from compiled_llm.graph import quantized_ops
+
+    quant = _int8 if scheme == "int8" else _int4
+    x, nw, eps, gate_up, down = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=125 + T)
+    r = torch.randn(T, 40, generator=torch.Generator().manual_seed(T))
+    args = (x, nw, eps, *quant(gate_up), *quant(down), r, "gelu_tanh")
+    ref = quantized_ops.fused_rms_norm_glu_mlp_wq_ref(*args)
+    assert rel_err(triton_norm_mlp.fused_rms_norm_glu_mlp_wq(*args), ref) <= TOL
+
+
 def test_int4_and_int8_weights_mix_in_one_mlp():
     """Each weight's scheme is its own: int4 gate/up and an int8 down projection."""
     from compiled_llm.graph import quantized_ops
@@ -556,6 +585,9 @@ def test_quantized_norm_mlps_at_prefill_sizes_equal_their_dequantizing_reference
     args = (x, nw, eps, *quant(gate_up), *quant(down), r)
     ref = quantized_ops.fused_rms_norm_glu_mlp_wq_ref(*args)
     assert rel_err(triton_norm_mlp.fused_rms_norm_glu_mlp_wq(*args), ref) <= TOL
+    geglu = (*args, "gelu_tanh")
+    ref = quantized_ops.fused_rms_norm_glu_mlp_wq_ref(*geglu)
+    assert rel_err(triton_norm_mlp.fused_rms_norm_glu_mlp_wq(*geglu), ref) <= TOL
     x, nw, nb, eps, fc, fb, proj, pb = mlp_gelu_inputs(T, 96, 64, F32, "cpu", seed=142)
     args = (x, nw, nb, eps, *quant(fc), fb, *quant(proj), pb, r)
     ref = quantized_ops.fused_layer_norm_gelu_mlp_wq_ref(*args)

@@ -30,6 +30,17 @@ FAMILY_CONFIGS = {
     # Phi-3 mini's shape of config at a small size (its pad/bos/eos ids lie past this vocabulary)
     "phi3": lambda: transformers.Phi3Config(**_small(tie_word_embeddings=False, sliding_window=None,
                                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Gemma 2 at a small size: soft-capped scores and logits, sandwich norms, GeGLU, and a
+    # window (every other layer) that the tests' prompts outrun
+    "gemma2": lambda: transformers.Gemma2Config(**_small(head_dim=32, query_pre_attn_scalar=32, sliding_window=24,
+                                                         tie_word_embeddings=True)),
+    # Gemma 3: two sliding layers to a global one, each kind with its own RoPE (the global one
+    # scaled linearly, as in the 4B+ checkpoints), q/k norms
+    "gemma3": lambda: transformers.Gemma3TextConfig(**_small(
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=24, num_hidden_layers=3, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 MODEL_CLASSES = {
     "qwen2": transformers.Qwen2ForCausalLM,
@@ -38,6 +49,8 @@ MODEL_CLASSES = {
     "gpt2": transformers.GPT2LMHeadModel,
     "mistral": transformers.MistralForCausalLM,
     "phi3": transformers.Phi3ForCausalLM,
+    "gemma2": transformers.Gemma2ForCausalLM,
+    "gemma3": transformers.Gemma3ForCausalLM,
 }
 
 

@@ -45,10 +45,29 @@ class AttnCase:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     scale: float
+    sliding_window: int = 0
+    softcap: float = 0.0
 
     def args(self, kv_cache=None):
         return (self.q, self.k, self.v, self.kv_cache if kv_cache is None else kv_cache, self.slot_mapping,
-                self.query_start_loc, self.seq_lens, self.block_tables, self.scale)
+                self.query_start_loc, self.seq_lens, self.block_tables, self.scale, self.sliding_window,
+                self.softcap)
+
+    def drop_blocks_outside_window(self) -> None:
+        """Point every block table entry wholly before its sequence's first window (blocks a
+        cache with a window may have given back) at a block of NaN, and fill those blocks with
+        NaN too: a kernel that reads one shows it. Needs an extra block nobody writes."""
+        block_size = self.kv_cache.shape[2]
+        used = {int(b) for s, n in enumerate(self.seq_lens.tolist())
+                for b in self.block_tables[s, :-(-n // block_size)]}
+        nan_block = next(b for b in range(self.kv_cache.shape[1]) if b not in used)
+        self.kv_cache[:, nan_block] = float("nan")
+        for s in range(self.seq_lens.shape[0]):
+            n_q = int(self.query_start_loc[s + 1] - self.query_start_loc[s])
+            first_key = int(self.seq_lens[s]) - n_q - self.sliding_window + 1
+            for j in range(max(first_key, 0) // block_size):
+                self.kv_cache[:, int(self.block_tables[s, j])] = float("nan")
+                self.block_tables[s, j] = nan_block
 
 
 def attention_case(

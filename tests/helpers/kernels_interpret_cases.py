@@ -142,6 +142,10 @@ def test_norms_match_reference(H):
     normed, summed = triton_norm.fused_add_layer_norm(x, r, w, b, 1e-5)
     ref_n, ref_s = fused_ops.fused_add_layer_norm_ref(x, r, w, b, 1e-5)
     assert torch.equal(summed, ref_s) and rel_err(normed, ref_n) <= TOL
+    # Gemma's post-norm: the residual added after the norm
+    post = triton_norm.fused_rms_norm_residual(x, w, 1e-6, r)
+    assert rel_err(post, fused_ops.fused_rms_norm_residual_ref(x, w, 1e-6, r)) <= TOL
+    assert rel_err(post, r + ops.rms_norm_ref(x, w, 1e-6)) <= TOL
 
 
 def test_rms_norm_of_3d_heads_and_strided_rows():
@@ -185,12 +189,13 @@ def test_rotary_embedding_matches_reference():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("activation", fused_ops.GLU_ACTIVATIONS)
 @pytest.mark.parametrize("form", ["decode", "prefill"])
 @pytest.mark.parametrize("T", [1, 3, 20])
-def test_rms_norm_glu_mlp_matches_reference(form, T):
+def test_rms_norm_glu_mlp_matches_reference(form, T, activation):
     args = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=T)
-    out = triton_norm_mlp.fused_rms_norm_glu_mlp(*args, form=form)
-    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args)) <= TOL
+    out = triton_norm_mlp.fused_rms_norm_glu_mlp(*args, activation=activation, form=form)
+    assert rel_err(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, activation=activation)) <= TOL
 
 
 @pytest.mark.parametrize("form", ["decode", "prefill"])
@@ -217,6 +222,25 @@ def test_silu_mul_and_gelu():
     assert rel_err(triton_norm_mlp.silu_mul(gu), torch.nn.functional.silu(gate) * up) <= TOL
     h = torch.randn(4, 30, generator=g) * 3
     assert rel_err(triton_norm_mlp.gelu_tanh(h), torch.nn.functional.gelu(h, approximate="tanh")) <= TOL
+    geglu = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    assert rel_err(triton_norm_mlp.glu_mul(gu, "gelu_tanh"), geglu) <= TOL
+    with pytest.raises(ValueError, match="unknown GLU activation"):
+        triton_norm_mlp.glu_mul(gu, "gelu")
+
+
+# the far negative tail overflows exp in the interpreter's sigmoid (numpy warns), giving the
+# right limit, 0
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_gelu_tanh_is_torchs_elementwise_in_fp32():
+    """The kernels' tanh (2 sigmoid(2z) - 1, portable across Triton versions) against torch's
+    gelu(approximate="tanh"), element by element over both tails and zero: within a few fp32
+    ulps of the result, or of 1 where 1 + tanh cancels (torch's tanh loses the same bits)."""
+    h = torch.linspace(-12.0, 12.0, 2 * 30 * 41).reshape(41, 2 * 30)
+    want = torch.nn.functional.gelu(h, approximate="tanh")
+    torch.testing.assert_close(triton_norm_mlp.gelu_tanh(h), want, rtol=4e-7, atol=1e-6)
+    gate, up = h.chunk(2, -1)
+    geglu = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(triton_norm_mlp.glu_mul(h, "gelu_tanh"), geglu, rtol=4e-7, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,9 +262,11 @@ def _opcheck_cases():
         "layer_norm": (x, w, b, 1e-5),
         "fused_add_rms_norm": (x, r, w, 1e-6),
         "fused_add_layer_norm": (x, r, w, b, 1e-5),
+        "fused_rms_norm_residual": (x, w, 1e-6, r),
         "rotary_embedding": (q, k, pos, cs),
         "fused_qkv_rope": qkv_inputs(3, 32, 4, 2, 16, F32, "cpu", 12, bias=True, qk_norm=True, rope=True, max_pos=8),
         "fused_rms_norm_glu_mlp": mlp_glu_inputs(3, 32, 24, F32, "cpu", 13),
+        "fused_rms_norm_glu_mlp@gelu_tanh": (*mlp_glu_inputs(3, 32, 24, F32, "cpu", 13), None, "gelu_tanh"),
         "fused_layer_norm_gelu_mlp": mlp_gelu_inputs(3, 32, 24, F32, "cpu", 14),
         "paged_attention": attn_prefill.args(nan_free(attn_prefill)),
         "paged_attention@decode": attn_decode.args(nan_free(attn_decode)),

@@ -26,18 +26,23 @@ from helpers.trained_tokenizers import train_hf_tokenizer
 INIT_RANGE = 0.2
 
 
-def make_lively_checkpoint(out: Path, seed: int = 0, tokenizer=None) -> transformers.PreTrainedModel:
+def make_lively_checkpoint(out: Path, seed: int = 0, tokenizer=None,
+                           sliding_window: int | None = None) -> transformers.PreTrainedModel:
     """Write a Qwen2 checkpoint (fp32, random init, untied) with a BPE tokenizer (default: the
-    one trained here) to ``out``; returns the transformers model."""
+    one trained here) to ``out``; returns the transformers model. With ``sliding_window`` it is
+    a Mistral of the same shape whose every layer attends within that window."""
     tok = tokenizer if tokenizer is not None else train_hf_tokenizer(vocab_size=200, all_bytes=False)[1]
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
+    shape = dict(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=False, initializer_range=INIT_RANGE, rope_theta=10000.0,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), bos_token_id=None,
     )
-    model = transformers.Qwen2ForCausalLM(config).eval()
+    if sliding_window is None:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, sliding_window=sliding_window)).eval()
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return model

@@ -191,3 +191,51 @@ def test_prefill_configs_a_benchmark_may_pick(block_m, block_n, num_warps, num_s
     for m in (MODELS["qwen2.5-0.5b"], MODELS["qwen3-0.6b"]):
         _check_eager(attention_case([(0, 1024), (90, 333)], m["Hq"], m["Hkv"], m["D"], BLOCK, torch.bfloat16,
                                     DEV, seed=22))
+
+
+# ---------------------------------------------------------------------------------------------
+# sliding layers and soft-capped scores (Mistral, Gemma 2, Gemma 3), same kernels
+# ---------------------------------------------------------------------------------------------
+
+# (heads, window, soft cap): windows shorter than the contexts below, so the blocks wholly
+# before them are NaN and their table entries point at a NaN block
+LAYER_VARIANTS = {
+    "mistral-7b-local": (dict(Hq=32, Hkv=8, D=128), 1000, 0.0),
+    "gemma-2-2b-local": (dict(Hq=8, Hkv=4, D=256), 700, 50.0),
+    "gemma-2-2b-global": (dict(Hq=8, Hkv=4, D=256), 0, 50.0),
+    "gemma-3-1b-local": (dict(Hq=4, Hkv=1, D=256), 512, 0.0),
+}
+
+
+@pytest.mark.parametrize("variant", list(LAYER_VARIANTS))
+@pytest.mark.parametrize("batch", [1, 64])
+def test_decode_of_sliding_and_capped_layers_in_cuda_graph(variant, batch):
+    m, window, cap = LAYER_VARIANTS[variant]
+    g = torch.Generator().manual_seed(batch)
+    if batch == 1:
+        sets, pad = [[1], [384], [4096]], 0
+    else:
+        rnd = lambda: torch.randint(1, 4097, (batch - 3,), generator=g).tolist()  # noqa: E731
+        sets, pad = [rnd() + [1, 16, 17], rnd() + [4096, 2, 64], rnd() + [33, 4095, 1000]], 3
+    first, *fresh = _decode_sets(m, torch.bfloat16, sets, pad, seed=30 * batch)
+    for case in (first, *fresh):
+        case.sliding_window, case.softcap = window, cap
+        if window:
+            case.drop_blocks_outside_window()
+    static = list(first.args(first.kv_cache.clone()))
+    graph, out = _capture(static)
+    for case in fresh:
+        got = _replay_and_check(graph, out, static, case)
+        if pad:
+            assert got[-pad:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("variant", list(LAYER_VARIANTS))
+def test_mixed_chunked_batch_of_sliding_and_capped_layers(variant):
+    m, window, cap = LAYER_VARIANTS[variant]
+    specs = [(0, 300), (500, 128), (1000, 1), (0, 17), (33, 64), (2000, 700), (7, 1), (0, 1500)]
+    case = attention_case(specs, m["Hq"], m["Hkv"], m["D"], BLOCK, torch.bfloat16, DEV, seed=23)
+    case.sliding_window, case.softcap = window, cap
+    if window:
+        case.drop_blocks_outside_window()
+    _check_eager(case)

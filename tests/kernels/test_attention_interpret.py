@@ -84,14 +84,24 @@ def _decode_variants():
     runtime argument, both sides of its branches)."""
     from compiled_llm.kernels import launch_configs
 
-    for bucket, cfg in launch_configs.DEFAULT_CONFIGS["paged_attention_decode"].items():
-        for group, head_dim in ((7, 64), (4, 64), (4, 128), (2, 128), (1, 64)):
+    from compiled_llm.kernels.triton_paged_attention import for_head_dim
+
+    for bucket, bucket_cfg in launch_configs.DEFAULT_CONFIGS["paged_attention_decode"].items():
+        for group, head_dim, window, softcap in LAYER_KINDS:
+            cfg = for_head_dim(bucket_cfg, head_dim)
             for splits in (1, cfg["MAX_SPLITS"]):
-                yield f"decode[{bucket}] G{group} D{head_dim} splits={splits}", cfg, dict(
+                yield f"decode[{bucket}] G{group} D{head_dim} W{window} cap{softcap} splits={splits}", cfg, dict(
                     GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, NUM_SPLITS=splits,
                     BLOCK_H=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_dim, BLOCK_G=triton.next_power_of_2(group),
                     BLOCK_P=min(triton.next_power_of_2(splits), triton.next_power_of_2(cfg["COMBINE_SPLITS"])),
-                    IEEE=False, PDL=False, PREFETCH=bool(cfg.get("PREFETCH", 0)))
+                    IEEE=False, PDL=False, PREFETCH=bool(cfg.get("PREFETCH", 0)), WINDOW=window, SOFTCAP=softcap)
+
+
+# (GQA group, head_dim, sliding window, soft cap) of the supported families' attention layers:
+# Qwen2.5, Llama 3, Qwen3 / Mistral (window 4096), Gemma 2 (head_dim 256, capped; its global
+# layers differ by the window alone), Gemma 3 (local, uncapped)
+LAYER_KINDS = ((7, 64, 0, 0.0), (4, 64, 0, 0.0), (4, 128, 0, 0.0), (2, 128, 0, 0.0), (1, 64, 0, 0.0),
+               (4, 128, 4096, 0.0), (2, 256, 4096, 50.0), (4, 256, 512, 0.0))
 
 
 def test_attention_kernels_compile_for_sm90_with_default_configs():
@@ -110,8 +120,9 @@ def test_attention_kernels_compile_for_sm90_with_default_configs():
         if c.metadata.shared > MAX_SHARED:
             failures.append(f"{label}: {c.metadata.shared} bytes of shared memory")
         # the prefetch holds two K/V tiles in registers: at head_dim 128 a few spill (24 bytes
-        # with triton 3.9), and it is still faster on an H200 (benchmarks/NOTES.md)
-        if (_stack_bytes(c) or 0) > (32 if consts["PREFETCH"] else 0):
+        # with triton 3.9), and it is still faster on an H200 (benchmarks/NOTES.md); a sliding
+        # layer's window bounds take a few registers more (56 bytes at head_dim 128)
+        if (_stack_bytes(c) or 0) > ((64 if consts["WINDOW"] else 32) if consts["PREFETCH"] else 0):
             failures.append(f"{label}: registers spill ({_stack_bytes(c)} bytes of stack)")
         if consts["NUM_SPLITS"] > 1:
             # the ticket publishes this CTA's partials and acquires the others' (gpu scope);
@@ -122,12 +133,15 @@ def test_attention_kernels_compile_for_sm90_with_default_configs():
                 failures.append(f"{label}: partials not read with .cg")
         elif "atom." in ptx:
             failures.append(f"{label}: an atomic without a split reduce")
-    for bucket, cfg in launch_configs.DEFAULT_CONFIGS["paged_attention_prefill"].items():
-        for heads, kv_heads, head_dim in ((14, 2, 64), (32, 8, 64), (16, 8, 128)):
+    for bucket, bucket_cfg in launch_configs.DEFAULT_CONFIGS["paged_attention_prefill"].items():
+        for heads, kv_heads, head_dim, window, softcap in ((14, 2, 64, 0, 0.0), (32, 8, 64, 0, 0.0),
+                                                           (16, 8, 128, 0, 0.0), (32, 8, 128, 4096, 0.0),
+                                                           (8, 4, 256, 4096, 50.0), (4, 1, 256, 512, 0.0)):
+            cfg = pa.for_head_dim(bucket_cfg, head_dim)
             block_m, tokens = pa.prefill_tile(heads, kv_heads, cfg["BLOCK_M"])
             consts = dict(GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=16, TOKENS=tokens, BLOCK_M=block_m,
-                          BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_dim, IEEE=False)
-            label = f"prefill[{bucket}] {heads}/{kv_heads} D{head_dim}"
+                          BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_dim, IEEE=False, WINDOW=window, SOFTCAP=softcap)
+            label = f"prefill[{bucket}] {heads}/{kv_heads} D{head_dim} W{window} cap{softcap}"
             try:
                 c = _compile(pa._prefill_kernel, consts, "bf16", cfg["num_warps"], cfg["num_stages"])
             except Exception as e:

@@ -103,15 +103,18 @@ def _kernels_at_default_configs(dt):
                 BLOCK_K=tile["BLOCK_K"], PDL=True)
         tile = tg.tile_config(launch_configs.get("norm_mlp_decode", T), T, I, H, itemsize,
                               rows_key="BLOCK_I", k_key="BLOCK_H")
-        for glu in (True, False):
+        # SwiGLU, GeGLU (gelu_tanh gate) and GPT-2's GELU MLP
+        for glu, gate_gelu in ((True, False), (True, True), (False, False)):
+            kind = f"glu={glu} gate_gelu={gate_gelu}"
             if T == 1:  # decode_activation runs the one-row kernel for a single row
-                yield f"norm_mlp_decode glu={glu} T=1 (one-row kernel)", tm._norm_mlp_one_row_kernel, \
+                yield f"norm_mlp_decode {kind} T=1 (one-row kernel)", tm._norm_mlp_one_row_kernel, \
                     tile["num_warps"], dict(IS_RMS=glu, IS_GLU=glu, BLOCK_I=tile["BLOCK_ROWS"],
-                                            BLOCK_H=tile["BLOCK_K"], VEC=16 // itemsize, PDL=True)
+                                            BLOCK_H=tile["BLOCK_K"], VEC=16 // itemsize, PDL=True,
+                                            GATE_GELU=gate_gelu)
                 continue
-            yield f"norm_mlp_decode glu={glu} T={T}", tm._norm_mlp_decode_kernel, tile["num_warps"], dict(
+            yield f"norm_mlp_decode {kind} T={T}", tm._norm_mlp_decode_kernel, tile["num_warps"], dict(
                 IS_RMS=glu, IS_GLU=glu, BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"],
-                PDL=True)
+                PDL=True, GATE_GELU=gate_gelu)
         tile = tg.tile_config(launch_configs.get("qkv_decode", T), T, D // 2, H, itemsize, rows_key="BLOCK_P")
         for qk_norm in (False, True):
             yield f"qkv_decode qk_norm={qk_norm} T={T}", tq._qkv_decode_kernel, tile["num_warps"], dict(

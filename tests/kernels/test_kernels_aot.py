@@ -88,6 +88,15 @@ def _cases(dt):
         yield f"act glu={rms}", tm._act_kernel, 4, {
             **ptr("in_ptr", "out_ptr"), **_stride_args("I", "stride_in", "stride_out"),
         }, dict(IS_GLU=rms, BLOCK=1024)
+    # GeGLU (Gemma): the GLU forms with gelu_tanh for the gate's activation
+    yield "norm_mlp_decode geglu", tm._norm_mlp_decode_kernel, 4, mlp_args, dict(
+        IS_RMS=True, IS_GLU=True, BLOCK_T=4, BLOCK_I=2, BLOCK_H=1024, PDL=True, SCALED=False, GATE_GELU=True)
+    yield "norm_mlp_decode int4 geglu", tm._norm_mlp_decode_kernel, 4, {**mlp_args, "w1_ptr": "*u8"}, dict(
+        IS_RMS=True, IS_GLU=True, BLOCK_T=2, BLOCK_I=2, BLOCK_H=2048, PDL=True, INT4=True, GROUP=128, VB=16,
+        GATE_GELU=True)
+    yield "act geglu", tm._act_kernel, 4, {
+        **ptr("in_ptr", "out_ptr"), **_stride_args("I", "stride_in", "stride_out"),
+    }, dict(IS_GLU=True, BLOCK=1024, GATE_GELU=True)
     # weight-only int8/int4 past the decode forms: the GEMM at every bucket of its default table,
     # and the dequantizing kernel
     for (bucket, cfg), (scheme, wt) in itertools.product(launch_configs.DEFAULT_CONFIGS["gemm_wq"].items(),

@@ -34,6 +34,7 @@ MODELS = {
 }
 QWEN3 = dict(H=1024, I=3072, Hq=16, Hkv=8, D=128)
 GPT2 = dict(H=768, I=3072, Hq=12, Hkv=12, D=64)
+GEMMA3 = dict(H=1152, I=6912, Hq=4, Hkv=1, D=256)  # head_dim 256, one kv head, q/k norms
 
 
 def triton_op(name):
@@ -137,18 +138,22 @@ def test_norms(T, H, dtype):
         ref_n, ref_s = getattr(fused_ops, name + "_ref")(*args)
         assert torch.equal(summed, ref_s)
         assert rel_err(normed, ref_n) <= TOL
+    # Gemma's post-norm: the residual added after the norm
+    post = _poisoned_call(triton_op("fused_rms_norm_residual"), x, w, 1e-6, r)
+    assert rel_err(post, fused_ops.fused_rms_norm_residual_ref(x, w, 1e-6, r)) <= TOL
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gpt2", "gemma3"])
 @pytest.mark.parametrize("T", [1, 256])
 @pytest.mark.parametrize("folded_norm", [False, True], ids=["x", "rms_norm(x)"])
 def test_fused_qkv_rope(family, T, dtype, folded_norm):
     if folded_norm and family == "gpt2":
         pytest.skip("GPT-2's LayerNorm is never folded into fused_qkv_rope")
-    m = {"qwen2": MODELS["qwen2.5-0.5b"], "qwen3": QWEN3, "llama": MODELS["llama-3.2-1b"], "gpt2": GPT2}[family]
+    m = {"qwen2": MODELS["qwen2.5-0.5b"], "qwen3": QWEN3, "llama": MODELS["llama-3.2-1b"], "gpt2": GPT2,
+         "gemma3": GEMMA3}[family]
     args = qkv_inputs(T, m["H"], m["Hq"], m["Hkv"], m["D"], dtype, DEV, seed=T,
-                      bias=family in ("qwen2", "gpt2"), qk_norm=family == "qwen3", rope=family != "gpt2")
+                      bias=family in ("qwen2", "gpt2"), qk_norm=family in ("qwen3", "gemma3"), rope=family != "gpt2")
     if folded_norm:
         args = (*args, *input_norm(args, seed=T + 1))
     out = _poisoned_call(triton_op("fused_qkv_rope"), *args)
@@ -198,6 +203,9 @@ def test_quantized_kernels(model, T, scheme):
     args = (x, nw, eps, *_quantized(gate_up, scheme), *_quantized(down, scheme), r)
     out = _poisoned_call(triton_op("fused_rms_norm_glu_mlp_wq"), *args)
     _check_mlp(out, qo.fused_rms_norm_glu_mlp_wq_ref(*args), r)
+    geglu = (*args, "gelu_tanh")  # Gemma's GeGLU through the same kernels
+    out = _poisoned_call(triton_op("fused_rms_norm_glu_mlp_wq"), *geglu)
+    _check_mlp(out, qo.fused_rms_norm_glu_mlp_wq_ref(*geglu), r)
     args = qkv_inputs(T, m["H"], m["Hq"], m["Hkv"], m["D"], dtype, DEV, seed=T + 4, bias=model.startswith("qwen"),
                       qk_norm=False, rope=True)
     qargs = (args[0], *_quantized(args[1], scheme), *args[2:], *input_norm(args, seed=T + 5))
@@ -237,6 +245,8 @@ def test_cuda_int4_gemv_equals_the_references(model, T):
     args = (x, nw, eps, *_quantized(gate_up, "int4"), *_quantized(down, "int4"), r)
     assert cuda_gemv_int4.takes(x, *args[3:6], nw, r, mode="glu")
     _check_mlp(_poisoned_call(cuda("fused_rms_norm_glu_mlp_wq"), *args), qo.fused_rms_norm_glu_mlp_wq_ref(*args), r)
+    geglu = (*args, "gelu_tanh")  # the kernel's GLU epilogue is silu's: GeGLU runs Triton's INT4 form
+    _check_mlp(_poisoned_call(cuda("fused_rms_norm_glu_mlp_wq"), *geglu), qo.fused_rms_norm_glu_mlp_wq_ref(*geglu), r)
     args = qkv_inputs(T, m["H"], m["Hq"], m["Hkv"], m["D"], dtype, DEV, seed=T + 4, bias=model.startswith("qwen"),
                       qk_norm=False, rope=True)
     qargs = (args[0], *_quantized(args[1], "int4"), *args[2:], *input_norm(args, seed=T + 5))
@@ -348,6 +358,20 @@ def test_rms_norm_glu_mlp_triton(model, T, form, dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,form", [(1, "decode"), (4, "decode"), (16, "decode"), (1, "prefill"), (300, "prefill")])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["mlp", "mlp+residual"])
+def test_rms_norm_geglu_mlp_triton(T, form, dtype, with_residual):
+    """Gemma 3's GeGLU (activation="gelu_tanh") through the SwiGLU kernels' every form, as the
+    graph calls it (the provider op, residual and activation positional)."""
+    args = mlp_glu_inputs(T, GEMMA3["H"], GEMMA3["I"], dtype, DEV, seed=T)
+    r = residual_like(args, seed=T + 1) if with_residual else None
+    out = _poisoned_call(triton_norm_mlp.fused_rms_norm_glu_mlp, *args, r, "gelu_tanh", form=form)
+    _check_mlp(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, r, "gelu_tanh"), r)
+    out = _poisoned_call(triton_op("fused_rms_norm_glu_mlp"), *args, r, "gelu_tanh")  # its form picked by T
+    _check_mlp(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, r, "gelu_tanh"), r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,form", [(1, "decode"), (9, "decode"), (200, "prefill")])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["mlp", "mlp+residual"])
 def test_layer_norm_gelu_mlp_triton(T, form, dtype, with_residual):
@@ -385,6 +409,32 @@ def test_rms_norm_glu_mlp_cuda(model, T, dtype, with_residual):
     r = residual_like(args, seed=T + 1) if with_residual else None
     out = _poisoned_call(providers.provider_op("fused_rms_norm_glu_mlp", providers.CUDA), *args, r)
     _check_mlp(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, r), r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 8, 40])  # 40 rows: the provider's matmul path
+@pytest.mark.parametrize("with_residual", [False, True], ids=["mlp", "mlp+residual"])
+def test_rms_norm_geglu_mlp_cuda(T, dtype, with_residual):
+    """Gemma 3's GeGLU through the CUDA gate/up kernel's gelu_tanh form."""
+    _cuda_ext()
+    args = mlp_glu_inputs(T, GEMMA3["H"], GEMMA3["I"], dtype, DEV, seed=T)
+    r = residual_like(args, seed=T + 1) if with_residual else None
+    out = _poisoned_call(providers.provider_op("fused_rms_norm_glu_mlp", providers.CUDA), *args, r, "gelu_tanh")
+    _check_mlp(out, fused_ops.fused_rms_norm_glu_mlp_ref(*args, r, "gelu_tanh"), r)
+
+
+def test_cuda_geglu_rounds_as_the_triton_kernel_does():
+    """Both decode kernels round gate, up, gelu(gate) and the product where torch does: their
+    activations agree to an ulp or two of bf16 (sums in different orders), far closer than
+    either is to silu's."""
+    _cuda_ext()
+    x, nw, eps, gate_up, _ = mlp_glu_inputs(4, GEMMA3["H"], GEMMA3["I"], torch.bfloat16, DEV, seed=31)
+    ext = cuda_norm_mlp.extension()
+    n = ext.cllm_norm(x, nw, None, eps)
+    cuda = ext.cllm_gate_up_act(n, gate_up, None, True, True)
+    tri = triton_norm_mlp.decode_activation(x, nw, None, eps, gate_up, None, True, True, activation="gelu_tanh")
+    silu = ext.cllm_gate_up_act(n, gate_up, None, True, False)
+    assert rel_err(cuda, tri) <= 1e-2 < rel_err(silu, tri)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -564,6 +614,7 @@ def _gpu_opcheck_cases():
         "layer_norm/triton": (x, w, b, 1e-5),
         "fused_add_rms_norm/triton": (x, r, w, 1e-6),
         "fused_add_layer_norm/triton": (x, r, w, b, 1e-5),
+        "fused_rms_norm_residual/triton": (x, w, 1e-6, r),
         "rotary_embedding/triton": (q, k, pos, cs),
         "fused_qkv_rope/triton": qkv_inputs(5, 256, 4, 2, 64, bf, DEV, 15, True, True, True, max_pos=16),
         "fused_qkv_rope/triton/input_norm": (*qkv_ns, *input_norm(qkv_ns, seed=24)),
@@ -577,6 +628,8 @@ def _gpu_opcheck_cases():
         "paged_attention/triton/decode": decode.args(decode.kv_cache.nan_to_num(0.0)),
         "fused_rms_norm_glu_mlp/cuda": mlp_glu_inputs(5, 256, 512, bf, DEV, 18),
         "fused_rms_norm_glu_mlp/cuda/residual": (*glu, residual_like(glu, seed=27)),
+        "fused_rms_norm_glu_mlp/triton/geglu": (*glu, residual_like(glu, seed=30), "gelu_tanh"),
+        "fused_rms_norm_glu_mlp/cuda/geglu": (*glu, residual_like(glu, seed=30), "gelu_tanh"),
         "fused_layer_norm_gelu_mlp/cuda": mlp_gelu_inputs(5, 256, 512, bf, DEV, 19),
         "fused_layer_norm_gelu_mlp/cuda/residual": (*gelu, residual_like(gelu, seed=28)),
         "apply_token_bitmask/triton": (torch.randn(3, 9000, generator=g).to(DEV, bf), mask_words),
@@ -585,12 +638,14 @@ def _gpu_opcheck_cases():
 
 OPCHECK_IDS = [
     "rms_norm/triton", "layer_norm/triton", "fused_add_rms_norm/triton", "fused_add_layer_norm/triton",
+    "fused_rms_norm_residual/triton",
     "rotary_embedding/triton", "fused_qkv_rope/triton", "fused_qkv_rope/triton/input_norm",
     "fused_linear_residual/triton", "fused_linear_residual/triton/bias",
     "fused_rms_norm_glu_mlp/triton", "fused_rms_norm_glu_mlp/triton/residual",
     "fused_layer_norm_gelu_mlp/triton", "fused_layer_norm_gelu_mlp/triton/residual",
     "paged_attention/triton", "paged_attention/triton/decode",
     "fused_rms_norm_glu_mlp/cuda", "fused_rms_norm_glu_mlp/cuda/residual",
+    "fused_rms_norm_glu_mlp/triton/geglu", "fused_rms_norm_glu_mlp/cuda/geglu",
     "fused_layer_norm_gelu_mlp/cuda", "fused_layer_norm_gelu_mlp/cuda/residual",
     "apply_token_bitmask/triton",
 ]

@@ -272,6 +272,7 @@ def _reference_cases():
         "paged_attention": attn.args(attn.kv_cache.nan_to_num(0.0)),
         "fused_add_rms_norm": (x, r, w, 1e-6),
         "fused_add_layer_norm": (x, r, w, b, 1e-5),
+        "fused_rms_norm_residual": (x, w, 1e-6, r),
         "linear": _linear_residual_inputs(3, 32, 24, bias=True, seed=7)[:3],
         "fused_linear_residual": _linear_residual_inputs(3, 32, 24, bias=True, seed=5),
         "fused_qkv_rope": qkv_inputs(3, 32, 4, 2, 16, f32, "cpu", 2, bias=True, qk_norm=True, rope=True, max_pos=8),
@@ -384,6 +385,41 @@ def test_optional_args_default_to_the_old_behaviour():
     qkv = qkv_inputs(3, 32, 4, 2, 16, BF16, "cpu", 19, bias=False, qk_norm=False, rope=True, max_pos=8)
     for a, b in zip(torch.ops.cllm.fused_qkv_rope(*qkv, None, 0.0), torch.ops.cllm.fused_qkv_rope(*qkv)):
         assert torch.equal(a, b)
+
+
+def test_glu_mlp_activation_is_silu_by_default_or_gelu_tanh():
+    """``activation`` comes last, "silu" (SwiGLU) by default, what graphs written before it meant;
+    "gelu_tanh" is Gemma's GeGLU, bit for bit the unfused graph's F.gelu(approximate="tanh")."""
+    x, nw, eps, gu, dw = mlp_glu_inputs(5, 64, 96, BF16, "cpu", 23)
+    op = torch.ops.cllm.fused_rms_norm_glu_mlp
+    assert torch.equal(op(x, nw, eps, gu, dw, None, "silu"), op(x, nw, eps, gu, dw))
+    gate, up = F.linear(ops.rms_norm_ref(x, nw, eps), gu).chunk(2, -1)
+    want = F.linear(F.gelu(gate, approximate="tanh") * up, dw)
+    assert torch.equal(op(x, nw, eps, gu, dw, None, "gelu_tanh"), want)
+    with pytest.raises(ValueError, match="unknown GLU activation 'relu'"):
+        fused_ops.fused_rms_norm_glu_mlp_ref(x, nw, eps, gu, dw, None, "relu")
+
+
+@pytest.mark.parametrize("name", ["fused_rms_norm_glu_mlp", "fused_rms_norm_glu_mlp_wq"])
+def test_opcheck_glu_mlp_with_gelu_tanh(name):
+    torch.library.opcheck(getattr(torch.ops.cllm, name), (*_reference_cases()[name], None, "gelu_tanh"))
+
+
+def test_cuda_mlp_provider_gets_the_activation_and_adds_the_residual_after_it():
+    """The CUDA norm+MLP kernels have no residual epilogue: their provider passes them the op's
+    arguments but the residual (the activation after it included) and adds the residual itself."""
+    seen = []
+
+    def kernel(*args):
+        seen.append(args[5:])
+        return fused_ops.fused_rms_norm_glu_mlp_ref(*args[:5], None, *args[5:])
+
+    call = providers._residual_after("fused_rms_norm_glu_mlp", kernel)
+    args = mlp_glu_inputs(3, 32, 24, torch.float32, "cpu", 24)
+    r = _with_residual(args, 25)[-1]
+    assert torch.equal(call(*args, r, "gelu_tanh"), fused_ops.fused_rms_norm_glu_mlp_ref(*args, r, "gelu_tanh"))
+    assert torch.equal(call(*args), fused_ops.fused_rms_norm_glu_mlp_ref(*args))
+    assert seen == [("gelu_tanh",), ()]
 
 
 # ---------------------------------------------------------------------------------------------

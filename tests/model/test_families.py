@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from compiled_llm.errors import UnsupportedArchitectureError
-from compiled_llm.model.config import load_config
+from compiled_llm.model.config import config_from_hf, load_config
 from compiled_llm.model.families import FAMILIES, SUPPORTED_ARCHITECTURES, architecture_of, family_of
 from compiled_llm.model.families.base import TensorName
 from compiled_llm.model.spec import derived_params, param_shapes
@@ -72,15 +72,18 @@ def test_each_family_reads_every_weight_transformers_writes(written):
                 read.update(names)
                 # the error for a missing tensor names the one transformers wrote
                 assert {checkpoint_name(config, n) for n in names} == {stored}
-                # each value lands in the spec once, whatever the layout (transposed, split)
+                # each value lands in the spec once, whatever the layout (transposed, split);
+                # Gemma's norms scale by 1 + w, which the loader adds
                 values = torch.cat([params[n].flatten() for n in names])
+                if names[0].split(".")[-2].endswith("norm"):
+                    tensor = tensor + family.norm_offset
                 assert torch.equal(values.sort().values, tensor.flatten().sort().values), stored
     assert read == from_checkpoint
 
 
 @pytest.mark.parametrize("raw", [
-    {"model_type": "gemma2"},
-    {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
+    {"model_type": "olmo2"},
+    {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"},
 ])
 def test_an_unknown_family_is_refused_in_one_line_naming_the_supported_ones(tmp_path, raw):
     (tmp_path / "config.json").write_text(json.dumps({**raw, "vocab_size": 32, "hidden_size": 8}))
@@ -88,7 +91,7 @@ def test_an_unknown_family_is_refused_in_one_line_naming_the_supported_ones(tmp_
         load_config(tmp_path)
     message = str(e.value)
     assert "\n" not in message
-    assert message.startswith(f"unsupported architecture {(raw.get('architectures') or ['gemma2'])[0]!r}")
+    assert message.startswith(f"unsupported architecture {(raw.get('architectures') or ['olmo2'])[0]!r}")
     for family in FAMILIES:
         assert all(a in message for a in family.architectures), family.name
 
@@ -113,18 +116,49 @@ def test_a_tensor_name_reads_both_ways():
 
 
 @pytest.mark.parametrize("family", ["mistral", "phi3"])
-def test_a_window_shorter_than_the_context_cuts_the_context_to_it(tmp_path, family):
-    """Mistral 7B v0.1 attends within 4,096 tokens of a 32k context, Phi-3 4k within 2,047:
-    until the attention kernels take a window, the context is the window, inside which full
-    attention is the same."""
+def test_a_window_shorter_than_the_context_slides_on_every_layer(tmp_path, family):
+    """Mistral 7B v0.1 attends within 4,096 tokens of a 32k context, Phi-3 4k within 2,047: the
+    context stays the model's, and every layer gets the window; a window no shorter than the
+    context is full attention."""
     make_checkpoint(family, tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     raw["sliding_window"] = 48
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert load_config(tmp_path).max_position_embeddings == 48
-    raw["sliding_window"] = 4096  # longer than the context: nothing to cut
+    config = load_config(tmp_path)
+    assert config.max_position_embeddings == raw["max_position_embeddings"]
+    assert [config.layer_window(n) for n in range(config.num_layers)] == [48] * config.num_layers
+    assert config.kv_window == 48
+    raw["sliding_window"] = 4096  # longer than the context
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert load_config(tmp_path).max_position_embeddings == raw["max_position_embeddings"]
+    config = load_config(tmp_path)
+    assert config.sliding_window is None and config.kv_window is None
+
+
+@pytest.mark.parametrize("family,kinds", [("gemma2", ["sliding", "full"]), ("gemma3", ["sliding", "sliding", "full"])])
+def test_gemma_alternates_sliding_and_global_layers(tmp_path, family, kinds):
+    make_checkpoint(family, tmp_path)
+    config = load_config(tmp_path)
+    assert [("sliding" if config.layer_window(n) else "full") for n in range(config.num_layers)] == kinds
+    assert config.kv_window is None  # a global layer reads the whole context: no block may go
+    assert config.embed_scale and config.sandwich_norms and config.mlp_type == "gelu_tanh_glu"
+    if family == "gemma2":
+        assert (config.attn_softcap, config.final_softcap, config.rope_local_theta) == (50.0, 30.0, None)
+    else:
+        assert (config.attn_softcap, config.rope_local_theta, config.rope_scaling.rope_type) == (None, 10000.0, "linear")
+
+
+def test_gemma_configs_transformers_did_not_complete_get_its_layer_kinds():
+    """A config.json as published (no layer_types): Gemma 2 slides on every other layer from
+    the first, Gemma 3 on five of six (sliding_window_pattern)."""
+    base = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 8}
+    gemma2 = config_from_hf({**base, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"})
+    assert [gemma2.layer_window(n) for n in range(6)] == [8, 0, 8, 0, 8, 0]
+    gemma3 = config_from_hf({**base, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                             "sliding_window_pattern": 3, "rope_local_base_freq": 10000.0, "rope_theta": 1e6})
+    assert [gemma3.layer_window(n) for n in range(6)] == [8, 8, 0, 8, 8, 0]
+    with pytest.raises(UnsupportedArchitectureError, match="activation 'relu'"):
+        config_from_hf({**base, "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "relu"})
 
 
 def test_rotary_embeddings_over_part_of_each_head_are_refused_in_one_line(tmp_path):

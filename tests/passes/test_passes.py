@@ -7,6 +7,7 @@ view: fused_qkv_rope (input RMSNorm folded in) -> paged_attention -> view -> fus
 (o-proj + residual) -> fused_rms_norm_glu_mlp (+ residual)."""
 
 import copy
+import json
 import operator
 
 import pytest
@@ -17,6 +18,7 @@ from compiled_llm.engine.build import lower, program_kernels
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph import ops
 from compiled_llm.graph.export import FlatProgram, capture, param_placeholder_names
+from compiled_llm.graph.serialize import graph_from_json, graph_to_json
 from compiled_llm.model.spec import forward
 from compiled_llm.model.weights import random_params
 from compiled_llm.kernels import registry
@@ -212,6 +214,77 @@ def test_gpt2_layers_keep_layer_norm_out_of_qkv():
 
 
 # ---------------------------------------------------------------------------------------------
+# GeGLU (Gemma): the Llama graph with gelu(gate, approximate="tanh") for silu(gate), as the spec
+# writes mlp_type "gelu_tanh_glu", fuses onto the same op with activation="gelu_tanh"
+# ---------------------------------------------------------------------------------------------
+
+
+def _with_gate_activation(gm, approximate):
+    """``gm`` with each SwiGLU gate's silu replaced by gelu(approximate=...)."""
+    for node in gm.graph.nodes:
+        if is_call(node, aten.silu.default):
+            node.target, node.kwargs = aten.gelu.default, {"approximate": approximate}
+    gm.recompile()
+    return gm
+
+
+def _geglu_capture(approximate="tanh", seed=1):
+    config = preset_config("tiny-llama")
+    params = random_params(config, seed=seed)
+    cap = capture(config, params)
+    _with_gate_activation(cap.gm, approximate)
+    return config, params, cap
+
+
+def test_geglu_mlp_fuses_with_its_activation_and_every_pass_preserves_outputs():
+    config, params, cap = _geglu_capture()
+    ctx = PassContext(config, dict(params), kernel_choice=registry.choose_providers("cpu", torch.float32))
+    want, _ = _run(copy.deepcopy(cap.gm), dict(params), config)
+    matches = {p.name: p.run(cap.gm, ctx) for p in pipeline()}
+    got, _ = _run(cap.gm, ctx.params, config)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    L = config.num_layers
+    assert matches["fuse_norm_mlp"] == L and matches["fuse_residual"] == 2 * L
+    hist = op_histogram(cap.gm)
+    assert "aten::gelu" not in hist and hist["cllm::fused_rms_norm_glu_mlp"] == L
+    mlps = [n for n in cap.gm.graph.nodes if is_call(n, cllm.fused_rms_norm_glu_mlp.default)]
+    for i, mlp in enumerate(mlps):
+        # the residual taken by fuse_residual, the activation kept after it
+        assert len(mlp.args) == 7 and mlp.args[5] is mlp.args[0] and mlp.args[6] == "gelu_tanh"
+        assert _weight(mlp.args[3]) == f"layers.{i}.gate_up.weight"
+    # program.json keeps it (a str argument, checked against the op's schema when loaded)
+    loaded = graph_from_json(json.loads(json.dumps(graph_to_json(cap.gm))))
+    mlps = [n for n in loaded.graph.nodes if is_call(n, cllm.fused_rms_norm_glu_mlp.default)]
+    assert [m.args[6] for m in mlps] == ["gelu_tanh"] * L
+
+
+def test_swiglu_mlp_leaves_the_activation_at_its_default():
+    """Llama/Qwen graphs are what they were before the argument existed (saved engines, builds
+    compared byte for byte)."""
+    config = preset_config("tiny-llama")
+    gm = lower(config, random_params(config), default_pass_names(), "cpu", torch.float32).gm
+    mlps = [n for n in gm.graph.nodes if is_call(n, cllm.fused_rms_norm_glu_mlp.default)]
+    assert len(mlps) == config.num_layers and all(len(m.args) == 6 and not m.kwargs for m in mlps)
+
+
+def test_exact_gelu_gate_is_not_fused():
+    """gelu without the tanh approximation is not an activation the fused op has."""
+    config, params, cap = _geglu_capture("none")
+    ctx = PassContext(config, dict(params))
+    assert get_pass("fuse_norm_mlp").run(cap.gm, ctx) == 0
+    assert op_histogram(cap.gm)["aten::gelu"] == config.num_layers
+
+
+def test_quantized_geglu_mlp_keeps_its_activation():
+    config, params, cap = _geglu_capture(seed=3)
+    ctx = PassContext(config, dict(params), quantization="int8")
+    for name in ("fuse_norm_mlp", "fuse_residual", "quantize_weights"):
+        get_pass(name).run(cap.gm, ctx)
+    mlps = [n for n in cap.gm.graph.nodes if is_call(n, cllm.fused_rms_norm_glu_mlp_wq.default)]
+    assert len(mlps) == config.num_layers and all(m.args[-1] == "gelu_tanh" for m in mlps)
+
+
+# ---------------------------------------------------------------------------------------------
 # fuse_residual and the qkv input-norm fold on small graphs
 # ---------------------------------------------------------------------------------------------
 
@@ -279,6 +352,11 @@ def test_mlp_plus_residual_takes_the_residual_once():
 
     matches, hist = _fuse_residual(lambda x, nw, gu, dw: x + glu(x, nw, 1e-6, gu, dw, x), x, nw, gu, dw)
     assert matches == 0 and hist["aten::add.Tensor"] == 1
+
+    # GeGLU: the residual goes in its place, the activation after it stays (outputs bitwise equal)
+    matches, hist = _fuse_residual(lambda x, nw, gu, dw: x + glu(x, nw, 1e-6, gu, dw, None, "gelu_tanh"),
+                                   x, nw, gu, dw)
+    assert matches == 1 and hist == {"cllm::fused_rms_norm_glu_mlp": 1}
 
 
 def test_residual_add_after_an_all_reduce_rides_it_and_the_linear_becomes_the_engines():

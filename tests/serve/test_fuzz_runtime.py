@@ -34,6 +34,8 @@ from helpers.trained_tokenizers import WORDS
 NUM_DRAWS = 1000
 NUM_SPECULATIVE_DRAWS = 150
 NUM_STRUCTURED_DRAWS = 40
+NUM_WINDOW_DRAWS = 200
+WINDOW = 12  # the sliding-window family's: most prompts and generations outrun it
 MIN_MARGIN = 1e-3
 # Draws that failed before prefill and decode were told apart per row (with budgets of 1-5
 # tokens, a step of one-token prompt chunks was taken for a decode: the chunks were fed each
@@ -45,7 +47,27 @@ REGRESSION_SEEDS = (2, 11, 33, 37, 42, 50, 160)
 def lively(lively_bpe_checkpoint, lively_bpe_engine):
     """(loaded engine, tokenizer, pool of (prompt, continuation)) for the whole module."""
     _, model = lively_bpe_checkpoint
-    loaded = load_model(str(lively_bpe_engine), device="cpu")
+    return lively_pool(load_model(str(lively_bpe_engine), device="cpu"), model)
+
+
+@pytest.fixture(scope="module")
+def windowed_lively(tmp_path_factory):
+    """The same, of a Mistral whose every layer attends within WINDOW tokens."""
+    from compiled_llm.engine.build import build_engine
+    from helpers.lively import make_lively_checkpoint
+
+    checkpoint = tmp_path_factory.mktemp("windowed") / "checkpoint"
+    model = make_lively_checkpoint(checkpoint, seed=2, sliding_window=WINDOW)
+    engine = checkpoint.parent / "engine"
+    build_engine(str(checkpoint), engine, dtype="float32", device="cpu", progress=False)
+    loaded = load_model(str(engine), device="cpu")
+    assert loaded.config.kv_window == WINDOW
+    return lively_pool(loaded, model)
+
+
+def lively_pool(loaded, model):
+    """(loaded, tokenizer, pool of (prompt, continuation)): prompts of words and of ids, some
+    behind shared prefixes, whose continuations have clear margins."""
     tok = loaded.tokenizer
     rng = random.Random(1234)
     vocab = model.config.vocab_size
@@ -106,6 +128,16 @@ def test_fuzz_with_speculation_against_transformers(lively):
     assert not problems, f"{len(problems)} differences:\n" + "\n".join(problems[:10])
     accepted, drafted = sum(s.accepted_tokens for s in stats), sum(s.draft_tokens for s in stats)
     assert 0 < accepted < drafted
+
+
+def test_fuzz_on_a_sliding_window_family(windowed_lively):
+    """The draws on a Mistral whose every layer attends within WINDOW tokens, some with
+    speculation: blocks behind the window go back to the pool while prefixes are cached,
+    prompts chunked and sequences preempted, and outputs stay transformers' (with the window)."""
+    problems = []
+    for seed in range(NUM_WINDOW_DRAWS):
+        problems += run_draw(seed, windowed_lively, speculate=seed % 4 == 0)[1]
+    assert not problems, f"{len(problems)} differences:\n" + "\n".join(problems[:10])
 
 
 def test_fuzz_with_structured_requests(lively):

@@ -5,11 +5,14 @@
 //                    16-byte vector loads/stores, fp32 math; writes the normalised row n.
 //   gate_up_kernel   one warp per intermediate column i, for all T rows at once (T <= MAX_T):
 //                    dot products of n with gate row i and up row i (or fc row i), reduced by
-//                    warp shuffles, then silu(gate) * up (or gelu_tanh(fc + bias)) as epilogue.
+//                    warp shuffles, then act(gate) * up (or gelu_tanh(fc + bias)) as epilogue,
+//                    act silu (SwiGLU: Llama, Qwen) or gelu_tanh (GeGLU: Gemma), a template
+//                    parameter, so the SwiGLU kernel is the code it was before GeGLU existed.
 //   down_kernel      one warp per output column h: dot of the activation rows with down row h,
 //                    plus the optional bias.
 // Rounding mirrors the unfused graph (graph/ops.py and fused_ops.py references): the normalised
-// row, gate, up, silu and the product are rounded to the input dtype where torch would round.
+// row, gate, up, the gate's activation and the product are rounded to the input dtype where torch
+// would round.
 //
 // Contract (checked on the host by cuda_norm_mlp.py, which falls back otherwise): bf16 or fp16,
 // contiguous tensors with 16-byte aligned data, H and I multiples of 8, T <= MAX_T.
@@ -132,8 +135,9 @@ __global__ void norm_kernel(const T* __restrict__ x, const T* __restrict__ w, co
 }
 
 // act[t, i] = silu(n[t] . w1[i]) * (n[t] . w1[I + i])        (kGlu)
+//           = gelu_tanh(n[t] . w1[i]) * (n[t] . w1[I + i])   (kGlu, kGateGelu)
 //           = gelu_tanh(n[t] . w1[i] + b1[i])                 (!kGlu)
-template <typename T, bool kGlu>
+template <typename T, bool kGlu, bool kGateGelu = false>
 __global__ void gate_up_kernel(const T* __restrict__ n, const T* __restrict__ w1, const T* __restrict__ b1,
                                T* __restrict__ act, int rows, int H, int I) {
   const int lane = threadIdx.x % kWarp;
@@ -171,7 +175,8 @@ __global__ void gate_up_kernel(const T* __restrict__ n, const T* __restrict__ w1
         float y;
         if (kGlu) {
           const float gr = round_to<T>(g);
-          y = round_to<T>(gr / (1.f + expf(-gr))) * round_to<T>(u);
+          const float a = kGateGelu ? gelu_tanh(gr) : gr / (1.f + expf(-gr));
+          y = round_to<T>(a) * round_to<T>(u);
         } else {
           y = gelu_tanh(round_to<T>(g + Cvt<T>::to_f(b1[i])));
         }
@@ -254,8 +259,27 @@ torch::Tensor cllm_norm(torch::Tensor x, torch::Tensor w, std::optional<torch::T
   return out;
 }
 
-// act [rows, I] from n [rows, H]: glu: w1 = [gate; up] [2I, H]; else w1 = fc [I, H] with bias b1
-torch::Tensor cllm_gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch::Tensor> b1, bool glu) {
+namespace {
+
+// gate_up_kernel<T, ...> for the form asked for: SwiGLU, GeGLU (gate_gelu) or GELU (!glu)
+template <typename T>
+void launch_gate_up(const torch::Tensor& n, const torch::Tensor& w1, const std::optional<torch::Tensor>& b1,
+                    torch::Tensor& act, bool glu, bool gate_gelu, int rows, int H, int I, int blocks, int threads,
+                    cudaStream_t stream) {
+  if (glu && gate_gelu)
+    gate_up_kernel<T, true, true><<<blocks, threads, 0, stream>>>(ptr<T>(n), ptr<T>(w1), nullptr, mut_ptr<T>(act), rows, H, I);
+  else if (glu)
+    gate_up_kernel<T, true><<<blocks, threads, 0, stream>>>(ptr<T>(n), ptr<T>(w1), nullptr, mut_ptr<T>(act), rows, H, I);
+  else
+    gate_up_kernel<T, false><<<blocks, threads, 0, stream>>>(ptr<T>(n), ptr<T>(w1), ptr<T>(*b1), mut_ptr<T>(act), rows, H, I);
+}
+
+}  // namespace
+
+// act [rows, I] from n [rows, H]: glu: w1 = [gate; up] [2I, H], the gate's activation gelu_tanh
+// when gate_gelu (GeGLU) else silu; else w1 = fc [I, H] with bias b1
+torch::Tensor cllm_gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<torch::Tensor> b1, bool glu,
+                               bool gate_gelu) {
   check_input(n, "n");
   check_input(w1, "w1");
   const int rows = n.size(0), H = n.size(1);
@@ -263,6 +287,7 @@ torch::Tensor cllm_gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<
   TORCH_CHECK(rows <= kMaxT, "at most ", kMaxT, " rows");
   TORCH_CHECK(H % kVec == 0, "hidden size must be a multiple of 8");
   TORCH_CHECK(glu || b1.has_value(), "the gelu form needs the fc bias");
+  TORCH_CHECK(glu || !gate_gelu, "gate_gelu is for the GLU form only");
   if (b1) check_input(*b1, "fc bias");
   const c10::cuda::CUDAGuard guard(n.device());
   auto act = torch::empty({rows, I}, n.options());
@@ -270,15 +295,10 @@ torch::Tensor cllm_gate_up_act(torch::Tensor n, torch::Tensor w1, std::optional<
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int blocks = (I + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int threads = kWarpsPerBlock * kWarp;
-  if (n.scalar_type() == torch::kBFloat16) {
-    using T = __nv_bfloat16;
-    if (glu) gate_up_kernel<T, true><<<blocks, threads, 0, stream>>>(ptr<T>(n), ptr<T>(w1), nullptr, mut_ptr<T>(act), rows, H, I);
-    else gate_up_kernel<T, false><<<blocks, threads, 0, stream>>>(ptr<T>(n), ptr<T>(w1), ptr<T>(*b1), mut_ptr<T>(act), rows, H, I);
-  } else {
-    using T = __half;
-    if (glu) gate_up_kernel<T, true><<<blocks, threads, 0, stream>>>(ptr<T>(n), ptr<T>(w1), nullptr, mut_ptr<T>(act), rows, H, I);
-    else gate_up_kernel<T, false><<<blocks, threads, 0, stream>>>(ptr<T>(n), ptr<T>(w1), ptr<T>(*b1), mut_ptr<T>(act), rows, H, I);
-  }
+  if (n.scalar_type() == torch::kBFloat16)
+    launch_gate_up<__nv_bfloat16>(n, w1, b1, act, glu, gate_gelu, rows, H, I, blocks, threads, stream);
+  else
+    launch_gate_up<__half>(n, w1, b1, act, glu, gate_gelu, rows, H, I, blocks, threads, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return act;
 }

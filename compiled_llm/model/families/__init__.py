@@ -3,7 +3,8 @@ checkpoint's family by its config.json (``architectures``, else ``model_type``).
 
 A new family is one module here (a ``FAMILY``: see ``base.Family``) and one line in
 ``FAMILIES``; as long as it runs on the spec's existing ModelConfig switches, nothing else
-changes.
+changes (Gemma 2 brought the switches for sandwich norms, soft-capping, GeGLU and scaled
+embeddings; Mistral the sliding window).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from compiled_llm.errors import UnsupportedArchitectureError
-from compiled_llm.model.families import gpt2, llama, mistral, phi3, qwen2, qwen3
+from compiled_llm.model.families import gemma2, gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
 from compiled_llm.model.families.base import Family
 
 # In the order the unsupported-architecture error lists them.
@@ -22,6 +23,8 @@ FAMILIES: tuple[Family, ...] = (
     qwen3.FAMILY,
     mistral.FAMILY,
     phi3.FAMILY,
+    gemma2.FAMILY,
+    gemma3.FAMILY,
 )
 
 _BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}

@@ -11,14 +11,11 @@ architecture, bos/eos ids), and ``config.py`` makes the ModelConfig of it.
 from __future__ import annotations
 
 import functools
-import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from compiled_llm.errors import UnsupportedArchitectureError
-
-logger = logging.getLogger(__name__)
 
 # {name} or {name:a|b|c} in a TensorName template
 _FIELD = re.compile(r"\{(\w+)(?::([^}]*))?\}")
@@ -103,6 +100,8 @@ class Family:
     transposed: tuple[str, ...] = ()
     # (stored, parts): a checkpoint tensor that holds the parts' rows stacked, in that order
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # added to every norm weight at load (Gemma's RMSNorms scale by 1 + w: the spec's by w)
+    norm_offset: float = 0.0
 
     def spec_name(self, checkpoint_name: str) -> str | None:
         """The spec param a checkpoint tensor holds (a fused name such as "layers.0.qkv.weight"
@@ -143,12 +142,18 @@ class Family:
 # ---------------------------------------------------------------------------------------------
 
 
+# The rope scaling types rope_fields reads ("su" is old Phi-3 configs' name for longrope)
+ROPE_TYPES = ("default", "llama3", "yarn", "linear", "longrope")
+ROPE_TYPE_ALIASES = {"su": "longrope"}
+
+
 def rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """rope_theta and frequency scaling (llama3 or yarn, as ModelConfig fields) from either the
-    transformers 4.x keys (rope_theta, rope_scaling) or the 5.x key rope_parameters. A yarn
-    model's positions reach factor x original_max_position_embeddings (as vLLM derives its
-    longest context), which max_position_embeddings is raised to."""
-    params = hf.get("rope_parameters") or {}
+    """rope_theta and frequency scaling (llama3, yarn, linear or longrope, as ModelConfig
+    fields) from either the transformers 4.x keys (rope_theta, rope_scaling) or the 5.x key
+    rope_parameters. A yarn model's positions reach factor x original_max_position_embeddings
+    (as vLLM derives its longest context), which max_position_embeddings is raised to; a
+    longrope model's max_position_embeddings is its long context already."""
+    params = _global_rope_parameters(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     merged = {**scaling, **params}
@@ -157,11 +162,12 @@ def rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
         if partial is not None and partial != 1.0:
             raise UnsupportedArchitectureError(f"unsupported partial_rotary_factor {partial!r}; supported: 1.0")
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if rope_type in (None, "default"):
         return {"rope_theta": theta, "rope_scaling": None}
-    if rope_type not in ("llama3", "yarn"):
+    if rope_type not in ROPE_TYPES:
         raise UnsupportedArchitectureError(
-            f"unsupported rope scaling type {rope_type!r}; supported: default, llama3, yarn"
+            f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
         )
     max_positions = hf.get("max_position_embeddings", 2048)
     original = int(merged.get("original_max_position_embeddings") or max_positions)
@@ -173,6 +179,12 @@ def rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
             "high_freq_factor": float(merged["high_freq_factor"]),
             "original_max_position_embeddings": original,
         }}
+    if rope_type == "linear":
+        # RopeScaling requires an original context; linear scaling has none and leaves it unused
+        return {"rope_theta": theta, "rope_scaling": {
+            "rope_type": "linear", "factor": float(merged["factor"]), "original_max_position_embeddings": original}}
+    if rope_type == "longrope":
+        return {"rope_theta": theta, "rope_scaling": _longrope_scaling(hf, merged, max_positions)}
     factor = float(merged["factor"]) if merged.get("factor") is not None else max_positions / original
     optional = {name: float(merged[name]) for name in ("beta_fast", "beta_slow", "attention_factor", "mscale",
                                                        "mscale_all_dim") if merged.get(name)}
@@ -184,15 +196,39 @@ def rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def context_within_window(fields: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
-    """``fields`` with max_position_embeddings cut to config.json's ``sliding_window`` when
-    that is shorter (Mistral 7B v0.1, Phi-3 4k): a query attends to the keys less than a window
-    behind it, so within a context no longer than the window, full attention is the same. The
-    attention kernels take no window yet; this keeps such models exact, over a shorter context."""
+def _global_rope_parameters(params: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 nests rope_parameters by layer type when the types differ (Gemma 3: linear
+    scaling on the full-attention layers, none on the sliding ones): the full-attention layers'
+    are the ones the table is built from. The sliding layers' theta is their family's to read
+    (ModelConfig.rope_local_theta); their table has no scaling, so a scaled one is refused."""
+    if "full_attention" not in params and "sliding_attention" not in params:
+        return params
+    local = params.get("sliding_attention") or {}
+    local_type = local.get("rope_type", local.get("type", "default"))
+    if local_type not in (None, "default"):
+        raise UnsupportedArchitectureError(
+            f"unsupported rope scaling type {local_type!r} on sliding-attention layers; supported: default")
+    return params.get("full_attention") or {}
+
+
+def _longrope_scaling(hf: dict[str, Any], merged: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """LongRoPE's fields as transformers reads them: original_max_position_embeddings from the
+    config's top level first (where Phi-3 keeps it), then the rope parameters; factor, when
+    absent, max_position_embeddings / original (it sets the default attention_factor)."""
+    original = int(hf.get("original_max_position_embeddings") or merged.get("original_max_position_embeddings")
+                   or max_positions)
+    factor = float(merged["factor"]) if merged.get("factor") is not None else max_positions / original
+    optional = {"attention_factor": float(merged["attention_factor"])} if merged.get("attention_factor") else {}
+    return {"rope_type": "longrope", "factor": factor, "original_max_position_embeddings": original,
+            "short_factor": [float(x) for x in merged["short_factor"]],
+            "long_factor": [float(x) for x in merged["long_factor"]], **optional}
+
+
+def every_layer_sliding(fields: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with config.json's ``sliding_window`` on every layer (Mistral 7B v0.1: 4,096;
+    Phi-3 4k: 2,047): a query attends to the keys less than a window behind it. A window no
+    shorter than the context is full attention, and is left out."""
     window = hf.get("sliding_window")
-    if window is not None and window < fields["max_position_embeddings"]:
-        logger.warning("sliding_window %d is shorter than max_position_embeddings %d: the context is cut to %d "
-                       "tokens (sliding-window attention is not supported yet)", window,
-                       fields["max_position_embeddings"], window)
-        fields = {**fields, "max_position_embeddings": window}
-    return fields
+    if window is None or window >= fields["max_position_embeddings"]:
+        return fields
+    return {**fields, "sliding_window": int(window), "layer_types": ("sliding_attention",) * fields["num_layers"]}

@@ -45,20 +45,28 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return decoder_fields(hf, qkv_bias=bias, o_bias=bias)
 
 
-# The names transformers' Llama-style models save for the embeddings and norms (Phi-3 too).
-EMBEDDING_AND_NORM_NAMES = (
+# The names transformers' decoders save for the embeddings, the final norm and the lm_head
+# (every rotary family's).
+EMBEDDING_NAMES = (
     TensorName("model.embed_tokens.weight", "embed.weight"),
     TensorName("model.norm.weight", "final_norm.weight"),
     TensorName("lm_head.weight", "lm_head.weight"),
+)
+
+# The names transformers' Llama-style models save for the embeddings and norms (Phi-3 too).
+EMBEDDING_AND_NORM_NAMES = EMBEDDING_NAMES + (
     TensorName("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.attn_norm.weight"),
     TensorName("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.mlp_norm.weight"),
 )
 
-# The names transformers' LlamaForCausalLM saves, which Qwen2, Qwen3 and Mistral share.
-TENSOR_NAMES = EMBEDDING_AND_NORM_NAMES + (
+# The q/k/v/o and gate/up/down projections, stored apart (Gemma's too).
+PROJECTION_NAMES = (
     TensorName("model.layers.{layer}.self_attn.{proj:q|k|v|o}_proj.{kind:weight|bias}", "layers.{layer}.{proj}.{kind}"),
     TensorName("model.layers.{layer}.mlp.{proj:gate|up|down}_proj.weight", "layers.{layer}.{proj}.weight"),
 )
+
+# The names transformers' LlamaForCausalLM saves, which Qwen2, Qwen3 and Mistral share.
+TENSOR_NAMES = EMBEDDING_AND_NORM_NAMES + PROJECTION_NAMES
 
 FAMILY = Family(
     name="llama",

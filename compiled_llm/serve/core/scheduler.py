@@ -15,6 +15,13 @@ the grammar has taken a stop token, and trims speculative drafts to what the gra
 sequence whose token the engine had to draw again is ``stale_ahead``: the step queued ahead
 used the first draw, so its row there is dropped and no further step is queued ahead of it.
 
+Blocks are given step by step (``BlockManager.allocate_slots``), never reserved for a whole
+context. With a sliding window on every layer, giving a sequence its slots first gives back its
+blocks behind the window, so a sequence holds about window / block_size blocks however long it
+runs, and those freed blocks serve the same step; admission and preemption need no other rule.
+A sibling sharing a prompt whose blocks its source gave back already takes the prefix cache's
+copy instead (``_computed_blocks``).
+
 A decode step lists its rows longest context first: the decode attention kernel starts its
 programs row by row, and the long ones must not be left for the tail.
 
@@ -304,7 +311,12 @@ class Scheduler:
         if seq.wants_prompt_logprobs:
             return []
         if source is not None:
-            full = min((seq.num_tokens - 1) // self.bm.block_size, source.num_computed_tokens // self.bm.block_size)
+            bs = self.bm.block_size
+            full = min((seq.num_tokens - 1) // bs, source.num_computed_tokens // bs)
+            if source.num_freed_blocks > self.bm.first_read_block(full * bs):
+                # with a sliding window the source gave back blocks seq's first step reads:
+                # what the prefix cache still holds of them is all there is to take
+                return self.bm.get_computed_blocks(seq)
             return source.block_table[:full]
         return self.bm.get_computed_blocks(seq)
 

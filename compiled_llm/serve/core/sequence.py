@@ -64,6 +64,10 @@ class Sequence:
     # Chained hashes of the full blocks of token_ids (tokens never change, so this only grows).
     block_hashes: list[int] = field(default_factory=list)
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    # Leading entries of block_table this sequence no longer holds: with a sliding window they
+    # lie wholly before any key its steps can read (BlockManager.first_read_block). The entries
+    # stay, so the table keeps its positions, but they are never read nor freed again.
+    num_freed_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it

@@ -88,6 +88,10 @@ FAMILIES = {
     # q, k, v and gate, up stored stacked (split at load, then sharded); pad id 0 (a token here)
     "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**_llama_like(
         num_key_value_heads=2, pad_token_id=0))),
+    # sandwich norms (the residual add rides the post-norm, not the all-reduce), soft-capped
+    # scores and logits, and a window of 8 on every other layer that the prompts outrun
+    "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**_llama_like(
+        num_key_value_heads=2, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=8))),
     # 257 tokens: the vocabulary is padded to 258 to give each rank 129 rows; learned positions,
     # biases everywhere (row-parallel ones added once)
     "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(

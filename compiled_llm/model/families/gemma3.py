@@ -1,0 +1,47 @@
+"""Gemma 3 (the text-only checkpoints, Gemma3ForCausalLM): Gemma 2's decoder (``gemma2.py``)
+with a (1 + w) RMSNorm over each head of q and k instead of score soft-capping, five sliding
+layers to each global one, and a RoPE base of its own for the sliding layers
+(``rope_local_base_freq``, 10,000, against the global layers' 1,000,000, whose frequencies alone
+are scaled: linear x8 in the 4B+ checkpoints)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compiled_llm.model.families.base import Family, TensorName, rope_fields
+from compiled_llm.model.families.gemma2 import TENSOR_NAMES, gemma_fields
+
+SLIDING_WINDOW_PATTERN = 6  # transformers' default: every sixth layer global
+
+
+def _local_theta(hf: dict[str, Any]) -> float:
+    """The sliding layers' RoPE base: transformers 5's rope_parameters keyed by layer type (whose
+    full-attention entry ``rope_fields`` reads), or the 4.x key rope_local_base_freq."""
+    params = hf.get("rope_parameters") or {}
+    local = params.get("sliding_attention") if isinstance(params.get("sliding_attention"), dict) else None
+    if local is not None:
+        return float(local.get("rope_theta", 10000.0))
+    return float(hf.get("rope_local_base_freq", 10000.0))
+
+
+def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    hf = dict(hf)
+    if not hf.get("layer_types"):
+        pattern = hf.get("sliding_window_pattern") or SLIDING_WINDOW_PATTERN
+        hf["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                             for i in range(hf["num_hidden_layers"])]
+    fields = gemma_fields(hf, rope_fields(hf))
+    fields.update(qk_norm=True, rope_local_theta=_local_theta(hf) if fields["sliding_window"] else None)
+    return fields
+
+
+FAMILY = Family(
+    name="gemma3",
+    model_types=("gemma3_text",),
+    architectures=("Gemma3ForCausalLM",),
+    config_fields=config_fields,
+    tensor_names=TENSOR_NAMES + (
+        TensorName("model.layers.{layer}.self_attn.{proj:q|k}_norm.weight", "layers.{layer}.{proj}_norm.weight"),
+    ),
+    norm_offset=1.0,
+)
