@@ -168,11 +168,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Build a ModelConfig from the dict of a Hugging Face config.json: its family's fields,
     and the token ids every family names alike."""
     arch = architecture_of(hf)
-    eos = _eos_ids(hf.get("eos_token_id"))
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}  # a multimodal config's decoder
+    eos = _eos_ids(hf["eos_token_id"] if hf.get("eos_token_id") is not None else text.get("eos_token_id"))
+    bos = hf["bos_token_id"] if hf.get("bos_token_id") is not None else text.get("bos_token_id")
     fields = family_of(arch).config_fields(hf)
-    return ModelConfig.from_dict(
-        {"architecture": arch, **fields, "bos_token_id": hf.get("bos_token_id"), "eos_token_ids": eos}
-    )
+    return ModelConfig.from_dict({"architecture": arch, **fields, "bos_token_id": bos, "eos_token_ids": eos})
 
 
 def load_config(model_dir: Path) -> ModelConfig:
@@ -190,8 +190,12 @@ def load_config(model_dir: Path) -> ModelConfig:
     arch = architecture_of(raw)
     from transformers import AutoConfig  # seconds to import: only checkpoints need it, engines never
 
+    respelled = _respelled_for_transformers(raw)
     try:
-        full = AutoConfig.from_pretrained(str(model_dir)).to_dict()
+        if respelled is None:
+            full = AutoConfig.from_pretrained(str(model_dir)).to_dict()
+        else:
+            full = AutoConfig.for_model(**respelled).to_dict()
     except Exception as e:  # transformers raises ValueError/KeyError/OSError for bad configs
         text = str(e).strip()
         raise CompiledLLMError(f"cannot read {path}: {text.splitlines()[0] if text else type(e).__name__}") from None
@@ -202,6 +206,16 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise CompiledLLMError(f"{path} lacks the field {e.args[0]!r} that {arch} needs") from None
     except (TypeError, ValueError) as e:
         raise CompiledLLMError(f"{path} has an invalid value: {e}") from None
+
+
+def _respelled_for_transformers(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """``raw`` with the spellings transformers no longer reads put in today's, or None when it
+    has none: Phi-3's first 128k configs call LongRoPE "su", which transformers 5's Phi3Config
+    renames only after checking for a field the "su" configs keep elsewhere, and so refuses."""
+    scaling = raw.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("type") == "su" and "model_type" in raw:
+        return {**raw, "rope_scaling": {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "longrope"}}
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -220,6 +220,18 @@ def test_an_old_su_config_and_a_transformers_5_one_read_as_the_same_longrope():
     assert new.max_position_embeddings == LONG  # the long context is max_position_embeddings already
 
 
+def test_an_old_su_config_json_loads_from_its_directory(tmp_path):
+    """transformers 5 itself refuses to read Phi-3's first 128k config.json ("su"): the loader
+    respells it first, and reads what config_from_hf reads from the raw file."""
+    short, long = longrope_factors()
+    raw = phi3_json(rope_theta=10000.0, original_max_position_embeddings=ORIGINAL,
+                    rope_scaling={"type": "su", "short_factor": short, "long_factor": long})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    loaded, read = load_config(tmp_path), config_from_hf(raw)  # (transformers adds Phi-3's default token ids)
+    assert loaded.rope_scaling == read.rope_scaling and loaded.rope_scaling.rope_type == "longrope"
+    assert loaded.max_position_embeddings == read.max_position_embeddings == LONG
+
+
 def test_phi3s_top_level_original_context_wins_over_the_rope_parameters_one():
     short, long = longrope_factors()
     config = config_from_hf(phi3_json(original_max_position_embeddings=ORIGINAL, rope_parameters={

@@ -274,7 +274,7 @@ def windowed(case: AttnCase, window: int, softcap: float = 0.0) -> AttnCase:
     return case
 
 
-@pytest.mark.parametrize("window", [3, 16, 37, 1000])
+@pytest.mark.parametrize("window", [3, 37, 1000])
 @pytest.mark.parametrize("max_splits", [1, 3])
 def test_decode_on_a_sliding_layer_reads_only_the_window(window, max_splits):
     use_decode_config(block_n=16, max_splits=max_splits)
@@ -294,7 +294,7 @@ def test_decode_window_sizes_the_splits_not_the_block_table():
     assert wide > pa.decode_plan(1, 2, 32, CPU)["NUM_SPLITS"] == 2
 
 
-@pytest.mark.parametrize("window", [2, 5, 16, 40, 1000])
+@pytest.mark.parametrize("window", [2, 16, 40, 1000])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prefill_and_mixed_batch_on_a_sliding_layer(window, block_size):
     use_prefill_config(32, 16)

@@ -161,8 +161,9 @@ def _residual(T, H, seed):
     return torch.randn((T, H), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("activation", fused_ops.GLU_ACTIVATIONS)  # SwiGLU (Llama, Qwen), GeGLU (Gemma)
-@pytest.mark.parametrize("with_residual", [False, True])
+# SwiGLU (Llama, Qwen) with and without the residual epilogue; GeGLU (Gemma) without it, since
+# the epilogue does not depend on the activation
+@pytest.mark.parametrize("activation,with_residual", [("silu", False), ("silu", True), ("gelu_tanh", False)])
 @pytest.mark.parametrize("form,T", [("decode", 1), ("decode", 3), ("decode", 7), ("prefill", 2), ("prefill", 9)])
 def test_rms_norm_glu_mlp_matches_reference(form, T, with_residual, activation):
     args = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=20 + T)

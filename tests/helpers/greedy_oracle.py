@@ -26,15 +26,17 @@ def lively_checkpoint(family: str, out_dir, max_shard_size: str | None = None):
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy generate, ignoring EOS. (min_new_tokens would not do: it bans the
     EOS token instead of letting it through.)"""
-    # transformers falls back from generation_config to the model config for EOS: clear both.
-    saved = hf.generation_config.eos_token_id, hf.config.eos_token_id
-    hf.generation_config.eos_token_id = hf.config.eos_token_id = None
+    # transformers falls back from generation_config to the model config for EOS: clear both
+    # (a multimodal model's is its text config's)
+    config = hf.config.get_text_config()
+    saved = hf.generation_config.eos_token_id, config.eos_token_id
+    hf.generation_config.eos_token_id = config.eos_token_id = None
     ids = torch.tensor([prompt])
     try:
         with torch.no_grad():
             # every prompt token attends (left alone, transformers masks those equal to the pad id)
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     finally:
-        hf.generation_config.eos_token_id, hf.config.eos_token_id = saved
+        hf.generation_config.eos_token_id, config.eos_token_id = saved
     assert out.shape[1] == len(prompt) + n
     return out[0, len(prompt):].tolist()

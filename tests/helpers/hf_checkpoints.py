@@ -41,6 +41,14 @@ FAMILY_CONFIGS = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Gemma 3's multimodal checkpoints (4B+): the same decoder under text_config and
+    # language_model., beside a vision tower the engine reads and drops
+    "gemma3_multimodal": lambda: transformers.Gemma3Config(
+        text_config=_small(head_dim=32, query_pre_attn_scalar=32, sliding_window=24, num_hidden_layers=3,
+                           vocab_size=300, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=16),
+        mm_tokens_per_image=4, boi_token_index=297, eoi_token_index=298, image_token_index=299),
 }
 MODEL_CLASSES = {
     "qwen2": transformers.Qwen2ForCausalLM,
@@ -51,6 +59,7 @@ MODEL_CLASSES = {
     "phi3": transformers.Phi3ForCausalLM,
     "gemma2": transformers.Gemma2ForCausalLM,
     "gemma3": transformers.Gemma3ForCausalLM,
+    "gemma3_multimodal": transformers.Gemma3ForConditionalGeneration,
 }
 
 

@@ -34,7 +34,7 @@ from helpers.trained_tokenizers import WORDS
 NUM_DRAWS = 1000
 NUM_SPECULATIVE_DRAWS = 150
 NUM_STRUCTURED_DRAWS = 40
-NUM_WINDOW_DRAWS = 200
+NUM_WINDOW_DRAWS = 120
 WINDOW = 12  # the sliding-window family's: most prompts and generations outrun it
 MIN_MARGIN = 1e-3
 # Draws that failed before prefill and decode were told apart per row (with budgets of 1-5

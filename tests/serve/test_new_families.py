@@ -1,4 +1,5 @@
-"""Mistral, Phi-3, Gemma 2 and Gemma 3 checkpoints written by transformers build into engines
+"""Mistral, Phi-3, Gemma 2 and Gemma 3 (text-only and multimodal) checkpoints written by
+transformers build into engines
 whose greedy output is transformers' own: batched, chunked, preempted, with a shared prefix
 cached, over prompts and generations longer than the sliding window."""
 
@@ -24,11 +25,11 @@ def windowed_checkpoint(family: str, path):
         config_path = path / "config.json"
         config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "sliding_window": WINDOW}))
         hf.config.sliding_window = WINDOW
-    assert hf.config.sliding_window == WINDOW
+    assert hf.config.get_text_config().sliding_window == WINDOW
     return hf
 
 
-@pytest.mark.parametrize("family", ["mistral", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "phi3", "gemma2", "gemma3", "gemma3_multimodal"])
 def test_a_built_engine_of_the_family_decodes_as_transformers(tmp_path, family):
     hf = windowed_checkpoint(family, tmp_path / "checkpoint")
     build_engine(str(tmp_path / "checkpoint"), tmp_path / "engine", dtype="float32", device="cpu", progress=False)
@@ -38,7 +39,7 @@ def test_a_built_engine_of_the_family_decodes_as_transformers(tmp_path, family):
     # 32-token steps chunk the longer prompts; 14 blocks of 8 hold two sequences at most
     llm = LLM(str(tmp_path / "engine"), block_size=8, max_num_batched_tokens=32, enable_prefix_caching=True,
               num_blocks=14)
-    assert llm.engine.max_model_len == hf.config.max_position_embeddings  # the window does not cut it
+    assert llm.engine.max_model_len == hf.config.get_text_config().max_position_embeddings  # the window does not cut it
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 20)

@@ -25,6 +25,7 @@ FAMILIES: tuple[Family, ...] = (
     phi3.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,
+    gemma3.MULTIMODAL_FAMILY,
 )
 
 _BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}

@@ -1,8 +1,13 @@
-"""Gemma 3 (the text-only checkpoints, Gemma3ForCausalLM): Gemma 2's decoder (``gemma2.py``)
+"""Gemma 3: Gemma 2's decoder (``gemma2.py``)
 with a (1 + w) RMSNorm over each head of q and k instead of score soft-capping, five sliding
 layers to each global one, and a RoPE base of its own for the sliding layers
 (``rope_local_base_freq``, 10,000, against the global layers' 1,000,000, whose frequencies alone
-are scaled: linear x8 in the 4B+ checkpoints)."""
+are scaled: linear x8 in the 4B+ checkpoints).
+
+Two families read it: the text-only checkpoints (Gemma3ForCausalLM, 1B and the text models), and
+the text part of the multimodal ones (Gemma3ForConditionalGeneration, 4B+), whose config.json
+nests the decoder's fields under ``text_config`` and whose decoder tensors sit under
+``language_model.``; their vision tower and projector are read and dropped (text in, text out)."""
 
 from __future__ import annotations
 
@@ -35,6 +40,13 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def multimodal_config_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's fields of a Gemma3ForConditionalGeneration config.json."""
+    text = dict(hf.get("text_config") or {})
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+    return config_fields(text)
+
+
 FAMILY = Family(
     name="gemma3",
     model_types=("gemma3_text",),
@@ -43,5 +55,16 @@ FAMILY = Family(
     tensor_names=TENSOR_NAMES + (
         TensorName("model.layers.{layer}.self_attn.{proj:q|k}_norm.weight", "layers.{layer}.{proj}_norm.weight"),
     ),
+    norm_offset=1.0,
+)
+
+MULTIMODAL_FAMILY = Family(
+    name="gemma3_multimodal",
+    model_types=("gemma3",),
+    architectures=("Gemma3ForConditionalGeneration",),
+    config_fields=multimodal_config_fields,
+    tensor_names=FAMILY.tensor_names,
+    checkpoint_prefix="language_model.",
+    ignored=r"(vision_tower|multi_modal_projector)\..*",
     norm_offset=1.0,
 )
