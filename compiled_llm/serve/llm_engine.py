@@ -184,6 +184,7 @@ class LLMEngine:
             tokenizer=self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len, block_size=bs,
             num_blocks=num_blocks, max_num_seqs=max_num_seqs,
             yields_chosen_rows=getattr(model.program, "yields_chosen_rows", True),
+            kv_window=mc.kv_window, max_step_tokens=config.max_num_batched_tokens,
         )
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()

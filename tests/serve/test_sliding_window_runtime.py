@@ -14,6 +14,7 @@ import torch
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.engine.build import build_engine
+from compiled_llm.errors import InvalidRequestError
 from compiled_llm.serve.core.block_manager import window_blocks
 from helpers.greedy_oracle import hf_greedy, lively_checkpoint
 
@@ -78,3 +79,26 @@ def test_sequences_outrunning_the_window_give_back_blocks_and_decode_as_transfor
     assert llm.engine.prefix_cache_stats().hit_tokens > hits_before
     assert llm.engine.scheduler.num_preemptions == 0
     assert llm.engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_a_request_longer_than_the_cache_is_accepted_when_its_window_fits(checkpoint, tmp_path):
+    """Every layer slides, so a sequence holds a window's blocks and a step's, not its whole
+    context: a request of more tokens than the cache holds is served (the engine and the
+    server's front end agree), and one whose first step alone does not fit is refused."""
+    hf, source = checkpoint
+    path = tmp_path / "engine"
+    build_engine(str(source), path, dtype="float32", device="cpu", progress=False)
+    blocks = window_blocks(WINDOW, BS, BUDGET)  # one sequence's most: 6 blocks of 16 = 96 tokens
+    llm = LLM(str(path), block_size=BS, max_num_batched_tokens=BUDGET, num_blocks=blocks)
+    prompt = prompts(1, PROMPT, seed=9)[0]
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True),
+                          use_tqdm=False)
+    assert PROMPT + OUTPUT > blocks * BS
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, OUTPUT)
+    from compiled_llm.serve.engine_process.engine_messages import EngineInfo
+
+    front = EngineInfo.of(llm.engine)
+    assert (front.kv_window, front.max_step_tokens) == (WINDOW, BUDGET)
+    small = LLM(str(path), block_size=BS, max_num_batched_tokens=BUDGET, num_blocks=blocks - 1)
+    with pytest.raises(InvalidRequestError, match="KV-cache blocks"):
+        small.generate([prompt], SamplingParams(max_tokens=OUTPUT), use_tqdm=False)

@@ -13,7 +13,7 @@ import numbers
 from typing import Any, Mapping
 
 from compiled_llm.errors import InvalidRequestError
-from compiled_llm.serve.core.block_manager import cdiv
+from compiled_llm.serve.core.block_manager import cdiv, window_blocks
 from compiled_llm.serve.sampling_params import SamplingParams
 
 
@@ -28,6 +28,10 @@ class RequestValidator:
     # whether the program yields the logits of chosen rows (engine/program.py), which
     # prompt_logprobs needs
     yields_chosen_rows: bool = True
+    # a model whose every layer slides gives back the blocks behind its window (block_manager),
+    # so a sequence holds at most a window's blocks and one step's (of up to max_step_tokens)
+    kv_window: int | None = None
+    max_step_tokens: int = 1
 
     def prompt_token_ids(self, prompt: Any, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text, {"prompt_token_ids": [...]} or a list
@@ -60,6 +64,13 @@ class RequestValidator:
         if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in ids):
             raise InvalidRequestError("prompt_token_ids must be a list of integers")
         return text, [int(t) for t in ids]
+
+    def blocks_needed(self, context: int) -> int:
+        """The most KV-cache blocks a sequence of ``context`` tokens holds at once."""
+        whole = cdiv(context, self.block_size)
+        if self.kv_window is None:
+            return whole
+        return min(whole, window_blocks(self.kv_window, self.block_size, min(self.max_step_tokens, context)))
 
     def _check_text(self, text: str) -> None:
         if len(text) > self.max_model_len:  # shorter texts are cheap to tokenize and count
@@ -101,7 +112,7 @@ class RequestValidator:
             raise InvalidRequestError(
                 f"prompt of {n} tokens + max_tokens {params.max_tokens} exceeds the model's max length of {self.max_model_len} tokens"
             )
-        need = cdiv(n + params.max_tokens, self.block_size)
+        need = self.blocks_needed(n + params.max_tokens)
         if need > self.num_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV-cache blocks ({n} + {params.max_tokens} tokens) but the cache has only {self.num_blocks}"

@@ -45,6 +45,7 @@ class EngineCoreClient:
         self.validator = RequestValidator(
             tokenizer=tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
             block_size=info.block_size, num_blocks=info.num_blocks, max_num_seqs=info.max_num_seqs,
+            kv_window=info.kv_window, max_step_tokens=info.max_step_tokens,
         )
         self._process = process
         self._thread = thread

@@ -50,6 +50,8 @@ class EngineInfo:
     generation_defaults: dict
     device: str
     num_speculative_tokens: int = 0  # 0: the engine does not speculate
+    kv_window: int | None = None  # RequestValidator's: set when every layer slides
+    max_step_tokens: int = 1
 
     @classmethod
     def of(cls, engine) -> "EngineInfo":
@@ -64,6 +66,8 @@ class EngineInfo:
             generation_defaults=dict(model.generation_defaults),
             device=str(engine.device),
             num_speculative_tokens=engine.config.speculative.num_speculative_tokens if engine.config.speculative else 0,
+            kv_window=engine.validator.kv_window,
+            max_step_tokens=engine.validator.max_step_tokens,
         )
 
 
