@@ -16,7 +16,7 @@ from typing import Any
 
 from compiled_llm.errors import UnsupportedArchitectureError
 from compiled_llm.model.families.base import Family, TensorName, rope_fields
-from compiled_llm.model.families.llama import EMBEDDING_NAMES, PROJECTION_NAMES
+from compiled_llm.model.families.llama import EMBEDDING_NAMES, PROJECTION_NAMES, shape_fields
 
 
 def gemma_fields(hf: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
@@ -26,7 +26,6 @@ def gemma_fields(hf: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedArchitectureError(f"unsupported activation {act!r}; supported: gelu_pytorch_tanh")
     if hf.get("use_bidirectional_attention"):
         raise UnsupportedArchitectureError("unsupported use_bidirectional_attention (an encoder); supported: causal")
-    heads = hf["num_attention_heads"]
     layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window")
     types = tuple(hf.get("layer_types") or ())
@@ -39,13 +38,7 @@ def gemma_fields(hf: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
     if window is None:  # no window: every layer global
         types = ()
     return {
-        "vocab_size": hf["vocab_size"],
-        "hidden_size": hf["hidden_size"],
-        "intermediate_size": hf["intermediate_size"],
-        "num_layers": layers,
-        "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        **shape_fields(hf),
         "max_position_embeddings": rope.pop("max_position_embeddings", hf.get("max_position_embeddings", 8192)),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "norm_type": "rms",

@@ -10,13 +10,8 @@ from compiled_llm.errors import UnsupportedArchitectureError
 from compiled_llm.model.families.base import Family, TensorName, rope_fields
 
 
-def decoder_fields(hf: dict[str, Any], *, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> dict[str, Any]:
-    """The ModelConfig fields of a Llama-style config.json; the families built on Llama differ
-    in where the attention has biases and whether q and k are normed."""
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedArchitectureError(f"unsupported activation {act!r}; supported: silu")
-    rope = rope_fields(hf)
+def shape_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The sizes every rotary decoder's config.json names alike (Llama's and Gemma's)."""
     heads = hf["num_attention_heads"]
     return {
         "vocab_size": hf["vocab_size"],
@@ -25,8 +20,20 @@ def decoder_fields(hf: dict[str, Any], *, qkv_bias: bool, o_bias: bool, qk_norm:
         "num_layers": hf["num_hidden_layers"],
         "num_heads": heads,
         "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        # Qwen3 and Llama 3.2 name a head_dim that is not hidden_size / heads
+        # Qwen3, Llama 3.2 and Gemma name a head_dim that is not hidden_size / heads
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+    }
+
+
+def decoder_fields(hf: dict[str, Any], *, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> dict[str, Any]:
+    """The ModelConfig fields of a Llama-style config.json; the families built on Llama differ
+    in where the attention has biases and whether q and k are normed."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedArchitectureError(f"unsupported activation {act!r}; supported: silu")
+    rope = rope_fields(hf)
+    return {
+        **shape_fields(hf),
         "max_position_embeddings": rope.pop("max_position_embeddings", hf.get("max_position_embeddings", 2048)),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "norm_type": "rms",
