@@ -98,6 +98,14 @@ class ModelConfig:
     # transformers does); a norm after the attention and after the MLP as well as before each
     embed_scale: bool = False
     sandwich_norms: bool = False
+    # mixture of experts (Qwen3-MoE, Mixtral): the layers in moe_layers replace the MLP by
+    # num_experts SwiGLU experts of moe_intermediate_size, num_experts_per_tok of them per token,
+    # weighted by the router's softmax over them (renormalised over the chosen when norm_topk_prob)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -134,6 +142,7 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         d["layer_types"] = tuple(d.get("layer_types") or ())
+        d["moe_layers"] = tuple(d.get("moe_layers") or ())
         return cls(**d)
 
     @classmethod
@@ -148,7 +157,8 @@ class ModelConfig:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         mlp = (2 if self.mlp_type == "gelu_tanh" else 3) * h * i
-        n = L * (attn + mlp) + self.vocab_size * h
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts and the router
+        n = L * attn + (L - len(self.moe_layers)) * mlp + len(self.moe_layers) * moe + self.vocab_size * h
         if not self.tie_word_embeddings:
             n += self.vocab_size * h
         if self.position_type == "learned":
@@ -241,7 +251,8 @@ CONFIG_CHOICES = {
     "mlp_type": ("silu_glu", "gelu_tanh_glu", "gelu_tanh"),
     "position_type": ("rope", "learned"),
 }
-CONFIG_FLAGS = ("qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings", "embed_scale", "sandwich_norms")
+CONFIG_FLAGS = ("qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings", "embed_scale", "sandwich_norms",
+                "norm_topk_prob")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MAX_EOS_TOKEN_IDS = 64
 
@@ -289,6 +300,7 @@ def checked_config_dict(d: Any) -> dict[str, Any]:
         raise ValueError(f"model_config head_dim is {d['head_dim']}; rotary embeddings need an even head_dim")
     _check_rope_scaling(d.get("rope_scaling"))
     _check_attention_variants(d)
+    _check_experts(d)
     bos = d.get("bos_token_id")
     # token ids outside the vocabulary occur in real configs (a tiny GPT-2 keeps 50256): the
     # loader drops them, so only their type and sign are checked
@@ -386,6 +398,27 @@ def _check_attention_variants(d: dict[str, Any]) -> None:
         value = d.get(name)
         if value is not None and not (_positive_float(value) and lo <= value <= hi):
             raise ValueError(f"model_config {name} is {_shown(value)}; it must be null or a number in [{lo:g}, {hi:g}]")
+
+
+MAX_EXPERTS = 1024
+
+
+def _check_experts(d: dict[str, Any]) -> None:
+    """The mixture-of-experts fields: none set, or experts, a top-k among them and the layers
+    that have them."""
+    layers = d.get("moe_layers", ())
+    if not isinstance(layers, (list, tuple)) or len(layers) > d["num_layers"] or not all(
+            _is_int(n) and 0 <= n < d["num_layers"] for n in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"model_config moe_layers is {_shown(layers)}; it must list distinct layers "
+                         f"below num_layers ({d['num_layers']})")
+    experts, top_k, size = (d.get(n, 0) for n in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"))
+    for name, value, hi in (("num_experts", experts, MAX_EXPERTS), ("num_experts_per_tok", top_k, MAX_EXPERTS),
+                            ("moe_intermediate_size", size, CONFIG_INT_RANGES["intermediate_size"][1])):
+        if not _is_int(value) or not (1 if layers else 0) <= value <= (hi if layers else 0):
+            raise ValueError(f"model_config {name} is {_shown(value)}; it must be an integer in "
+                             f"{'1..' + str(hi) if layers else '0..0 (no layer has experts)'}")
+    if top_k > experts:
+        raise ValueError(f"model_config num_experts_per_tok is {top_k}; it must not exceed num_experts ({experts})")
 
 
 def _shown(value: Any) -> str:

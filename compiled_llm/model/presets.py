@@ -123,6 +123,19 @@ def _gemma3(**kw) -> dict[str, Any]:
     return d
 
 
+def _qwen3_moe(**kw) -> dict[str, Any]:
+    d = _qwen3(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", norm_topk_prob=True,
+               decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+    d.update(kw)
+    return d
+
+
+def _mixtral(**kw) -> dict[str, Any]:
+    d = _mistral(architectures=["MixtralForCausalLM"], model_type="mixtral")
+    d.update(kw)
+    return d
+
+
 def _gpt2(**kw) -> dict[str, Any]:
     d = {
         "architectures": ["GPT2LMHeadModel"],
@@ -198,6 +211,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "tiny-mistral": _mistral(  # a window that prompts and generations outrun
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=48,
+    ),
+    "tiny-qwen3-moe": _qwen3_moe(  # top-2 of 4 experts; the first layer dense
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[0],
+    ),
+    "tiny-mixtral": _mixtral(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_local_experts=4, num_experts_per_tok=2,
     ),
     "tiny-gemma2": _gemma2(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

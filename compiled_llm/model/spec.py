@@ -78,7 +78,13 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "o.weight"] = (h, c.q_size)
         if c.o_bias:
             shapes[p + "o.bias"] = (h,)
-        if c.mlp_type in ("silu_glu", "gelu_tanh_glu"):
+        if n in c.moe_layers:
+            shapes[p + "router.weight"] = (c.num_experts, h)
+            for e in range(c.num_experts):
+                shapes[p + f"experts.{e}.gate.weight"] = (c.moe_intermediate_size, h)
+                shapes[p + f"experts.{e}.up.weight"] = (c.moe_intermediate_size, h)
+                shapes[p + f"experts.{e}.down.weight"] = (h, c.moe_intermediate_size)
+        elif c.mlp_type in ("silu_glu", "gelu_tanh_glu"):
             shapes[p + "gate.weight"] = (i, h)
             shapes[p + "up.weight"] = (i, h)
             shapes[p + "down.weight"] = (h, i)
@@ -164,8 +170,31 @@ def _attention(
     return _linear(params, p + "o", out.view(T, c.q_size))
 
 
+def _moe(config: ModelConfig, params: dict[str, Tensor], layer: int, x: Tensor) -> Tensor:
+    """A mixture of SwiGLU experts, written plainly: the router's softmax (float32) over the
+    experts, the top num_experts_per_tok of it (renormalised over them when norm_topk_prob) as
+    a [T, experts] weight that is 0 for the others, and each expert's output times its weight,
+    summed. Every expert runs on every token here (the weight of an unchosen one is 0), which is
+    exact but reads all experts: a fused op that runs only the chosen ones is the kernels' work."""
+    c = config
+    p = f"layers.{layer}."
+    probs = F.linear(x, params[p + "router.weight"]).float().softmax(dim=-1)
+    top, chosen = probs.topk(c.num_experts_per_tok, dim=-1)
+    if c.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    weights = torch.zeros_like(probs).scatter(1, chosen, top).to(x.dtype)
+    out = torch.zeros_like(x)
+    for e in range(c.num_experts):
+        q = p + f"experts.{e}."
+        expert = _linear(params, q + "down", F.silu(_linear(params, q + "gate", x)) * _linear(params, q + "up", x))
+        out = out + expert * weights[:, e:e + 1]
+    return out
+
+
 def _mlp(config: ModelConfig, params: dict[str, Tensor], layer: int, x: Tensor) -> Tensor:
     p = f"layers.{layer}."
+    if layer in config.moe_layers:
+        return _moe(config, params, layer, x)
     if config.mlp_type == "silu_glu":
         gate = _linear(params, p + "gate", x)
         up = _linear(params, p + "up", x)

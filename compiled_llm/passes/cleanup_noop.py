@@ -1,6 +1,7 @@
 """cleanup_noop: drop ops that return their input unchanged (a view/reshape/expand to the same
 shape, an alias, a full slice, a dtype conversion to the same dtype), so later passes see the
-semantic ops next to each other."""
+semantic ops next to each other; and the tensor-metadata asserts export leaves beside a dtype
+conversion, which check at trace time what the graph's own metadata already says."""
 
 from __future__ import annotations
 
@@ -42,7 +43,10 @@ def _is_noop(node: Node) -> bool:
 def remove_noops(gm: GraphModule) -> int:
     count = 0
     for node in list(gm.graph.nodes):
-        if _is_noop(node):
+        if node.op == "call_function" and node.target == aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+            count += 1
+        elif _is_noop(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             count += 1

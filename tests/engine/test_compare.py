@@ -14,7 +14,7 @@ from compiled_llm.passes.base import Pass
 from helpers.hf_checkpoints import make_checkpoint
 from helpers.wrong_passes import drop_q_bias
 
-FAMILIES = ["qwen2", "qwen3", "llama", "gpt2", "mistral", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["qwen2", "qwen3", "llama", "gpt2", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -49,6 +49,13 @@ FAMILY_CONFIGS = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=32, patch_size=16),
         mm_tokens_per_image=4, boi_token_index=297, eoi_token_index=298, image_token_index=299),
+    # mixtures of experts: Qwen3-MoE with a dense first layer (mlp_only_layers), top-2 of 4
+    # experts renormalised; Mixtral, top-2 of 4
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**_small(
+        head_dim=32, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False)),
+    "mixtral": lambda: transformers.MixtralConfig(**_small(
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False, sliding_window=None)),
 }
 MODEL_CLASSES = {
     "qwen2": transformers.Qwen2ForCausalLM,
@@ -60,6 +67,8 @@ MODEL_CLASSES = {
     "gemma2": transformers.Gemma2ForCausalLM,
     "gemma3": transformers.Gemma3ForCausalLM,
     "gemma3_multimodal": transformers.Gemma3ForConditionalGeneration,
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    "mixtral": transformers.MixtralForCausalLM,
 }
 
 

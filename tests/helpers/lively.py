@@ -26,11 +26,12 @@ from helpers.trained_tokenizers import train_hf_tokenizer
 INIT_RANGE = 0.2
 
 
-def make_lively_checkpoint(out: Path, seed: int = 0, tokenizer=None,
-                           sliding_window: int | None = None) -> transformers.PreTrainedModel:
+def make_lively_checkpoint(out: Path, seed: int = 0, tokenizer=None, sliding_window: int | None = None,
+                           experts: int = 0) -> transformers.PreTrainedModel:
     """Write a Qwen2 checkpoint (fp32, random init, untied) with a BPE tokenizer (default: the
     one trained here) to ``out``; returns the transformers model. With ``sliding_window`` it is
-    a Mistral of the same shape whose every layer attends within that window."""
+    a Mistral of the same shape whose every layer attends within that window; with ``experts``
+    a Qwen3-MoE whose MLPs are that many experts, two of them per token."""
     tok = tokenizer if tokenizer is not None else train_hf_tokenizer(vocab_size=200, all_bytes=False)[1]
     torch.manual_seed(seed)
     shape = dict(
@@ -39,7 +40,10 @@ def make_lively_checkpoint(out: Path, seed: int = 0, tokenizer=None,
         tie_word_embeddings=False, initializer_range=INIT_RANGE, rope_theta=10000.0,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), bos_token_id=None,
     )
-    if sliding_window is None:
+    if experts:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **shape, num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)).eval()
+    elif sliding_window is None:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
     else:
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, sliding_window=sliding_window)).eval()

@@ -34,7 +34,8 @@ from helpers.trained_tokenizers import WORDS
 NUM_DRAWS = 1000
 NUM_SPECULATIVE_DRAWS = 150
 NUM_STRUCTURED_DRAWS = 40
-NUM_WINDOW_DRAWS = 120
+NUM_WINDOW_DRAWS = 100
+NUM_EXPERT_DRAWS = 40
 WINDOW = 12  # the sliding-window family's: most prompts and generations outrun it
 MIN_MARGIN = 1e-3
 # Draws that failed before prefill and decode were told apart per row (with budgets of 1-5
@@ -62,6 +63,21 @@ def windowed_lively(tmp_path_factory):
     build_engine(str(checkpoint), engine, dtype="float32", device="cpu", progress=False)
     loaded = load_model(str(engine), device="cpu")
     assert loaded.config.kv_window == WINDOW
+    return lively_pool(loaded, model)
+
+
+@pytest.fixture(scope="module")
+def experts_lively(tmp_path_factory):
+    """The same, of a Qwen3-MoE whose MLPs are 4 experts, 2 per token."""
+    from compiled_llm.engine.build import build_engine
+    from helpers.lively import make_lively_checkpoint
+
+    checkpoint = tmp_path_factory.mktemp("experts") / "checkpoint"
+    model = make_lively_checkpoint(checkpoint, seed=3, experts=4)
+    engine = checkpoint.parent / "engine"
+    build_engine(str(checkpoint), engine, dtype="float32", device="cpu", progress=False)
+    loaded = load_model(str(engine), device="cpu")
+    assert loaded.config.moe_layers == (0, 1)
     return lively_pool(loaded, model)
 
 
@@ -137,6 +153,15 @@ def test_fuzz_on_a_sliding_window_family(windowed_lively):
     problems = []
     for seed in range(NUM_WINDOW_DRAWS):
         problems += run_draw(seed, windowed_lively, speculate=seed % 4 == 0)[1]
+    assert not problems, f"{len(problems)} differences:\n" + "\n".join(problems[:10])
+
+
+def test_fuzz_on_a_mixture_of_experts_family(experts_lively):
+    """The draws on a Qwen3-MoE (every token routed to 2 of 4 experts), some with speculation:
+    outputs stay transformers' whatever the batch around a token."""
+    problems = []
+    for seed in range(NUM_EXPERT_DRAWS):
+        problems += run_draw(seed, experts_lively, speculate=seed % 4 == 0)[1]
     assert not problems, f"{len(problems)} differences:\n" + "\n".join(problems[:10])
 
 

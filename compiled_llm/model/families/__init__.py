@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from compiled_llm.errors import UnsupportedArchitectureError
-from compiled_llm.model.families import gemma2, gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
+from compiled_llm.model.families import gemma2, gemma3, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
 from compiled_llm.model.families.base import Family
 
 # In the order the unsupported-architecture error lists them.
@@ -26,6 +26,8 @@ FAMILIES: tuple[Family, ...] = (
     gemma2.FAMILY,
     gemma3.FAMILY,
     gemma3.MULTIMODAL_FAMILY,
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
 )
 
 _BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
