@@ -401,6 +401,7 @@ def _check_attention_variants(d: dict[str, Any]) -> None:
 
 
 MAX_EXPERTS = 1024
+MAX_EXPERT_LAYERS = 1 << 15  # DeepSeek-V3: 256 experts x 58 layers = 14,848
 
 
 def _check_experts(d: dict[str, Any]) -> None:
@@ -419,6 +420,9 @@ def _check_experts(d: dict[str, Any]) -> None:
                              f"{'1..' + str(hi) if layers else '0..0 (no layer has experts)'}")
     if top_k > experts:
         raise ValueError(f"model_config num_experts_per_tok is {top_k}; it must not exceed num_experts ({experts})")
+    if experts * len(layers) > MAX_EXPERT_LAYERS:  # each a weight file entry, checked one by one at load
+        raise ValueError(f"model_config has {experts} experts in each of {len(layers)} layers; at most "
+                         f"{MAX_EXPERT_LAYERS} in all")
 
 
 def _shown(value: Any) -> str:

@@ -32,3 +32,19 @@ def test_a_built_mixture_of_experts_decodes_as_transformers(tmp_path, family, te
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(num_experts=0), "num_experts"), (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(moe_layers=[5]), "moe_layers"), (dict(moe_layers=[1, 1]), "moe_layers"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size"), (dict(moe_layers=[], num_experts=4), "num_experts"),
+    (dict(num_experts=1024, num_layers=64, moe_layers=list(range(64))), "has 1024 experts"),
+])
+def test_a_manifest_whose_experts_do_not_add_up_is_refused_naming_the_field(change, field):
+    from compiled_llm.model.config import ModelConfig
+    from compiled_llm.model.presets import preset_config
+
+    written = preset_config("tiny-qwen3-moe").to_dict()
+    assert ModelConfig.checked_from_dict(dict(written)) == preset_config("tiny-qwen3-moe")
+    with pytest.raises(ValueError, match=f"model_config {field}"):
+        ModelConfig.checked_from_dict({**written, **change})
