@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from compiled_llm.model.families.base import Family, TensorName, rope_fields
+from compiled_llm.model.families.base import Family, rope_fields
 from compiled_llm.model.families.gemma2 import TENSOR_NAMES, gemma_fields
+from compiled_llm.model.families.llama import QK_NORM_NAMES
 
 SLIDING_WINDOW_PATTERN = 6  # transformers' default: every sixth layer global
 
@@ -52,9 +53,7 @@ FAMILY = Family(
     model_types=("gemma3_text",),
     architectures=("Gemma3ForCausalLM",),
     config_fields=config_fields,
-    tensor_names=TENSOR_NAMES + (
-        TensorName("model.layers.{layer}.self_attn.{proj:q|k}_norm.weight", "layers.{layer}.{proj}_norm.weight"),
-    ),
+    tensor_names=TENSOR_NAMES + QK_NORM_NAMES,
     norm_offset=1.0,
 )
 

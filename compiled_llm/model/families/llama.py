@@ -72,6 +72,11 @@ PROJECTION_NAMES = (
     TensorName("model.layers.{layer}.mlp.{proj:gate|up|down}_proj.weight", "layers.{layer}.{proj}.weight"),
 )
 
+# The RMSNorm over each head of q and k (Qwen3, Qwen3-MoE, Gemma 3).
+QK_NORM_NAMES = (
+    TensorName("model.layers.{layer}.self_attn.{proj:q|k}_norm.weight", "layers.{layer}.{proj}_norm.weight"),
+)
+
 # The names transformers' LlamaForCausalLM saves, which Qwen2, Qwen3 and Mistral share.
 TENSOR_NAMES = EMBEDDING_AND_NORM_NAMES + PROJECTION_NAMES
 

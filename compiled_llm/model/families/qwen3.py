@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from compiled_llm.model.families.base import Family, TensorName
-from compiled_llm.model.families.llama import TENSOR_NAMES, decoder_fields
+from compiled_llm.model.families.base import Family
+from compiled_llm.model.families.llama import QK_NORM_NAMES, TENSOR_NAMES, decoder_fields
 
 
 def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -20,7 +20,5 @@ FAMILY = Family(
     model_types=("qwen3",),
     architectures=("Qwen3ForCausalLM",),
     config_fields=config_fields,
-    tensor_names=TENSOR_NAMES + (
-        TensorName("model.layers.{layer}.self_attn.{proj:q|k}_norm.weight", "layers.{layer}.{proj}_norm.weight"),
-    ),
+    tensor_names=TENSOR_NAMES + QK_NORM_NAMES,
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from compiled_llm.model.families.base import Family, TensorName
-from compiled_llm.model.families.llama import EMBEDDING_AND_NORM_NAMES, decoder_fields
+from compiled_llm.model.families.llama import QK_NORM_NAMES, TENSOR_NAMES, decoder_fields
 
 
 def expert_fields(hf: dict[str, Any], experts: int, moe_layers: list[int], norm_topk_prob: bool) -> dict[str, Any]:
@@ -37,10 +37,8 @@ FAMILY = Family(
     model_types=("qwen3_moe",),
     architectures=("Qwen3MoeForCausalLM",),
     config_fields=config_fields,
-    tensor_names=EMBEDDING_AND_NORM_NAMES + (
-        TensorName("model.layers.{layer}.self_attn.{proj:q|k|v|o}_proj.{kind:weight|bias}", "layers.{layer}.{proj}.{kind}"),
-        TensorName("model.layers.{layer}.self_attn.{proj:q|k}_norm.weight", "layers.{layer}.{proj}_norm.weight"),
-        TensorName("model.layers.{layer}.mlp.{proj:gate|up|down}_proj.weight", "layers.{layer}.{proj}.weight"),
+    # Qwen3's, with a mixture's router and experts beside its dense layers' MLPs
+    tensor_names=TENSOR_NAMES + QK_NORM_NAMES + (
         TensorName("model.layers.{layer}.mlp.gate.weight", "layers.{layer}.router.weight"),
         TensorName("model.layers.{layer}.mlp.experts.{expert}.{proj:gate|up|down}_proj.weight",
                    "layers.{layer}.experts.{expert}.{proj}.weight"),
