@@ -12,9 +12,9 @@ are loaded before the wait, and each pair block's first chunk one block ahead. A
 (batch-1 decode) the ONE_ROW form keeps one fp32 accumulator per weight row and thread, as
 triton_gemv._gemv_one_row_kernel does. Splitting heads into pairs keeps
 enough programs to fill the GPU (Qwen2.5-0.5B has 18 heads). With q/k norm the statistics need the
-whole head, so a program owns a whole head (SPLITS = 1): it walks the head BLOCK_P pairs at a time,
-stores the rounded projection, and once its head is complete (a CTA barrier makes its own stores
-visible to all its threads) normalises and rotates it in place. Weight-only quantized weights:
+whole head, so the kernel stores the rounded projection unrotated and the prefill form's epilogue
+kernel normalises and rotates q and k (a second launch: a program a head streamed its 256 rows
+alone, six programs for all of Gemma-3-1B's heads). Weight-only quantized weights:
 int8 (SCALED) in either form, int4 in the INT4 form (triton_gemv.int4_step; no one-block-ahead
 pipeline).
 
@@ -162,14 +162,13 @@ def _pair_rows_int4(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rows1, mask_p, t0, T, K,
 
 @triton.jit
 def _qkv_decode_kernel(
-    x_ptr, w_ptr, b_ptr, nw_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, cs_ptr, s_ptr, z_ptr,
+    x_ptr, w_ptr, b_ptr, nw_ptr, pos_ptr, cs_ptr, s_ptr, z_ptr,
     q_out, k_out, v_out,
     T, K, stride_x, stride_w, stride_cs, stride_qt, stride_kt, stride_vt,
-    eps, norm_eps,
+    norm_eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_INPUT_NORM: tl.constexpr, HAS_QK_NORM: tl.constexpr, HAS_ROPE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INPUT_NORM: tl.constexpr, HAS_ROPE: tl.constexpr,
     PDL: tl.constexpr = False, ONE_ROW: tl.constexpr = False, VEC: tl.constexpr = 8,
     SCALED: tl.constexpr = False, INT4: tl.constexpr = False, GROUP: tl.constexpr = 128, VB: tl.constexpr = 16,
 ):
@@ -181,8 +180,6 @@ def _qkv_decode_kernel(
     head = pid // SPLITS
     p_lo = (pid % SPLITS) * BLOCK_P
     p_hi = tl.minimum(p_lo + BLOCK_P, HALF)
-    if HAS_QK_NORM:  # SPLITS == 1: the whole head, BLOCK_P pairs at a time
-        p_hi = HALF
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
     dtype = x_ptr.dtype.element_ty
@@ -191,14 +188,12 @@ def _qkv_decode_kernel(
     is_qk = head < NUM_HEADS + NUM_KV_HEADS
     dst = q_out + head * HEAD_DIM
     stride_dt = stride_qt
-    head_norm = q_norm_ptr
     if head >= NUM_HEADS + NUM_KV_HEADS:
         dst = v_out + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
         stride_dt = stride_vt
     elif head >= NUM_HEADS:
         dst = k_out + (head - NUM_HEADS) * HEAD_DIM
         stride_dt = stride_kt
-        head_norm = k_norm_ptr
     dst_rows = dst + offs_t.to(tl.int64)[:, None] * stride_dt  # [BLOCK_T, 1]
     cs_rows = cs_ptr
     if HAS_ROPE:
@@ -217,7 +212,7 @@ def _qkv_decode_kernel(
         w1_next = weight_tile(w_ptr + _rows3(rows1.to(tl.int64), ONE_ROW) * stride_w, offs_k0, mask_w)
         w2_next = weight_tile(w_ptr + _rows3((rows1 + HALF).to(tl.int64), ONE_ROW) * stride_w, offs_k0, mask_w)
     b1_next, b2_next, cos_next, sin_next = _pair_constants(
-        b_ptr, cs_rows, rows1, offs_p, offs_p < p_hi, HALF, HAS_BIAS, HAS_ROPE and not HAS_QK_NORM)
+        b_ptr, cs_rows, rows1, offs_p, offs_p < p_hi, HALF, HAS_BIAS, HAS_ROPE)
     pdl_wait(PDL)
 
     x_rows = x_ptr + offs_t.to(tl.int64)[:, None, None] * stride_x
@@ -256,7 +251,7 @@ def _qkv_decode_kernel(
         b1, b2, cos, sin = b1_next, b2_next, cos_next, sin_next
         b1_next, b2_next, cos_next, sin_next = _pair_constants(
             b_ptr, cs_rows, rows1 + BLOCK_P, offs_p + BLOCK_P, (offs_p + BLOCK_P) < p_hi, HALF,
-            HAS_BIAS, HAS_ROPE and not HAS_QK_NORM)
+            HAS_BIAS, HAS_ROPE)
         if not INT4:
             y1 = _row_sums(acc1, ONE_ROW)
             y2 = _row_sums(acc2, ONE_ROW)
@@ -269,47 +264,65 @@ def _qkv_decode_kernel(
         # the reference rounds the projection (F.linear's output) before anything else
         y1 = y1.to(dtype)
         y2 = y2.to(dtype)
-        if HAS_ROPE and not HAS_QK_NORM:  # the pair is complete here: rotate q/k in registers
-            r1, r2 = _norm_rope(y1, y2, y1, y2, cos, sin, eps, HEAD_DIM, False, True)
+        if HAS_ROPE:  # the pair is complete here: rotate q/k in registers
+            r1, r2 = _norm_rope(y1, y2, y1, y2, cos, sin, 0.0, HEAD_DIM, False, True)
             y1 = tl.where(is_qk, r1, y1.to(tl.float32)).to(dtype)
             y2 = tl.where(is_qk, r2, y2.to(tl.float32)).to(dtype)
         mask = mask_t[:, None] & mask_p[None, :]
         tl.store(dst_rows + offs_p[None, :], y1, mask=mask)
         tl.store(dst_rows + HALF + offs_p[None, :], y2, mask=mask)
 
-    if HAS_QK_NORM:
-        # the head is complete in memory: normalise (and rotate) q/k heads in place
-        tl.debug_barrier()
-        if is_qk:
-            offs_h = tl.arange(0, BLOCK_HALF)
-            mask_h = offs_h < HALF
-            mask = mask_t[:, None] & mask_h[None, :]
-            x1 = tl.load(dst_rows + offs_h[None, :], mask=mask, other=0.0)
-            x2 = tl.load(dst_rows + HALF + offs_h[None, :], mask=mask, other=0.0)
-            w1 = tl.load(head_norm + offs_h, mask=mask_h, other=0.0)[None, :]
-            w2 = tl.load(head_norm + HALF + offs_h, mask=mask_h, other=0.0)[None, :]
-            cos = w1.to(tl.float32)  # placeholders, unused without RoPE
-            sin = w2.to(tl.float32)
-            if HAS_ROPE:
-                cos = tl.load(cs_rows + offs_h[None, :], mask=mask_h[None, :], other=0.0)
-                sin = tl.load(cs_rows + HALF + offs_h[None, :], mask=mask_h[None, :], other=0.0)
-            y1, y2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, True, HAS_ROPE)
-            tl.store(dst_rows + offs_h[None, :], y1.to(dtype), mask=mask)
-            tl.store(dst_rows + HALF + offs_h[None, :], y2.to(dtype), mask=mask)
-
 
 def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, cos_sin,
             num_heads, num_kv_heads, head_dim, eps, norm_weight, norm_eps, scale=None, zero=None):
-    """The one-launch decode form; with ``scale`` (one fp32 per row of the weight) the weight
-    is int8, with ``zero`` too it is int4 [rows, H / 2] with a scale and zero point per group of
-    columns, run by the kernel's INT4 form at every T (weight-only quantized,
-    graph/quantized_ops.py)."""
+    """The decode form: one GEMV launch, with the per-head q/k norms (and so RoPE) in a second,
+    the epilogue's: a head's norm needs all of its rows, and one program a head was 6 programs
+    for Gemma-3-1B's q/k/v (69 us a layer, 1.8 of its 2.8 ms step). With ``scale`` (one fp32
+    per row of the weight) the weight is int8, with ``zero`` too it is int4 [rows, H / 2] with a
+    scale and zero point per group of columns, run by the kernel's INT4 form at every T
+    (weight-only quantized, graph/quantized_ops.py)."""
+    if q_norm_weight is not None:
+        q, k, v = _decode(x, qkv_weight, qkv_bias, None, None, positions, None, num_heads, num_kv_heads, head_dim,
+                          eps, norm_weight, norm_eps, scale, zero)
+        q, k, _ = _epilogue(q, k, None, q_norm_weight, k_norm_weight, positions, cos_sin, eps)
+        return q, k, v
     T, H = x.shape
     q = torch.empty((T, num_heads, head_dim), dtype=x.dtype, device=x.device)
     k = torch.empty((T, num_kv_heads, head_dim), dtype=x.dtype, device=x.device)
     v = torch.empty((T, num_kv_heads, head_dim), dtype=x.dtype, device=x.device)
     if T == 0:
         return q, k, v
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = qkv_weight if qkv_weight.stride(-1) == 1 else qkv_weight.contiguous()
+    half = head_dim // 2
+    has_rope = cos_sin is not None
+    cfg = weight_config("qkv_decode", T, (w.shape[0], H), x, w, "BLOCK_K")
+    tile = tile_config(cfg, T, half, H, weight_itemsize(w), rows_key="BLOCK_P")
+    int4 = {}
+    if zero is not None:  # the INT4 form reads x and the input norm's weight two columns to a word
+        x = pair_aligned(x)
+        norm_weight = pair_aligned(norm_weight) if norm_weight is not None else None
+        int4 = int4_constants(H, scale, tile, x, row_sets=2)
+    splits = triton.cdiv(half, tile["BLOCK_ROWS"])
+    heads = num_heads + 2 * num_kv_heads
+    grid = (heads * splits, triton.cdiv(T, tile["BLOCK_T"]))
+    one_row = T == 1 and zero is None  # batch-1 decode: one fp32 accumulator per weight row and thread
+    _qkv_decode_kernel[grid](
+        x, w, qkv_bias if qkv_bias is not None else w,
+        norm_weight if norm_weight is not None else w,
+        positions, cos_sin if has_rope else w, scale if scale is not None else w, zero if zero is not None else w,
+        q, k, v,
+        T, H, x.stride(0), w.stride(0), cos_sin.stride(0) if has_rope else 0,
+        q.stride(0), k.stride(0), v.stride(0),
+        norm_eps,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        SPLITS=splits, BLOCK_T=tile["BLOCK_T"], BLOCK_P=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"],
+        HAS_BIAS=qkv_bias is not None, HAS_INPUT_NORM=norm_weight is not None,
+        HAS_ROPE=has_rope, PDL=use_pdl(x),
+        ONE_ROW=one_row, VEC=16 // w.element_size(), SCALED=scale is not None and zero is None, **int4,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(use_pdl(x)),
+    )
+    return q, k, v
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = qkv_weight if qkv_weight.stride(-1) == 1 else qkv_weight.contiguous()
     half = head_dim // 2

@@ -116,13 +116,11 @@ def _kernels_at_default_configs(dt):
                 IS_RMS=glu, IS_GLU=glu, BLOCK_T=tile["BLOCK_T"], BLOCK_I=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"],
                 PDL=True, GATE_GELU=gate_gelu)
         tile = tg.tile_config(launch_configs.get("qkv_decode", T), T, D // 2, H, itemsize, rows_key="BLOCK_P")
-        for qk_norm in (False, True):
-            yield f"qkv_decode qk_norm={qk_norm} T={T}", tq._qkv_decode_kernel, tile["num_warps"], dict(
-                NUM_HEADS=QWEN["Hq"], NUM_KV_HEADS=QWEN["Hkv"], HEAD_DIM=D, HALF=D // 2,
-                SPLITS=1 if qk_norm else D // 2 // tile["BLOCK_ROWS"], BLOCK_T=tile["BLOCK_T"],
-                BLOCK_P=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"], BLOCK_HALF=D // 2,
-                HAS_BIAS=True, HAS_INPUT_NORM=True, HAS_QK_NORM=qk_norm, HAS_ROPE=True, PDL=True,
-                ONE_ROW=T == 1, VEC=16 // itemsize)
+        yield f"qkv_decode T={T}", tq._qkv_decode_kernel, tile["num_warps"], dict(
+            NUM_HEADS=QWEN["Hq"], NUM_KV_HEADS=QWEN["Hkv"], HEAD_DIM=D, HALF=D // 2,
+            SPLITS=D // 2 // tile["BLOCK_ROWS"], BLOCK_T=tile["BLOCK_T"], BLOCK_P=tile["BLOCK_ROWS"],
+            BLOCK_K=tile["BLOCK_K"], HAS_BIAS=True, HAS_INPUT_NORM=True, HAS_ROPE=True, PDL=True,
+            ONE_ROW=T == 1, VEC=16 // itemsize)
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp32"])
@@ -176,12 +174,10 @@ def _int4_kernels_at_default_configs(dt):
         if not tq.use_decode_form(T):
             continue
         t, int4 = tile("qkv_decode", T, D // 2, H, rows_key="BLOCK_P", row_sets=2)
-        for qk_norm in (False, True):
-            yield f"int4 qkv_decode qk_norm={qk_norm} T={T}", tq._qkv_decode_kernel, t["num_warps"], dict(
-                NUM_HEADS=QWEN["Hq"], NUM_KV_HEADS=QWEN["Hkv"], HEAD_DIM=D, HALF=D // 2,
-                SPLITS=1 if qk_norm else D // 2 // t["BLOCK_ROWS"], BLOCK_T=t["BLOCK_T"],
-                BLOCK_P=t["BLOCK_ROWS"], BLOCK_K=t["BLOCK_K"], BLOCK_HALF=D // 2,
-                HAS_BIAS=True, HAS_INPUT_NORM=True, HAS_QK_NORM=qk_norm, HAS_ROPE=True, PDL=True, **int4)
+        yield f"int4 qkv_decode T={T}", tq._qkv_decode_kernel, t["num_warps"], dict(
+            NUM_HEADS=QWEN["Hq"], NUM_KV_HEADS=QWEN["Hkv"], HEAD_DIM=D, HALF=D // 2,
+            SPLITS=D // 2 // t["BLOCK_ROWS"], BLOCK_T=t["BLOCK_T"], BLOCK_P=t["BLOCK_ROWS"],
+            BLOCK_K=t["BLOCK_K"], HAS_BIAS=True, HAS_INPUT_NORM=True, HAS_ROPE=True, PDL=True, **int4)
 
 
 INT4_PTRS = {"w_ptr": "*u8", "w1_ptr": "*u8", "s_ptr": "*fp32", "s1_ptr": "*fp32", "z_ptr": "*fp32", "z1_ptr": "*fp32"}
