@@ -152,6 +152,34 @@ def fused_qkv_rope_ref(
     return q, k, v.clone(memory_format=torch.contiguous_format)
 
 
+def moe_routing_ref(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """A mixture's routing, as transformers' Qwen3-MoE and Mixtral route: the router's logits
+    (x's dtype), their softmax in float32, its top_k (renormalised to sum to 1 when
+    ``renormalize``). Returns (weights [T, top_k] float32, expert ids [T, top_k] int64), the
+    highest weight first."""
+    probs = F.linear(x, router_weight).float().softmax(dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe_ref(x: Tensor, router_weight: Tensor, gate_up_weight: Tensor, down_weight: Tensor, top_k: int,
+                  renormalize: bool) -> Tensor:
+    """A mixture of SwiGLU experts over x [T, H]: router_weight [E, H], gate_up_weight [E, 2I, H]
+    (each expert's gate rows, then its up rows), down_weight [E, H, I]. Each token's output is
+    the sum over its top_k experts of ``weight * down(silu(gate(x)) * up(x))``, the weight
+    rounded to x's dtype and each product too (what the spec's unfused graph computes), summed in
+    float32. Written densely (every expert on every token, an unchosen one weighted 0) so that it
+    has no data-dependent shapes; the kernels read only the chosen experts."""
+    weights, ids = moe_routing_ref(x, router_weight, top_k, renormalize)
+    dense = torch.zeros(x.shape[0], router_weight.shape[0], dtype=torch.float32, device=x.device)
+    dense = dense.scatter(1, ids, weights).to(x.dtype)  # [T, E]
+    gate, up = torch.matmul(x, gate_up_weight.transpose(1, 2)).chunk(2, dim=-1)  # [E, T, I] each
+    experts = torch.matmul(F.silu(gate) * up, down_weight.transpose(1, 2))  # [E, T, H]
+    return (experts * dense.t().unsqueeze(-1)).float().sum(0).to(x.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # The fused cllm:: ops
 # ---------------------------------------------------------------------------------------------
@@ -164,3 +192,4 @@ fused_rms_norm_residual = cllm_op("fused_rms_norm_residual", fused_rms_norm_resi
 fused_rms_norm_glu_mlp = cllm_op("fused_rms_norm_glu_mlp", fused_rms_norm_glu_mlp_ref)
 fused_layer_norm_gelu_mlp = cllm_op("fused_layer_norm_gelu_mlp", fused_layer_norm_gelu_mlp_ref)
 fused_qkv_rope = cllm_op("fused_qkv_rope", fused_qkv_rope_ref)
+fused_moe = cllm_op("fused_moe", fused_moe_ref)

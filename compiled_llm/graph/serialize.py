@@ -58,8 +58,8 @@ ATEN_OPS = frozenset(f"aten::{name}" for name in (
     "select.int", "slice.Tensor", "view.default", "reshape.default", "permute.default",
     "transpose.int", "unsqueeze.default", "squeeze.dim", "expand.default", "clone.default",
     "cat.default", "split.Tensor", "_to_copy.default", "sym_size.int",
-    # a mixture of experts' router, as the spec writes it
-    "to.dtype", "softmax.int", "topk.default", "zeros_like.default", "scatter.src",
+    # a mixture of experts as the spec writes it: the router, and the experts over stacked weights
+    "to.dtype", "softmax.int", "topk.default", "zeros_like.default", "scatter.src", "chunk.default", "t.default",
 ))
 _ENUMS = {
     "dtype": (torch.dtype, lambda v: str(v).removeprefix("torch.")),

@@ -190,6 +190,29 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # q/k/v epilogue after the cuBLAS projection: BLOCK_T tokens of one head per program
     "qkv_epilogue": {"4": {"BLOCK_T": 1, "num_warps": 1}, "inf": {"BLOCK_T": 16, "num_warps": 4}},
     "kv_store": {"inf": {"num_warps": 1}},
+    # Mixture of experts (triton_fused_moe). Decode form: "fused_moe_decode" streams a pair's
+    # expert's gate and up rows (BLOCK_I intermediate rows a program, BLOCK_H columns a step),
+    # "fused_moe_down" its down rows (BLOCK_N output rows a program, BLOCK_K columns a step), one
+    # row of x a program (the one-row layout); num_warps is a cap, as for the GEMV tables. Untuned
+    # defaults for H100 at Qwen3-MoE / Mixtral shapes (H 2048-4096, I 768-14336).
+    "fused_moe_decode": {
+        "inf": {"BLOCK_I": 4, "BLOCK_H": 1024, "num_warps": 4, "num_stages": 1},
+    },
+    "fused_moe_down": {
+        "inf": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1},
+    },
+    # ... prefill form: both grouped GEMMs. BLOCK_M rows of one expert a block (each expert's rows
+    # are padded to whole blocks: small blocks while experts get few rows each), [BLOCK_M, BLOCK_N]
+    # output tiles (the gate/up GEMM holds two), BLOCK_K a step, GROUP_M blocks share each weight
+    # tile in L2. Untuned.
+    "fused_moe_gemm": {
+        "128": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
+        "inf": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+    },
+    # (token, expert) pairs (T * top_k) up to which the mixture runs the decode form
+    "fused_moe_dispatch": {
+        "inf": {"MAX_DECODE_PAIRS": 16},
+    },
 }
 
 SHAPES = "shapes"  # a kernel table's key for its per-weight-shape buckets

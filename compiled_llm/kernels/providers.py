@@ -25,8 +25,8 @@ import torch
 
 from compiled_llm.graph import fused_ops, ops
 from compiled_llm.kernels import (
-    cuda_gemv_int4, cuda_norm_mlp, triton_all_reduce, triton_gemm_wq, triton_gemv, triton_norm, triton_norm_mlp,
-    triton_bitmask, triton_paged_attention, triton_qkv_rope, triton_sampling,
+    cuda_gemv_int4, cuda_norm_mlp, triton_all_reduce, triton_fused_moe, triton_gemm_wq, triton_gemv, triton_norm,
+    triton_norm_mlp, triton_bitmask, triton_paged_attention, triton_qkv_rope, triton_sampling,
 )
 from compiled_llm.kernels.registry import register_kernel
 
@@ -128,6 +128,9 @@ TRITON_KERNELS = {  # op -> (kernel, handles)
     "fused_rms_norm_glu_mlp_wq": (triton_norm_mlp.fused_rms_norm_glu_mlp_wq, _quantized_mlp),
     "fused_layer_norm_gelu_mlp_wq": (triton_norm_mlp.fused_layer_norm_gelu_mlp_wq, _quantized_gelu_mlp),
     "fused_qkv_rope_wq": (triton_qkv_rope.fused_qkv_rope_wq, _quantized_qkv),
+    # mixture of experts: routing on the device, the chosen experts' weights streamed (decode) or
+    # grouped GEMMs over the pairs sorted by expert (prefill)
+    "fused_moe": (triton_fused_moe.fused_moe, None),
     # tensor parallelism: custom push kernel over symmetric memory where the ranks opened it, else NCCL
     "all_reduce": (triton_all_reduce.all_reduce, triton_all_reduce.handles),
 }

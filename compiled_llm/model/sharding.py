@@ -5,9 +5,16 @@ each rank's slice of every weight is, and the per-rank model config the runtime 
   o, down, proj          row-parallel: rank r holds the matching input columns; the partial sums
                          are all-reduced, and the bias lives on rank 0 (zeros elsewhere) so the
                          sum adds it once
+  experts (stacked)      each expert split like an MLP: rank r holds its gate and up rows and the
+                         matching down columns of every expert, and the mixture's output (the
+                         fused_moe op's) is all-reduced; every rank routes every token alike
   embedding, lm_head     vocabulary-parallel: rank r holds rows [r*V/N, (r+1)*V/N) of the table,
                          the vocabulary padded with zero rows to a multiple of N
   norms, positions       replicated
+
+Experts are split inside, not dealt out whole (expert parallelism): a decode step's chosen
+experts then cost each rank the same bytes whatever the router picked, no token moves between
+ranks, and the one all-reduce is the one a dense MLP already has.
 
 KV heads split like the q heads when N divides them; with fewer KV heads than ranks each KV head
 is replicated on the N / kv_heads ranks whose q heads read it.
@@ -28,6 +35,8 @@ VOCAB_START = "tp.vocab_start"  # per-rank param: the first vocabulary id of the
 _COLUMN = ("q", "k", "v", "gate", "up", "fc")
 _ROW = ("o", "down", "proj")
 _VOCAB = ("embed.weight", "lm_head.weight")
+_EXPERTS_GATE_UP = ".experts.gate_up.weight"  # [E, 2I, H], stacked by the fuse_moe pass
+_EXPERTS_DOWN = ".experts.down.weight"  # [E, H, I]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +55,10 @@ class ShardPlan:
     @property
     def intermediate(self) -> int:
         return self.config.intermediate_size // self.size
+
+    @property
+    def moe_intermediate(self) -> int:
+        return self.config.moe_intermediate_size // self.size
 
     @property
     def vocab_per_rank(self) -> int:
@@ -76,6 +89,8 @@ def plan(config: ModelConfig, size: int) -> ShardPlan:
         )
     if c.intermediate_size % size:
         raise CompiledLLMError(f"cannot split the MLP's {c.intermediate_size} columns over {size} ranks")
+    if c.num_experts and c.moe_intermediate_size % size:
+        raise CompiledLLMError(f"cannot split the experts' {c.moe_intermediate_size} columns over {size} ranks")
     return ShardPlan(c, size)
 
 
@@ -86,7 +101,8 @@ def local_config(config: ModelConfig, size: int) -> ModelConfig:
         return config
     p = plan(config, size)
     return dataclasses.replace(
-        config, num_heads=p.heads, num_kv_heads=p.kv_heads, intermediate_size=p.intermediate
+        config, num_heads=p.heads, num_kv_heads=p.kv_heads, intermediate_size=p.intermediate,
+        moe_intermediate_size=p.moe_intermediate,
     )
 
 
@@ -110,6 +126,13 @@ def shard_param(p: ShardPlan, rank: int, name: str, tensor: Tensor) -> Tensor:
         if rows != tensor.shape[0]:
             tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
         return tensor.narrow(0, p.vocab_start(rank), p.vocab_per_rank).contiguous()
+    if name.endswith(_EXPERTS_GATE_UP):  # each expert's gate rows, then its up rows
+        experts, rows, hidden = tensor.shape
+        halves = tensor.view(experts, 2, rows // 2, hidden)
+        local = halves.narrow(2, rank * p.moe_intermediate, p.moe_intermediate)
+        return local.reshape(experts, 2 * p.moe_intermediate, hidden).contiguous()
+    if name.endswith(_EXPERTS_DOWN):
+        return tensor.narrow(2, rank * p.moe_intermediate, p.moe_intermediate).contiguous()
     role = _role(name)
     if role is None:
         return tensor

@@ -79,11 +79,11 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.o_bias:
             shapes[p + "o.bias"] = (h,)
         if n in c.moe_layers:
+            # the experts stacked, as transformers holds them: each expert's gate rows, then its
+            # up rows; the loader stacks a checkpoint's per-expert tensors (weights.py)
             shapes[p + "router.weight"] = (c.num_experts, h)
-            for e in range(c.num_experts):
-                shapes[p + f"experts.{e}.gate.weight"] = (c.moe_intermediate_size, h)
-                shapes[p + f"experts.{e}.up.weight"] = (c.moe_intermediate_size, h)
-                shapes[p + f"experts.{e}.down.weight"] = (h, c.moe_intermediate_size)
+            shapes[p + "experts.gate_up.weight"] = (c.num_experts, 2 * c.moe_intermediate_size, h)
+            shapes[p + "experts.down.weight"] = (c.num_experts, h, c.moe_intermediate_size)
         elif c.mlp_type in ("silu_glu", "gelu_tanh_glu"):
             shapes[p + "gate.weight"] = (i, h)
             shapes[p + "up.weight"] = (i, h)
@@ -173,22 +173,20 @@ def _attention(
 def _moe(config: ModelConfig, params: dict[str, Tensor], layer: int, x: Tensor) -> Tensor:
     """A mixture of SwiGLU experts, written plainly: the router's softmax (float32) over the
     experts, the top num_experts_per_tok of it (renormalised over them when norm_topk_prob) as
-    a [T, experts] weight that is 0 for the others, and each expert's output times its weight,
-    summed. Every expert runs on every token here (the weight of an unchosen one is 0), which is
-    exact but reads all experts: a fused op that runs only the chosen ones is the kernels' work."""
+    a [T, experts] weight that is 0 for the others, every expert on every token (batched over
+    the stacked weights), and each expert's output times its weight, summed in float32. Exact,
+    but it reads all experts; the fuse_moe pass makes it one op whose kernels read only the
+    chosen ones."""
     c = config
     p = f"layers.{layer}."
     probs = F.linear(x, params[p + "router.weight"]).float().softmax(dim=-1)
     top, chosen = probs.topk(c.num_experts_per_tok, dim=-1)
     if c.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
-    weights = torch.zeros_like(probs).scatter(1, chosen, top).to(x.dtype)
-    out = torch.zeros_like(x)
-    for e in range(c.num_experts):
-        q = p + f"experts.{e}."
-        expert = _linear(params, q + "down", F.silu(_linear(params, q + "gate", x)) * _linear(params, q + "up", x))
-        out = out + expert * weights[:, e:e + 1]
-    return out
+    weights = torch.zeros_like(probs).scatter(1, chosen, top).to(x.dtype)  # [T, E]
+    gate, up = torch.matmul(x, params[p + "experts.gate_up.weight"].transpose(1, 2)).chunk(2, dim=-1)
+    experts = torch.matmul(F.silu(gate) * up, params[p + "experts.down.weight"].transpose(1, 2))  # [E, T, H]
+    return (experts * weights.t().unsqueeze(-1)).float().sum(0).to(x.dtype)
 
 
 def _mlp(config: ModelConfig, params: dict[str, Tensor], layer: int, x: Tensor) -> Tensor:

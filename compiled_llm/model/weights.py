@@ -2,12 +2,16 @@
 the rules of the checkpoint's family (``model/families/``).
 
 Tensors are read one at a time with ``safe_open``, reshaped, cast and moved to the target
-device before the next is read, so a checkpoint never sits in memory twice.
+device before the next is read, so a checkpoint never sits in memory twice. A mixture's experts,
+one tensor per expert and projection in a checkpoint, are copied into the spec's stacked weights
+(``layers.N.experts.gate_up.weight`` [E, 2I, H], ``layers.N.experts.down.weight`` [E, H, I]) as
+they come.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -53,6 +57,62 @@ def _to_spec_layout(
             f"tensor for {spec_name} has shape {tuple(t.shape)}; expected first dim {sum(rows)}"
         )
     return list(zip(names, t.split(rows, dim=0)))
+
+
+# the per-expert name a family maps a checkpoint's expert tensor to
+_EXPERT = re.compile(r"(?P<layer>layers\.\d+)\.experts\.(?P<expert>\d+)\.(?P<proj>gate|up|down)\.weight")
+
+
+def expert_slot(spec_name: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str, int, str, tuple[int, ...]] | None:
+    """(stacked param, expert, projection, the one expert's shape) of a per-expert name such as
+    ``layers.3.experts.7.up.weight``, when ``shapes`` (the spec's) has that expert; else None."""
+    m = _EXPERT.fullmatch(spec_name)
+    if m is None:
+        return None
+    proj, expert = m.group("proj"), int(m.group("expert"))
+    stacked = f"{m.group('layer')}.experts.{'down' if proj == 'down' else 'gate_up'}.weight"
+    shape = shapes.get(stacked)
+    if shape is None or expert >= shape[0]:
+        return None
+    return stacked, expert, proj, tuple(shape[1:]) if proj == "down" else (shape[1] // 2, shape[2])
+
+
+def expert_rows(expert: int, proj: str, rows: int) -> tuple:
+    """The index of one expert's projection in its stacked weight: gate rows first, then up."""
+    start = rows if proj == "up" else 0
+    return expert, slice(start, start + rows)
+
+
+class _ExpertStacks:
+    """The stacked expert weights being filled, one checkpoint tensor at a time: which slots are
+    filled, and the name of a missing one's checkpoint tensor."""
+
+    def __init__(self, config: ModelConfig, expected: dict[str, tuple[int, ...]], dtype, device):
+        self.config, self.expected, self.dtype, self.device = config, expected, dtype, device
+        self.stacks: dict[str, Tensor] = {}
+        self.filled: set[tuple[str, int, str]] = set()
+
+    def slot(self, spec_name: str) -> tuple[str, int, str, tuple[int, ...]] | None:
+        """(stacked name, expert, projection, the one expert's shape) of a per-expert name."""
+        return expert_slot(spec_name, self.expected)
+
+    def put(self, stacked: str, expert: int, proj: str, t: Tensor) -> None:
+        if stacked not in self.stacks:
+            self.stacks[stacked] = torch.empty(self.expected[stacked], dtype=self.dtype, device=self.device)
+        self.stacks[stacked][expert_rows(expert, proj, t.shape[0])].copy_(t)
+        self.filled.add((stacked, expert, proj))
+
+    def first_missing(self) -> str | None:
+        """The spec's per-expert name of the first slot no checkpoint tensor filled."""
+        for name, shape in self.expected.items():
+            m = re.fullmatch(r"(layers\.\d+)\.experts\.(gate_up|down)\.weight", name)
+            if m is None:
+                continue
+            for expert in range(shape[0]):
+                for proj in (("down",) if m.group(2) == "down" else ("gate", "up")):
+                    if (name, expert, proj) not in self.filled:
+                        return f"{m.group(1)}.experts.{expert}.{proj}.weight"
+        return None
 
 
 def _is_norm_weight(spec_name: str) -> bool:
@@ -131,9 +191,22 @@ def load_params(
     family = family_of(config.architecture)
     expected = param_shapes(config)
     params: dict[str, Tensor] = {}
+    experts = _ExpertStacks(config, expected, dtype, device)
     for file, hf_name, tensor in _iter_checkpoint(checkpoint_files(model_dir)):
         spec_name = _spec_name(family, config, hf_name)
         if spec_name is None:
+            continue
+        slot = experts.slot(spec_name)
+        if slot is not None:
+            stacked, expert, proj, shape = slot
+            if tuple(tensor.shape) != shape:
+                raise WeightLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; {config.architecture} "
+                                      f"with this config expects {shape} for {spec_name}")
+            loaded = tensor.to(device=device, dtype=dtype)
+            if not _all_finite(loaded):
+                raise _non_finite_error(file, hf_name, tensor, loaded)
+            experts.put(stacked, expert, proj, loaded)
+            del tensor, loaded
             continue
         if spec_name == "" or any(n not in expected for n in family.spec_params(spec_name)):
             raise WeightLoadError(f"unexpected tensor {hf_name!r} in checkpoint (no place for it in {config.architecture})")
@@ -150,6 +223,10 @@ def load_params(
             params[name] = loaded
         del tensor
     params.update(derived_params(config, device))
+    missing_expert = experts.first_missing()
+    if missing_expert is not None:
+        raise WeightLoadError(f"checkpoint in {model_dir} is missing tensor {checkpoint_name(config, missing_expert)!r}")
+    params.update(experts.stacks)
     missing = [n for n in expected if n not in params]
     if missing:
         raise WeightLoadError(

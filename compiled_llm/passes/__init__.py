@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.passes import (
-    cleanup, cleanup_noop, fuse_add_norm, fuse_norm_mlp, fuse_qkv_rope, fuse_residual, quantize_weights, select_kernels, shard,
+    cleanup, cleanup_noop, fuse_add_norm, fuse_moe, fuse_norm_mlp, fuse_qkv_rope, fuse_residual, quantize_weights,
+    select_kernels, shard,
 )
 from compiled_llm.passes.base import Pass, PassContext
 
 DEFAULT_PASSES: tuple[Pass, ...] = (
     cleanup_noop.PASS,
+    fuse_moe.PASS,
     shard.PASS,
     fuse_norm_mlp.PASS,
     fuse_residual.PASS,

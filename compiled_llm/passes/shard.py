@@ -7,6 +7,8 @@ tensor parallelism; the split itself is ``model/sharding.py``). With one rank it
                                                                                     b_r = b on rank 0, else 0)
   embedding(E, ids)                         => all_reduce(vocab_shard_embedding(E_r, ids, start_r))
   linear(h, E or W_lm)                      => all_gather_columns(linear(h, E_r or W_lm_r), V)
+  fused_moe(x, W_router, GU, D, k, norm)    => all_reduce(fused_moe(x, W_router, GU_r, D_r, k, norm))
+                                               (each expert's intermediate columns; fuse_moe runs first)
 
 Every rank's graph is the same; only its weights differ (``start_r`` is a one-element weight),
 so one program serves all ranks. The passes after this one see the rank's shapes: head counts
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
+from compiled_llm.errors import CompiledLLMError
 from compiled_llm.model import sharding
 from compiled_llm.passes.base import Pass, PassContext, add_param, aten, cllm, finish, is_call, linear_parts, param_name
 
@@ -58,6 +61,10 @@ def run(gm: GraphModule, ctx: PassContext) -> int:
     if ctx.tp_size == 1:
         return 0
     p = sharding.plan(ctx.config, ctx.tp_size)
+    mixtures = sum(is_call(n, cllm.fused_moe.default) for n in gm.graph.nodes)
+    if mixtures != len(ctx.config.moe_layers):  # unfused experts would be split with no all-reduce after them
+        raise CompiledLLMError(f"--tensor-parallel-size {ctx.tp_size} needs this mixture of experts fused "
+                               f"(fuse_moe matched {mixtures} of its {len(ctx.config.moe_layers)} layers)")
     rank = ctx.tp_rank
     count = 0
     start = None
@@ -74,6 +81,9 @@ def run(gm: GraphModule, ctx: PassContext) -> int:
             node.replace_all_uses_with(local)
             gm.graph.erase_node(node)
             _insert_after(gm, local, cllm.all_reduce.default, ())
+            count += 1
+        elif is_call(node, cllm.fused_moe.default):
+            _insert_after(gm, node, cllm.all_reduce.default, ())
             count += 1
         elif is_call(node, aten.linear.default):
             weight = param_name(linear_parts(node)[1]) or ""

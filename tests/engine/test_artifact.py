@@ -37,7 +37,7 @@ def test_artifact_holds_what_run_needs(engine):
     assert m["model_config"]["architecture"] == "Qwen2ForCausalLM"
     assert m["build_options"]["dtype"] == "float32" and m["build_options"]["device"] == "cpu"
     assert m["versions"]["torch"] == torch.__version__
-    assert [p["name"] for p in m["passes"]][:3] == ["cleanup_noop", "shard", "fuse_norm_mlp"]
+    assert [p["name"] for p in m["passes"]][:4] == ["cleanup_noop", "fuse_moe", "shard", "fuse_norm_mlp"]
     assert m["kernels"]["paged_attention"] == "reference"
     assert m["kernel_cache"] is None  # a CPU engine runs reference ops: no compiled kernels
     assert m["source"]["preset"] == "tiny-qwen2"

@@ -278,6 +278,8 @@ def _reference_cases():
         "fused_qkv_rope": qkv_inputs(3, 32, 4, 2, 16, f32, "cpu", 2, bias=True, qk_norm=True, rope=True, max_pos=8),
         "fused_rms_norm_glu_mlp": mlp_glu_inputs(3, 32, 24, f32, "cpu", 3),
         "fused_layer_norm_gelu_mlp": mlp_gelu_inputs(3, 32, 24, f32, "cpu", 4),
+        "fused_moe": (x, torch.randn(4, 32, generator=g), torch.randn(4, 2 * 8, 32, generator=g),
+                      torch.randn(4, 32, 8, generator=g), 2, True),
         "greedy_sample": (torch.randn(3, 50, generator=g),),
         # temperature 0 everywhere: the draw is the argmax, so the output is deterministic
         "temperature_sample": (torch.randn(3, 50, generator=g), torch.zeros(3)),

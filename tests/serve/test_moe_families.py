@@ -12,7 +12,7 @@ from compiled_llm.engine.build import build_engine
 from helpers.greedy_oracle import hf_greedy, lively_checkpoint
 
 
-# two ranks hold the experts whole (each computes the mixture; the attention is sharded)
+# two ranks split each expert's columns (and the attention's heads), all-reducing the mixture
 @pytest.mark.parametrize("family,tensor_parallel_size", [("qwen3_moe", 1), ("mixtral", 1), ("qwen3_moe", 2)])
 def test_a_built_mixture_of_experts_decodes_as_transformers(tmp_path, family, tensor_parallel_size):
     hf = lively_checkpoint(family, tmp_path / "checkpoint")
@@ -48,3 +48,31 @@ def test_a_manifest_whose_experts_do_not_add_up_is_refused_naming_the_field(chan
     assert ModelConfig.checked_from_dict(dict(written)) == preset_config("tiny-qwen3-moe")
     with pytest.raises(ValueError, match=f"model_config {field}"):
         ModelConfig.checked_from_dict({**written, **change})
+
+
+def _rewrite_checkpoint(d, edit):
+    from safetensors.torch import load_file, save_file
+    path = d / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"),
+     "missing tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"),
+    (lambda t: t.update({"model.layers.1.mlp.experts.0.down_proj.weight": torch.zeros(3, 3)}),
+     "'model.layers.1.mlp.experts.0.down_proj.weight' has shape \\(3, 3\\)"),
+    (lambda t: t["model.layers.1.mlp.experts.2.gate_proj.weight"].fill_(float("nan")),
+     "'model.layers.1.mlp.experts.2.gate_proj.weight' .* NaN"),
+])
+def test_a_checkpoint_with_a_bad_expert_tensor_is_refused_naming_it(tmp_path, edit, message):
+    from compiled_llm.errors import WeightLoadError
+    from compiled_llm.model.config import load_config
+    from compiled_llm.model.weights import load_params
+    from helpers.hf_checkpoints import make_checkpoint
+
+    make_checkpoint("qwen3_moe", tmp_path)
+    _rewrite_checkpoint(tmp_path, edit)
+    with pytest.raises(WeightLoadError, match=message):
+        load_params(load_config(tmp_path), tmp_path)
