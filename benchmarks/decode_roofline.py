@@ -4,7 +4,8 @@
 
 For each preset (random weights at the real shapes, bf16): the latency workload's decode tok/s
 (``compiled-llm bench --workload latency``), the bytes of weights one decode step reads (every
-param once, an untied embedding's table not, since a step reads one row of it), and the
+param once, an untied embedding's table not, since a step reads one row of it, and of a
+mixture's experts the top_k of E a token chooses), and the
 roofline, the device's copy bandwidth (measured here, in the same run) over those bytes.
 ``--contexts`` adds decode tok/s after prompts of 1,024 and 8,000 tokens: a model whose sliding
 layers read only their window slows down less than one whose layers all read the whole context,
@@ -38,10 +39,14 @@ def copy_gbps() -> float:
 
 
 def weight_bytes(llm) -> int:
-    """Bytes of weights a decode step reads: the RoPE tables and an untied embedding give one row."""
+    """Bytes of weights a batch-1 decode step reads: every weight once, but the RoPE tables and an
+    untied embedding (one row each) and a mixture's experts, of which a token reads its top_k of
+    E: attention + router + dense MLPs + (top_k / E) x the stacked experts + the lm_head."""
     config = llm.model.config
-    return sum(t.numel() * t.element_size() for name, t in llm.model.params.items()
-               if not name.startswith("rope.") and not (name == "embed.weight" and not config.tie_word_embeddings))
+    chosen = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
+    return int(sum(t.numel() * t.element_size() * (chosen if ".experts." in name else 1.0)
+                   for name, t in llm.model.params.items()
+                   if not name.startswith("rope.") and not (name == "embed.weight" and not config.tie_word_embeddings)))
 
 
 def decode_at(llm, context: int, new_tokens: int = 128, repeats: int = 3) -> float:
@@ -73,6 +78,8 @@ def main() -> None:
     p.add_argument("presets", nargs="+")
     p.add_argument("--contexts", action="store_true", help="decode tok/s after 1,024- and 8,000-token prompts")
     p.add_argument("--every-layer-global", action="store_true", help="also each preset with no sliding window")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights made on the device, none written (mixtures of 61-93 GB)")
     args = p.parse_args()
     from compiled_llm import LLM
     from compiled_llm.cli.bench.workloads import compiled_latency
@@ -84,7 +91,7 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}: copy {bandwidth:.0f} GB/s", flush=True)
     for name in names:
         start = time.perf_counter()
-        llm = LLM(name, dtype="bfloat16")
+        llm = LLM(name, dtype="bfloat16", load_format=args.load_format)
         loaded = time.perf_counter() - start
         read = weight_bytes(llm)
         tok_s = compiled_latency(llm).metrics["decode_tok_s"]

@@ -1304,6 +1304,106 @@ def agree(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# moe: the fused mixture-of-experts kernels at real shapes
+# ---------------------------------------------------------------------------------------------
+
+MOE_SHAPES = {  # name -> (experts, top_k, hidden, expert intermediate), from the published configs
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+
+
+MOE_SWEEP = {
+    "fused_moe_decode": {"BLOCK_I": [1, 2, 4, 8, 16], "BLOCK_H": [256, 512, 1024, 2048], "num_warps": [1, 2, 4, 8]},
+    "fused_moe_down": {"BLOCK_N": [1, 2, 4, 8, 16, 32], "BLOCK_K": [256, 512, 1024, 2048], "num_warps": [1, 2, 4, 8]},
+}
+
+
+def moe_sweep(name: str, layers: list, top_k: int, gen, rounds: int = 2) -> None:
+    """Coordinate descent over the decode form's two tables at one token (one layer's device µs,
+    the weights rotated past the L2); prints each step, the winner as JSON, and the time of the
+    routing alone (router linear + top-k kernel) beside the whole op."""
+    from compiled_llm.kernels.triton_fused_moe import fused_moe, route
+
+    H = layers[0][0].shape[1]
+    x = torch.randn(1, H, generator=gen, device="cuda", dtype=DTYPE)
+    sets = [(x, *w) for w in layers]
+
+    def op_us(table) -> float:
+        launch_configs.use_configs(table)
+        return graph_time_us(lambda x, r, gu, d: fused_moe(x, r, gu, d, top_k, True), sets)
+
+    best = launch_configs.current()
+    best_us = op_us(best)
+    print(f"{name} sweep at T=1: start {best_us:.1f} us; routing alone "
+          f"{graph_time_us(lambda x, r, gu, d: route(x, r, top_k, True), sets):.1f} us", flush=True)
+    for _ in range(rounds):
+        for table, knobs in MOE_SWEEP.items():
+            for knob, values in knobs.items():
+                for v in values:
+                    if best[table]["inf"].get(knob) == v:
+                        continue
+                    trial = copy.deepcopy(best)
+                    trial[table] = {"inf": {**trial[table]["inf"], knob: v}}
+                    try:
+                        us = op_us(trial)
+                    except Exception as e:  # a config that does not compile or launch
+                        print(f"  {table}.{knob}={v}: {failure(e)}", flush=True)
+                        continue
+                    if us < best_us * 0.99:
+                        best, best_us = trial, us
+                        print(f"  {table}.{knob}={v}: {us:.1f} us  <- best", flush=True)
+    launch_configs.use_configs(None)
+    print(f"{name} best {best_us:.1f} us: " + json.dumps({t: best[t] for t in MOE_SWEEP}), flush=True)
+
+
+def moe(args) -> int:
+    """cllm::fused_moe's Triton kernels on one layer's weights (several copies, rotated past the
+    L2) at each token count: device µs; at decode sizes the bandwidth of the bytes the chosen
+    experts hold (each distinct chosen expert's gate, up and down once, plus the router) against
+    the copy bandwidth; at prefill sizes TFLOP/s (2 * T * top_k * 3 * H * I) against the bf16
+    matmul rate; and the error against the op's reference (fused_ops.fused_moe_ref)."""
+    from compiled_llm.graph.fused_ops import fused_moe_ref
+    from compiled_llm.kernels.triton_fused_moe import fused_moe
+
+    if not needs_cuda("moe"):
+        return 2
+    copy, peak = copy_gbs(), matmul_tflops()
+    print(f"copy {copy:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s", flush=True)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for name in args.models:
+        E, k, H, I = MOE_SHAPES[name]
+        layer_bytes = (E * 3 * H * I + E * H) * 2
+        copies = max(1, min(8, int(2.5e9 // layer_bytes)))  # several layers when they fit, past the L2
+        layers = [(torch.randn(E, H, generator=gen, device="cuda", dtype=DTYPE) * H ** -0.5,
+                   torch.randn(E, 2 * I, H, generator=gen, device="cuda", dtype=DTYPE) * H ** -0.5,
+                   torch.randn(E, H, I, generator=gen, device="cuda", dtype=DTYPE) * I ** -0.5) for _ in range(copies)]
+        if args.sweep:
+            moe_sweep(name, layers, k, gen)
+        for T in args.tokens:
+            x = torch.randn(T, H, generator=gen, device="cuda", dtype=DTYPE)
+            sets = [(x, *w) for w in layers]
+            us = graph_time_us(lambda x, r, gu, d: fused_moe(x, r, gu, d, k, True), sets)
+            ids = torch.topk(torch.softmax((x @ layers[0][0].t()).float(), -1), k).indices
+            chosen = ids.unique().numel()
+            line = f"{name:14} T={T:5d}: {us:9.1f} us"
+            if T * k <= 64:
+                read = chosen * 3 * H * I * 2 + E * H * 2
+                line += f"  {chosen:3d} experts read, {read / us / 1e3:6.0f} GB/s ({read / us / 1e3 / copy:.0%} of copy)"
+            else:
+                flops = 2 * T * k * 3 * H * I
+                line += f"  {flops / us / 1e6:6.1f} TFLOP/s ({flops / us / 1e6 / peak:.0%} of matmul)"
+            if T <= 512:
+                ref = fused_moe_ref(x, *layers[0], k, True)
+                got = fused_moe(x, *layers[0], k, True)
+                line += f"  err {rel_err(got, ref):.1e}"
+            print(line, flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------
 
@@ -1377,6 +1477,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--source", default=QWEN, help=f"model source or engine directory (default {QWEN})")
     p.add_argument("--top", type=int, default=25, help="kernels per table")
     p.add_argument("--prefill", type=int, default=1024, help="prompt length of the profiled prefill")
+
+    p = command("moe", moe, "the fused mixture-of-experts kernels at real shapes: decode GB/s, prefill TFLOP/s")
+    p.add_argument("--models", nargs="+", default=list(MOE_SHAPES), choices=list(MOE_SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 64, 512, 2048, 8192])
+    p.add_argument("--sweep", action="store_true", help="first tune the decode form's tables at one token")
 
     p = command("agree", agree, "greedy agreement of the engine's fused kernels + CUDA graphs with the eager spec")
     p.add_argument("--source", default=QWEN, help=f"model source or engine directory (default {QWEN})")

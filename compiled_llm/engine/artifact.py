@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import math
 import threading
 import time
 from pathlib import Path, PurePosixPath
@@ -39,7 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from compiled_llm.engine import kernel_cache, limits, manifest_check, weights_header
+from compiled_llm.engine import dummy_weights, kernel_cache, limits, manifest_check, weights_header
 from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.engine.program import PortableProgram
@@ -432,18 +433,34 @@ def _load_weights(engine_dir: Path, manifest: dict, device: torch.device, rank: 
                   config: ModelConfig) -> dict[str, Tensor]:
     name = weights_file(rank, tp_size_of(manifest))
     path = inside(engine_dir, name)
-    weights_header.check_header(path, name, config, build_config(manifest), manifest["program"]["param_names"])
+    build = build_config(manifest)
+    names = manifest["program"]["param_names"]
+    made: list[str] = []
+    if build.load_format == "dummy":  # the matrices are made here, at the shapes the config implies
+        expected = weights_header.expected_tensors(config, build)
+        made = [n for n in names if n in expected and dummy_weights.is_dummy(n, expected[n][1])]
+    weights_header.check_header(path, name, config, build, [n for n in names if n not in made])
     try:
         tensors = load_file(str(path), device=str(device))
     except Exception as e:
         raise EngineError(f"cannot read {name} as safetensors ({type(e).__name__}); rebuild the engine") from None
-    names = manifest["program"]["param_names"]
+    if made:
+        tensors.update(dummy_weights.make(made, expected, device))
     missing = [n for n in names if n not in tensors]
     if missing:
         raise EngineError(f"{name} lacks {missing[0]!r} that the program reads; rebuild the engine")
     # safetensors may hand out views of one shared buffer (CPU); give each weight its own
     # storage so no program sees storage offsets the build never saw.
     return {n: tensors[n].clone() if tensors[n]._base is not None else tensors[n] for n in names}
+
+
+def loaded_weight_bytes(engine_dir: str | Path) -> int:
+    """Bytes of the weights a load of the engine holds on its device (one rank's): what its
+    weights file holds, or for a dummy engine what the load makes as well."""
+    manifest = read_manifest(engine_dir)
+    expected = weights_header.expected_tensors(_config(manifest), build_config(manifest))
+    return sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+               for dtype, shape in (expected[n] for n in manifest["program"]["param_names"] if n in expected))
 
 
 def load_engine(

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from compiled_llm.engine import artifact, kernel_cache
+from compiled_llm.engine import artifact, dummy_weights, kernel_cache
 from compiled_llm.engine import output_dir as engine_output
 from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.errors import CompiledLLMError
@@ -201,7 +201,8 @@ def build_engine(
         sharding.plan(src.config, size)  # refuses a shape that does not split, before any work
         if size > 1 and "shard" not in passes:
             raise CompiledLLMError(f"--tensor-parallel-size {size} needs the shard pass, which is disabled")
-        params = load_source_params(src, torch_dtype, dev)
+        dummy = resolved.load_format == "dummy"
+        params = load_source_params(src, torch_dtype, dev, uninitialised=dummy_weights.is_dummy if dummy else None)
         tokenizer = load_source_tokenizer(src)
         generation_file = read_generation_config(src.model_dir)
         generation = artifact.generation_config_entry(
@@ -224,7 +225,7 @@ def build_engine(
             if size > 1:
                 _check_same_program(lowered, rank_lowered, rank)
                 with _Stage("write", times, progress):
-                    artifact.save_weights(work, rank_lowered.params, artifact.weights_file(rank, size))
+                    artifact.save_weights(work, _stored(rank_lowered.params, dummy), artifact.weights_file(rank, size))
             if rank == 0:
                 lowered = rank_lowered
             del rank_lowered
@@ -248,7 +249,7 @@ def build_engine(
                 stage_seconds=times,
                 generation_config=generation,
             )
-            artifact.save_engine(work, manifest, lowered.params if size == 1 else None, tokenizer)
+            artifact.save_engine(work, manifest, _stored(lowered.params, dummy) if size == 1 else None, tokenizer)
         del lowered
         warmed = dev.type == "cuda" and warm_up is not None
         host = None
@@ -271,6 +272,11 @@ def build_engine(
     finally:
         engine_output.discard_work_dir(work)
     return artifact.read_manifest(out_dir)
+
+
+def _stored(params: dict, dummy: bool) -> dict:
+    """The weights an engine's file holds: all, or a dummy engine's small ones."""
+    return dummy_weights.stored(params) if dummy else params
 
 
 def _check_same_program(first: Lowered | None, lowered: Lowered, rank: int) -> None:

@@ -28,6 +28,8 @@ DEVICE_CHOICES = ("auto", *DEVICE_TYPES)
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,3})?")
 # the weight-only schemes quantize_weights applies (graph/quantized_ops.py implements each)
 QUANTIZATIONS = ("int8", "int4")
+# where the weights come from: the source's ("auto"), or random at load, none stored ("dummy")
+LOAD_FORMATS = ("auto", "dummy")
 MAX_TENSOR_PARALLEL = 64
 # keys an older build wrote into build_options that no build reads any more (format 1's backend)
 RETIRED_MANIFEST_KEYS = ("backend",)
@@ -75,6 +77,10 @@ class BuildConfig:
     tensor_parallel_size: int = _option(
         1, "shard the model over N GPUs (N processes over gloo on a CPU): heads and MLP columns split, one "
            "weights file per rank", aliases=("-tp",))
+    load_format: str = _option(
+        "auto", "auto: the source's weights (a preset's seeded random ones); dummy: random weights made on the "
+                "device at load and none stored, as vLLM's --load-format dummy (speed at real shapes without "
+                "the disk a checkpoint takes)", choices=LOAD_FORMATS)
 
     def __post_init__(self):
         dtype = self.dtype
@@ -98,6 +104,11 @@ class BuildConfig:
         if type(size) is not int or not 1 <= size <= MAX_TENSOR_PARALLEL:
             raise InvalidOptionError(
                 f"tensor_parallel_size must be an integer in 1..{MAX_TENSOR_PARALLEL}, got {_shown(size)}")
+        if not isinstance(self.load_format, str) or self.load_format not in LOAD_FORMATS:
+            raise InvalidOptionError(
+                f"unknown load_format {_shown(self.load_format)}; the choices are: {', '.join(LOAD_FORMATS)}")
+        if self.load_format == "dummy" and self.quantization is not None:
+            raise InvalidOptionError("load_format dummy stores no weights to quantize; drop --quantization")
 
     # ---- as the keyword arguments of an API -------------------------------------------------
 
@@ -131,7 +142,7 @@ class BuildConfig:
             "dtype": self.dtype, "device": self.device_type, "max_model_len": self.max_model_len,
             "disabled_passes": list(self.disabled_passes), "kernel_prefs": dict(self.kernel_prefs),
             "dump_ir": self.dump_ir, "quantization": self.quantization,
-            "tensor_parallel_size": self.tensor_parallel_size,
+            "tensor_parallel_size": self.tensor_parallel_size, "load_format": self.load_format,
         }
 
     @classmethod

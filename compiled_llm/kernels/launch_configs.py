@@ -195,11 +195,16 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # "fused_moe_down" its down rows (BLOCK_N output rows a program, BLOCK_K columns a step), one
     # row of x a program (the one-row layout); num_warps is a cap, as for the GEMV tables. Untuned
     # defaults for H100 at Qwen3-MoE / Mixtral shapes (H 2048-4096, I 768-14336).
+    # The T = 1 buckets come from `kernel_bench.py moe --sweep` (H200, one layer timed alone):
+    # Qwen3-30B-A3B 42.4 -> 31.8 us, Mixtral-8x7B 213.5 -> 167.6 us.
     "fused_moe_decode": {
+        "1": {"BLOCK_I": 1, "BLOCK_H": 1024, "num_warps": 4, "num_stages": 1},
         "inf": {"BLOCK_I": 4, "BLOCK_H": 1024, "num_warps": 4, "num_stages": 1},
     },
     "fused_moe_down": {
+        "1": {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1},
         "inf": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1},
+        "shapes": {"2048x768": {"1": {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}}},
     },
     # ... prefill form: both grouped GEMMs. BLOCK_M rows of one expert a block (each expert's rows
     # are padded to whole blocks: small blocks while experts get few rows each), [BLOCK_M, BLOCK_N]

@@ -151,6 +151,16 @@ def _gpt2(**kw) -> dict[str, Any]:
 # name -> config.json contents (eos ids added by preset_hf_config)
 _PRESETS: dict[str, dict[str, Any]] = {
     # Real shapes (numbers from the models' published config.json files)
+    "qwen3-30b-a3b": _qwen3_moe(  # 61 GB in bf16: build it with load_format="dummy" to skip the disk
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    ),
+    "mixtral-8x7b": _mixtral(  # 93 GB in bf16 (one H200): load_format="dummy" as above
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1000000.0,
+        sliding_window=None, num_local_experts=8, num_experts_per_tok=2,
+    ),
     "qwen2.5-0.5b": _qwen2(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,

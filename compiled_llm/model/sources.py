@@ -118,9 +118,13 @@ def _hub_snapshot(repo_id: str) -> Path:
         raise CompiledLLMError(f"downloading {repo_id!r} failed ({first_line(e, limit=None)}); {hint}") from None
 
 
-def load_source_params(src: ModelSource, dtype, device) -> dict:
-    """The spec's params for ``src``: the checkpoint's weights, or a preset's seeded random ones."""
+def load_source_params(src: ModelSource, dtype, device, uninitialised=None) -> dict:
+    """The spec's params for ``src``: the checkpoint's weights, or a preset's seeded random ones;
+    with ``uninitialised`` (a dummy engine's test of a weight's name and shape), random ones
+    whatever the source, the weights it picks left uninitialised."""
 
+    if uninitialised is not None:
+        return random_params(src.config, dtype=dtype, device=device, seed=PRESET_SEED, uninitialised=uninitialised)
     if src.model_dir is None:
         return random_params(src.config, dtype=dtype, device=device, seed=PRESET_SEED)
     return load_params(src.config, src.model_dir, dtype=dtype, device=device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -241,14 +241,20 @@ def random_params(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    uninitialised: Callable[[str, tuple[int, ...]], bool] | None = None,
 ) -> dict[str, Tensor]:
     """Random weights at the config's shapes (presets and benchmarks). Norm weights are near 1
-    and linears have std 0.02, as transformers initialises them, so activations stay sane."""
+    and linears have std 0.02, as transformers initialises them, so activations stay sane. The
+    params ``uninitialised(name, shape)`` picks are left as uninitialised memory (a dummy
+    engine's matrices, which its build never reads)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     params: dict[str, Tensor] = {}
     derived = derived_params(config, device)
     for name, shape in param_shapes(config).items():
         if name in derived:
+            continue
+        if uninitialised is not None and uninitialised(name, shape):
+            params[name] = torch.empty(shape, dtype=dtype, device=device)
             continue
         if "norm" in name and name.endswith(".weight"):
             t = 1.0 + 0.02 * torch.randn(shape, generator=gen)

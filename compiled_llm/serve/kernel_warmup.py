@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from compiled_llm.engine.artifact import build_config, read_manifest
+from compiled_llm.engine.artifact import build_config, loaded_weight_bytes, read_manifest
 from compiled_llm.engine.kernel_cache import KERNELS_DIR, triton_cache_at
 from compiled_llm.engine.loader import load_model
 from compiled_llm.errors import EngineError
@@ -61,8 +61,7 @@ def warm_kernels(engine_dir: Path, device: torch.device, workers: int | None = N
     if build_config(read_manifest(engine_dir)).tensor_parallel_size > 1:
         workers = 1  # each share would start a process per rank, on every GPU
     elif workers is None:
-        weight_bytes = sum(f.stat().st_size for f in engine_dir.glob("*.safetensors"))
-        workers = warm_workers(weight_bytes, torch.cuda.mem_get_info(device)[0])
+        workers = warm_workers(loaded_weight_bytes(engine_dir), torch.cuda.mem_get_info(device)[0])
     if not _warm_in_children(engine_dir, device, workers) and workers > 1:
         # a share failed (say, several processes did not fit on the GPU at once): one process
         # does all of it, compiling only what is still missing
