@@ -323,40 +323,6 @@ def _decode(x, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, positions, co
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(use_pdl(x)),
     )
     return q, k, v
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w = qkv_weight if qkv_weight.stride(-1) == 1 else qkv_weight.contiguous()
-    half = head_dim // 2
-    has_qk_norm = q_norm_weight is not None
-    has_rope = cos_sin is not None
-    cfg = weight_config("qkv_decode", T, (w.shape[0], H), x, w, "BLOCK_K")
-    tile = tile_config(cfg, T, half, H, weight_itemsize(w), rows_key="BLOCK_P")
-    int4 = {}
-    if zero is not None:  # the INT4 form reads x and the input norm's weight two columns to a word
-        x = pair_aligned(x)
-        norm_weight = pair_aligned(norm_weight) if norm_weight is not None else None
-        int4 = int4_constants(H, scale, tile, x, row_sets=2)
-    splits = 1 if has_qk_norm else triton.cdiv(half, tile["BLOCK_ROWS"])
-    heads = num_heads + 2 * num_kv_heads
-    grid = (heads * splits, triton.cdiv(T, tile["BLOCK_T"]))
-    one_row = T == 1 and zero is None  # batch-1 decode: one fp32 accumulator per weight row and thread
-    _qkv_decode_kernel[grid](
-        x, w, qkv_bias if qkv_bias is not None else w,
-        norm_weight if norm_weight is not None else w,
-        q_norm_weight if has_qk_norm else w, k_norm_weight if has_qk_norm else w,
-        positions, cos_sin if has_rope else w, scale if scale is not None else w, zero if zero is not None else w,
-        q, k, v,
-        T, H, x.stride(0), w.stride(0), cos_sin.stride(0) if has_rope else 0,
-        q.stride(0), k.stride(0), v.stride(0),
-        eps, norm_eps,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-        SPLITS=splits, BLOCK_T=tile["BLOCK_T"], BLOCK_P=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"],
-        BLOCK_HALF=next_pow2(half),
-        HAS_BIAS=qkv_bias is not None, HAS_INPUT_NORM=norm_weight is not None,
-        HAS_QK_NORM=has_qk_norm, HAS_ROPE=has_rope, PDL=use_pdl(x),
-        ONE_ROW=one_row, VEC=16 // w.element_size(), SCALED=scale is not None and zero is None, **int4,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(use_pdl(x)),
-    )
-    return q, k, v
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers.interpret_child import CASE_GROUPS, assert_cases_pass, import_triton, require_compiled_kernels
+from helpers.ttgir import innermost_loop_conversions
 
 triton = import_triton()
 
@@ -56,23 +57,6 @@ def _compile(kernel, dt, consts, num_warps, num_stages=1):
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def _innermost_loop_conversions(ttgir: str) -> int:
-    """convert_layout ops inside innermost scf.for bodies (the streaming loops)."""
-    lines, count = ttgir.splitlines(), 0
-    for start, line in enumerate(lines):
-        if "scf.for" not in line:
-            continue
-        depth, body = 0, []
-        for inner in lines[start:]:
-            depth += inner.count("{") - inner.count("}")
-            body.append(inner)
-            if depth <= 0:
-                break
-        if not any("scf.for" in b for b in body[1:]):
-            count += sum("ttg.convert_layout" in b for b in body)
-    return count
-
-
 def _kernels_at_default_configs(dt):
     """(label, kernel, num_warps, num_stages, constexprs, streams) of every kernel as the wrappers
     launch it at decode (T = 1) and prefill (T = 512) sizes; ``streams``: a decode kernel."""
@@ -113,7 +97,7 @@ def test_fused_moe_kernels_compile_for_sm90_without_layout_round_trips_in_decode
         except Exception as e:
             failures.append(f"{label}: {type(e).__name__}: {str(e)[:500]}")
             continue
-        converts = _innermost_loop_conversions(compiled.asm["ttgir"]) if streams else 0
+        converts = innermost_loop_conversions(compiled.asm["ttgir"]) if streams else 0
         if converts:
             failures.append(f"{label}: {converts} layout conversions inside the streaming loops")
     assert not failures, "\n".join(failures)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from helpers.interpret_child import CASE_GROUPS, assert_cases_pass, import_triton, require_compiled_kernels
+from helpers.ttgir import innermost_loop_conversions
 
 triton = import_triton()
 
@@ -63,23 +64,6 @@ def _compile(kernel, dt, consts, num_warps, ptr_types=None):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
-
-
-def _innermost_loop_conversions(ttgir: str) -> int:
-    """convert_layout ops inside innermost scf.for bodies (the streaming loops)."""
-    lines, count = ttgir.splitlines(), 0
-    for start, line in enumerate(lines):
-        if "scf.for" not in line:
-            continue
-        depth, body = 0, []
-        for inner in lines[start:]:
-            depth += inner.count("{") - inner.count("}")
-            body.append(inner)
-            if depth <= 0:
-                break
-        if not any("scf.for" in b for b in body[1:]):
-            count += sum("ttg.convert_layout" in b for b in body)
-    return count
 
 
 def _kernels_at_default_configs(dt):
@@ -133,7 +117,7 @@ def test_gemv_kernels_compile_for_sm90_without_layout_round_trips(dt):
         except Exception as e:
             failures.append(f"{label}: {type(e).__name__}: {str(e)[:500]}")
             continue
-        converts = _innermost_loop_conversions(compiled.asm["ttgir"])
+        converts = innermost_loop_conversions(compiled.asm["ttgir"])
         if converts:
             failures.append(f"{label}: {converts} layout conversions inside the streaming loops")
     assert not failures, "\n".join(failures)
@@ -231,7 +215,7 @@ def test_loop_conversion_check_sees_conversions():
         "}",
         "%c = ttg.convert_layout %a : tensor<4xf32, #blocked> -> tensor<4xf32, #blocked1>",
     ])
-    assert _innermost_loop_conversions(ir) == 1
+    assert innermost_loop_conversions(ir) == 1
 
 
 def test_ptx_round_trip_check_sees_shared_memory_in_a_streaming_loop():
