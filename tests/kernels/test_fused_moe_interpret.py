@@ -9,12 +9,11 @@
   through shared memory every step: see test_gemv_interpret.py).
 """
 
-import inspect
 from pathlib import Path
 
 import pytest
 from helpers.interpret_child import CASE_GROUPS, assert_cases_pass, import_triton, require_compiled_kernels
-from helpers.ttgir import innermost_loop_conversions
+from helpers.ttgir import compile_for_sm90, innermost_loop_conversions
 
 triton = import_triton()
 
@@ -36,25 +35,12 @@ INDEX_PTRS = {"ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "sorted_pairs_ptr": "
 
 
 def _compile(kernel, dt, consts, num_warps, num_stages=1):
-    """triton.compile for sm_90 with launch-like argument types: index and routing-weight
-    pointers as the wrappers pass them, the others of the model's dtype; pointers, strides and
-    hidden sizes 16-divisible, as Triton specialises real launches."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    consts = {**{p.name: p.default for p in kernel.params
-                 if p.is_constexpr and p.default is not inspect.Parameter.empty}, **consts}
-    sig, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = INDEX_PTRS.get(name, f"*{dt}") if name.endswith("_ptr") else "i32"
-        if sig[name].startswith("*") or name.startswith("stride") or name in ("H", "I"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    """The kernel for sm_90 as the wrappers type its arguments: index and routing-weight pointers
+    as they pass them, the others of the model's dtype; pointers, strides and hidden sizes
+    16-divisible."""
+    return compile_for_sm90(
+        kernel, consts, num_warps, lambda name: INDEX_PTRS.get(name, f"*{dt}") if name.endswith("_ptr") else "i32",
+        lambda name, t: t.startswith("*") or name.startswith("stride") or name in ("H", "I"), num_stages)
 
 
 def _kernels_at_default_configs(dt):

@@ -14,13 +14,12 @@ kernel): what they compute, and how they compile.
   itself is checked for what a real conversion compiles to (shared memory, barriers, shuffles).
 """
 
-import inspect
 import re
 from pathlib import Path
 
 import pytest
 from helpers.interpret_child import CASE_GROUPS, assert_cases_pass, import_triton, require_compiled_kernels
-from helpers.ttgir import innermost_loop_conversions
+from helpers.ttgir import compile_for_sm90, innermost_loop_conversions
 
 triton = import_triton()
 
@@ -40,30 +39,17 @@ QWEN = dict(H=896, I=4864, Hq=14, Hkv=2, D=64)
 
 
 def _compile(kernel, dt, consts, num_warps, ptr_types=None):
-    """triton.compile for sm_90 with launch-like argument types: pointers and int arguments that
-    real launches pass 16-divisible (strides, hidden sizes) marked so, as Triton specialises them."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """The kernel for sm_90 as launches type its arguments: pointers of the dtype (positions
+    int64, cos/sin fp32), eps fp32, the rest int32; pointers, strides and sizes 16-divisible."""
     special_ptrs = {"pos_ptr": "*i64", "cs_ptr": "*fp32", **(ptr_types or {})}
-    # constexprs a launch leaves at their defaults are constexprs of the compiled kernel too
-    consts = {**{p.name: p.default for p in kernel.params
-                 if p.is_constexpr and p.default is not inspect.Parameter.empty}, **consts}
-    sig, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-            continue
+
+    def arg_type(name):
         if name.endswith("_ptr") or name.endswith("_out"):
-            sig[name] = special_ptrs.get(name, f"*{dt}")
-        elif "eps" in name:
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-        if sig[name].startswith("*") or name.startswith("stride") or name in ("K", "H", "N", "I"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
+            return special_ptrs.get(name, f"*{dt}")
+        return "fp32" if "eps" in name else "i32"
+
+    return compile_for_sm90(kernel, consts, num_warps, arg_type, lambda name, t: t.startswith("*")
+                            or name.startswith("stride") or name in ("K", "H", "N", "I"))
 
 
 def _kernels_at_default_configs(dt):
