@@ -1320,9 +1320,10 @@ MOE_SWEEP = {
 
 
 def moe_sweep(name: str, layers: list, top_k: int, gen, rounds: int = 2) -> None:
-    """Coordinate descent over the decode form's two tables at one token (one layer's device µs,
-    the weights rotated past the L2); prints each step, the winner as JSON, and the time of the
-    routing alone (router linear + top-k kernel) beside the whole op."""
+    """Coordinate descent over the T = 1 bucket of the decode form's two tables (one layer's
+    device µs, the weights rotated past the L2), from the general bucket; prints each step, the
+    winner as JSON (for the table's "1" bucket, or its "shapes" when it is one model's), and the
+    time of the routing alone (router linear + top-k kernel) beside the whole op."""
     from compiled_llm.kernels.triton_fused_moe import fused_moe, route
 
     H = layers[0][0].shape[1]
@@ -1334,6 +1335,9 @@ def moe_sweep(name: str, layers: list, top_k: int, gen, rounds: int = 2) -> None
         return graph_time_us(lambda x, r, gu, d: fused_moe(x, r, gu, d, top_k, True), sets)
 
     best = launch_configs.current()
+    for table in MOE_SWEEP:  # from the general T = 1 bucket, the per-shape ones set aside
+        best[table] = {**best[table], "1": launch_configs.get(table, 1)}
+        best[table].pop(launch_configs.SHAPES, None)
     best_us = op_us(best)
     print(f"{name} sweep at T=1: start {best_us:.1f} us; routing alone "
           f"{graph_time_us(lambda x, r, gu, d: route(x, r, top_k, True), sets):.1f} us", flush=True)
@@ -1341,10 +1345,10 @@ def moe_sweep(name: str, layers: list, top_k: int, gen, rounds: int = 2) -> None
         for table, knobs in MOE_SWEEP.items():
             for knob, values in knobs.items():
                 for v in values:
-                    if best[table]["inf"].get(knob) == v:
+                    if best[table]["1"].get(knob) == v:
                         continue
                     trial = copy.deepcopy(best)
-                    trial[table] = {"inf": {**trial[table]["inf"], knob: v}}
+                    trial[table]["1"][knob] = v
                     try:
                         us = op_us(trial)
                     except Exception as e:  # a config that does not compile or launch
@@ -1354,7 +1358,7 @@ def moe_sweep(name: str, layers: list, top_k: int, gen, rounds: int = 2) -> None
                         best, best_us = trial, us
                         print(f"  {table}.{knob}={v}: {us:.1f} us  <- best", flush=True)
     launch_configs.use_configs(None)
-    print(f"{name} best {best_us:.1f} us: " + json.dumps({t: best[t] for t in MOE_SWEEP}), flush=True)
+    print(f"{name} best {best_us:.1f} us: " + json.dumps({t: {"1": best[t]["1"]} for t in MOE_SWEEP}), flush=True)
 
 
 def moe(args) -> int:

@@ -37,6 +37,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -155,18 +156,20 @@ def tp_size_of(manifest: dict) -> int:
     return build_config(manifest).tensor_parallel_size
 
 
-def save_weights(engine_dir: Path, params: dict[str, Tensor], name: str = WEIGHTS_FILE) -> None:
+def save_weights(engine_dir: Path, params: dict[str, Tensor], name: str = WEIGHTS_FILE,
+                 metadata: dict[str, str] | None = None) -> None:
     save_file({n: t.detach().contiguous().cpu() for n, t in params.items()}, str(Path(engine_dir) / name),
-              metadata={"format": "pt"})
+              metadata={"format": "pt", **(metadata or {})})
 
 
-def save_engine(engine_dir: Path, manifest: dict, params: dict[str, Tensor] | None, tokenizer=None) -> None:
+def save_engine(engine_dir: Path, manifest: dict, params: dict[str, Tensor] | None, tokenizer=None,
+                weights_metadata: dict[str, str] | None = None) -> None:
     """Write weights (unless None: a sharded build wrote each rank's already), tokenizer and
     the manifest (with checksums of everything else) into ``engine_dir``, which already holds
     the program, ir/ and any kernels."""
     engine_dir = Path(engine_dir)
     if params is not None:
-        save_weights(engine_dir, params)
+        save_weights(engine_dir, params, metadata=weights_metadata)
     if tokenizer is not None:
         tokenizer.save(engine_dir / TOKENIZER_DIR)
     write_manifest(engine_dir, {**manifest, "tokenizer": TOKENIZER_DIR if tokenizer is not None else None})
@@ -441,10 +444,13 @@ def _load_weights(engine_dir: Path, manifest: dict, device: torch.device, rank: 
         made = [n for n in names if n in expected and dummy_weights.is_dummy(n, expected[n][1])]
     weights_header.check_header(path, name, config, build, [n for n in names if n not in made])
     try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata, held = f.metadata(), set(f.keys())
         tensors = load_file(str(path), device=str(device))
     except Exception as e:
         raise EngineError(f"cannot read {name} as safetensors ({type(e).__name__}); rebuild the engine") from None
-    if made:
+    if build.load_format == "dummy":
+        dummy_weights.check_file(metadata, held, {n: expected[n] for n in made}, name)
         tensors.update(dummy_weights.make(made, expected, device))
     missing = [n for n in names if n not in tensors]
     if missing:
@@ -459,7 +465,7 @@ def loaded_weight_bytes(engine_dir: str | Path) -> int:
     weights file holds, or for a dummy engine what the load makes as well."""
     manifest = read_manifest(engine_dir)
     expected = weights_header.expected_tensors(_config(manifest), build_config(manifest))
-    return sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return sum(math.prod(shape) * getattr(torch, dtype).itemsize
                for dtype, shape in (expected[n] for n in manifest["program"]["param_names"] if n in expected))
 
 

@@ -110,7 +110,7 @@ def _check_tiling(rel: str, ranges: list[tuple[int, int, str]], data_bytes: int)
 def expected_tensors(config: ModelConfig, build: BuildConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{name: (dtype, shape)} of every tensor an engine of ``config`` built with ``build`` may
     hold (one rank's, under tensor parallelism): the spec's weights, the
-    passes' merged qkv and gate_up and stacked experts, and each linear's quantized form."""
+    passes' merged qkv and gate_up, and each linear's quantized form."""
     size = build.tensor_parallel_size
     local = sharding.local_config(config, size)
     dtype, scheme = build.dtype, build.quantization
@@ -125,10 +125,6 @@ def expected_tensors(config: ModelConfig, build: BuildConfig) -> dict[str, tuple
         shapes[f"layers.{n}.qkv.weight"] = (qkv, h)
         shapes[f"layers.{n}.qkv.bias"] = (qkv,)
         shapes[f"layers.{n}.gate_up.weight"] = (2 * i, h)
-        if n in local.moe_layers:
-            experts, moe_i = local.num_experts, local.moe_intermediate_size
-            shapes[f"layers.{n}.experts.gate_up.weight"] = (experts, 2 * moe_i, h)
-            shapes[f"layers.{n}.experts.down.weight"] = (experts, h, moe_i)
     out = {name: ("float32" if is_derived(name) else dtype, shape) for name, shape in shapes.items()}
     if size > 1:
         out[sharding.VOCAB_START] = ("int64", (1,))

@@ -169,8 +169,8 @@ def fused_moe_ref(x: Tensor, router_weight: Tensor, gate_up_weight: Tensor, down
     """A mixture of SwiGLU experts over x [T, H]: router_weight [E, H], gate_up_weight [E, 2I, H]
     (each expert's gate rows, then its up rows), down_weight [E, H, I]. Each token's output is
     the sum over its top_k experts of ``weight * down(silu(gate(x)) * up(x))``, the weight
-    rounded to x's dtype and each product too (what the spec's unfused graph computes), summed in
-    float32. Written densely (every expert on every token, an unchosen one weighted 0) so that it
+    rounded to x's dtype and each product too, summed in float32 (the spec's graph does the same;
+    transformers adds the experts one at a time in x's dtype, so in bf16 it rounds more). Written densely (every expert on every token, an unchosen one weighted 0) so that it
     has no data-dependent shapes; the kernels read only the chosen experts."""
     weights, ids = moe_routing_ref(x, router_weight, top_k, renormalize)
     dense = torch.zeros(x.shape[0], router_weight.shape[0], dtype=torch.float32, device=x.device)

@@ -126,9 +126,8 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "norm_mlp_dispatch": {
         "inf": {"MAX_DECODE_TOKENS": 1},
     },
-    # fused (input RMSNorm +) q/k/v projection + q/k norm + RoPE, decode form: a program per
-    # BLOCK_P rotation pairs (rows i and i + D/2) of one head; with q/k norm a program owns a whole
-    # head and walks it BLOCK_P pairs at a time. Shapes: Llama-3.1-8B at tensor-parallel size 2
+    # fused (input RMSNorm +) q/k/v projection + RoPE, decode form: a program per BLOCK_P rotation
+    # pairs (rows i and i + D/2) of one head (q/k norms run after it, in the epilogue kernel). Shapes: Llama-3.1-8B at tensor-parallel size 2
     # (one rank's 16 q + 4 k + 4 v heads of 128 over H 4096), where the grid is half TP=1's and
     # fewer, wider K steps keep the weight stream going (`kernel_bench.py tune`).
     "qkv_decode": {

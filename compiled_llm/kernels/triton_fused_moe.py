@@ -523,6 +523,27 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the decode form's pairs)
+
+
+def _check_shapes(x, router_weight, gate_up_weight, down_weight, top_k: int) -> None:
+    """A one-line ValueError for arguments the kernels would read past (the reference raises its
+    own errors for them)."""
+    E, H = router_weight.shape
+    if x.dim() != 2 or x.shape[1] != H:
+        raise ValueError(f"fused_moe: x is {tuple(x.shape)}, the router {tuple(router_weight.shape)}: x must be [T, {H}]")
+    if gate_up_weight.shape[0] != E or down_weight.shape[0] != E:
+        raise ValueError(f"fused_moe: the router has {E} experts, gate_up {gate_up_weight.shape[0]}, "
+                         f"down {down_weight.shape[0]}")
+    if gate_up_weight.shape[2] != H or down_weight.shape[1] != H or gate_up_weight.shape[1] != 2 * down_weight.shape[2]:
+        raise ValueError(f"fused_moe: gate_up {tuple(gate_up_weight.shape)} and down {tuple(down_weight.shape)} are "
+                         f"not [E, 2I, {H}] and [E, {H}, I]")
+    if not 0 < top_k <= E:
+        raise ValueError(f"fused_moe: top_k is {top_k}; it must be in 1..{E} (the experts)")
+    if len({t.dtype for t in (x, router_weight, gate_up_weight, down_weight)}) != 1:
+        raise ValueError("fused_moe: x and the weights must share one dtype")
+
+
 def fused_moe(x, router_weight, gate_up_weight, down_weight, top_k: int, renormalize: bool,
               form: str | None = None):
     """fused_ops.fused_moe_ref's mixture of SwiGLU experts over x [T, H]: router_weight [E, H],
@@ -531,12 +552,16 @@ def fused_moe(x, router_weight, gate_up_weight, down_weight, top_k: int, renorma
     pairs, ``use_decode_form``)."""
     if form not in (None, *FORMS):
         raise ValueError(f"form must be None, 'decode' or 'prefill', not {form!r}")
+    _check_shapes(x, router_weight, gate_up_weight, down_weight, top_k)
     T = x.shape[0]
     if T == 0:
         return x.new_empty(x.shape)
     x = _rows(x)
     gate_up_weight, down_weight = _rows(gate_up_weight), _rows(down_weight)
     decode = (form or ("decode" if use_decode_form(T, top_k) else "prefill")) == "decode"
+    if decode and T * top_k > MAX_GRID_Y:
+        raise ValueError(f"fused_moe: the decode form takes at most {MAX_GRID_Y} (token, expert) pairs, "
+                         f"not {T} x {top_k}")
     weights, ids = route(x, _rows(router_weight), top_k, renormalize, pdl=decode and use_pdl(x))
     if decode:
         return _decode(x, gate_up_weight, down_weight, weights, ids)

@@ -1,8 +1,8 @@
 """Triton fused q/k/v projection: optional input RMSNorm, projection + bias, per-head q/k RMSNorm
 (Qwen3), neox RoPE, and the q/k/v split into fresh contiguous outputs.
 
-Decode form (T <= MAX_TOKENS of "qkv_dispatch"): one weight-streaming launch,
-``_qkv_decode_kernel``, grid (heads * SPLITS, cdiv(T, BLOCK_T)) over the Hq + 2 Hkv heads. A
+Decode form (T <= MAX_TOKENS of "qkv_dispatch"): one weight-streaming launch (two with q/k
+norms, below), ``_qkv_decode_kernel``, grid (heads * SPLITS, cdiv(T, BLOCK_T)) over the Hq + 2 Hkv heads. A
 program owns BLOCK_P rotation pairs of one head: rows i and i + D/2, which RoPE mixes, so the pair
 stays in one program's registers. It computes the input-norm statistics of its x rows itself (x is
 tiny), streams its weight rows once along H as triton_gemv does, adds the bias, rounds to the dtype
@@ -13,8 +13,8 @@ are loaded before the wait, and each pair block's first chunk one block ahead. A
 triton_gemv._gemv_one_row_kernel does. Splitting heads into pairs keeps
 enough programs to fill the GPU (Qwen2.5-0.5B has 18 heads). With q/k norm the statistics need the
 whole head, so the kernel stores the rounded projection unrotated and the prefill form's epilogue
-kernel normalises and rotates q and k (a second launch: a program a head streamed its 256 rows
-alone, six programs for all of Gemma-3-1B's heads). Weight-only quantized weights:
+kernel normalises and rotates q and k in a second launch (a head's norm inside the GEMV would need
+a program to own the whole head: Gemma-3-1B's six heads would be six programs). Weight-only quantized weights:
 int8 (SCALED) in either form, int4 in the INT4 form (triton_gemv.int4_step; no one-block-ahead
 pipeline).
 

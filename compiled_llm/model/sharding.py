@@ -35,7 +35,7 @@ VOCAB_START = "tp.vocab_start"  # per-rank param: the first vocabulary id of the
 _COLUMN = ("q", "k", "v", "gate", "up", "fc")
 _ROW = ("o", "down", "proj")
 _VOCAB = ("embed.weight", "lm_head.weight")
-_EXPERTS_GATE_UP = ".experts.gate_up.weight"  # [E, 2I, H], stacked by the fuse_moe pass
+_EXPERTS_GATE_UP = ".experts.gate_up.weight"  # [E, 2I, H], the spec's stacked experts
 _EXPERTS_DOWN = ".experts.down.weight"  # [E, H, I]
 
 

@@ -61,6 +61,8 @@ def _to_spec_layout(
 
 # the per-expert name a family maps a checkpoint's expert tensor to
 _EXPERT = re.compile(r"(?P<layer>layers\.\d+)\.experts\.(?P<expert>\d+)\.(?P<proj>gate|up|down)\.weight")
+# the spec's stacked experts of a layer
+_STACKED = re.compile(r"(?P<layer>layers\.\d+)\.experts\.(?P<stack>gate_up|down)\.weight")
 
 
 def expert_slot(spec_name: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str, int, str, tuple[int, ...]] | None:
@@ -84,17 +86,13 @@ def expert_rows(expert: int, proj: str, rows: int) -> tuple:
 
 
 class _ExpertStacks:
-    """The stacked expert weights being filled, one checkpoint tensor at a time: which slots are
-    filled, and the name of a missing one's checkpoint tensor."""
+    """The stacked expert weights being filled, one checkpoint tensor at a time, and which slots
+    are filled."""
 
-    def __init__(self, config: ModelConfig, expected: dict[str, tuple[int, ...]], dtype, device):
-        self.config, self.expected, self.dtype, self.device = config, expected, dtype, device
+    def __init__(self, expected: dict[str, tuple[int, ...]], dtype, device):
+        self.expected, self.dtype, self.device = expected, dtype, device
         self.stacks: dict[str, Tensor] = {}
         self.filled: set[tuple[str, int, str]] = set()
-
-    def slot(self, spec_name: str) -> tuple[str, int, str, tuple[int, ...]] | None:
-        """(stacked name, expert, projection, the one expert's shape) of a per-expert name."""
-        return expert_slot(spec_name, self.expected)
 
     def put(self, stacked: str, expert: int, proj: str, t: Tensor) -> None:
         if stacked not in self.stacks:
@@ -105,13 +103,13 @@ class _ExpertStacks:
     def first_missing(self) -> str | None:
         """The spec's per-expert name of the first slot no checkpoint tensor filled."""
         for name, shape in self.expected.items():
-            m = re.fullmatch(r"(layers\.\d+)\.experts\.(gate_up|down)\.weight", name)
+            m = _STACKED.fullmatch(name)
             if m is None:
                 continue
             for expert in range(shape[0]):
-                for proj in (("down",) if m.group(2) == "down" else ("gate", "up")):
+                for proj in ("down",) if m.group("stack") == "down" else ("gate", "up"):
                     if (name, expert, proj) not in self.filled:
-                        return f"{m.group(1)}.experts.{expert}.{proj}.weight"
+                        return f"{m.group('layer')}.experts.{expert}.{proj}.weight"
         return None
 
 
@@ -191,12 +189,12 @@ def load_params(
     family = family_of(config.architecture)
     expected = param_shapes(config)
     params: dict[str, Tensor] = {}
-    experts = _ExpertStacks(config, expected, dtype, device)
+    experts = _ExpertStacks(expected, dtype, device)
     for file, hf_name, tensor in _iter_checkpoint(checkpoint_files(model_dir)):
         spec_name = _spec_name(family, config, hf_name)
         if spec_name is None:
             continue
-        slot = experts.slot(spec_name)
+        slot = expert_slot(spec_name, expected)
         if slot is not None:
             stacked, expert, proj, shape = slot
             if tuple(tensor.shape) != shape:

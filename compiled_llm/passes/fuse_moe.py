@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch.fx import GraphModule, Node
 
 from compiled_llm.passes.base import (
@@ -33,16 +34,42 @@ def _only_user(node: Node) -> Node | None:
     return next(iter(node.users)) if single_user(node) else None
 
 
+def _cast_dtype(node: Node):
+    """The dtype a cast node converts to."""
+    if node.target == aten.to.dtype:
+        return node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+    return node.kwargs.get("dtype")
+
+
+def _is_float_cast(node) -> bool:
+    return is_call(node, *_CASTS) and _cast_dtype(node) == torch.float32
+
+
+def _same_dtype(a: Node, b: Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
+
+
+def _is_last_dim(dim, node: Node) -> bool:
+    """Whether ``dim`` is the last dim of the 2-D tensor ``node`` computes."""
+    val = node.meta.get("val")
+    rank = val.dim() if isinstance(val, torch.Tensor) else 2
+    return rank == 2 and dim in (-1, 1)
+
+
 def _router(softmax: Node):
     """(x, router weight node, matched nodes) of ``softmax(to_float(linear(x, W)))`` over the
     last dim, or None."""
-    if not is_call(softmax, aten.softmax.int) or softmax.args[1] not in (-1, 1):
+    if not is_call(softmax, aten.softmax.int) or not _is_last_dim(softmax.args[1], softmax) or len(softmax.args) > 2:
         return None
     matched = [softmax]
     logits = softmax.args[0]
-    while is_call(logits, *_CASTS):
+    while _is_float_cast(logits):
         matched.append(logits)
         logits = logits.args[0]
+    val = softmax.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dtype != torch.float32:  # the spec's softmax is float32
+        return None
     if not is_call(logits, aten.linear.default):
         return None
     x, w, b = linear_parts(logits)
@@ -53,7 +80,9 @@ def _routing(topk: Node):
     """(x, router weight, k, renormalize, dense [T, E] weights node, matched nodes) of the routing
     that ends in ``topk``, or None."""
     router = _router(topk.args[0])
-    if router is None or len(topk.args) < 2:
+    # topk(probs, k[, dim=-1, largest=True, sorted=True]): the largest k along the experts
+    if router is None or len(topk.args) < 2 or topk.kwargs or tuple(topk.args[2:]) not in (
+            (), (-1,), (-1, True), (-1, True, True), (1,), (1, True), (1, True, True)):
         return None
     parts = {u.args[1]: u for u in topk.users if u.op == "call_function" and u.target is operator.getitem}
     if set(parts) != {0, 1}:
@@ -63,7 +92,9 @@ def _routing(topk: Node):
     div = next((u for u in values.users if is_call(u, aten.div.Tensor)), None)
     if div is not None:
         total = div.args[1]
-        if not (div.args[0] is values and is_call(total, aten.sum.dim_IntList) and total.args[0] is values):
+        if not (div.args[0] is values and is_call(total, aten.sum.dim_IntList) and total.args[0] is values
+                and tuple(total.args[1]) in ((-1,), (1,)) and tuple(total.args[2:]) == (True,)
+                and not total.kwargs):
             return None
         weights, renormalize, matched = div, True, [*matched, div, total]
     scatter = _only_user(weights)
@@ -144,12 +175,15 @@ def _weighted_sum(dense: Node, x: Node):
     if experts is None:
         return None
     total, casts = _only_user_through_casts(scaled)
-    if not (is_call(total, aten.sum.dim_IntList) and list(total.args[1]) == [0] and len(total.args) == 2):
+    if not (is_call(total, aten.sum.dim_IntList) and list(total.args[1]) == [0] and len(total.args) == 2
+            and not total.kwargs and all(_is_float_cast(c) for c in casts)):
         return None
     last, back = total, []
     while single_user(last) and is_call(_only_user(last), *_CASTS):
         last = _only_user(last)
         back.append(last)
+    if not (_same_dtype(last, x) and _same_dtype(dense, x)):  # the op's weights and output are x's dtype
+        return None
     return experts[0], experts[1], last, [t, unsqueeze, scaled, *casts, total, *back, *experts[2]]
 
 

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -10,7 +13,7 @@ from safetensors import safe_open
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.engine.build import build_engine
 from compiled_llm.engine.build_config import BuildConfig
-from compiled_llm.errors import InvalidOptionError
+from compiled_llm.errors import EngineError, InvalidOptionError
 from compiled_llm.model.spec import is_derived
 
 
@@ -65,6 +68,36 @@ def test_the_build_command_takes_load_format():
 def test_a_dummy_engine_counts_the_weights_its_load_makes(engines):
     from compiled_llm.engine.artifact import loaded_weight_bytes
 
-    # the kernel warm-up sizes its processes by this: a dummy engine's file is a fraction of it
-    assert loaded_weight_bytes(engines / "dummy") == loaded_weight_bytes(engines / "auto")
-    assert loaded_weight_bytes(engines / "dummy") > 4 * (engines / "dummy" / "weights.safetensors").stat().st_size
+    # the kernel warm-up sizes its processes by this: what a load holds, not the file's size
+    llm = LLM(str(engines / "dummy"))
+    held = sum(t.numel() * t.element_size() for t in llm.model.params.values())
+    llm.shutdown()
+    assert loaded_weight_bytes(engines / "dummy") == held == loaded_weight_bytes(engines / "auto")
+    assert held > 4 * (engines / "dummy" / "weights.safetensors").stat().st_size
+
+
+def _edited_copy(src, dst, edit):
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    edit(manifest)
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def test_a_dummy_engine_whose_config_was_edited_is_refused_naming_the_matrix(engines, tmp_path):
+    def smaller_experts(m):
+        m["model_config"]["moe_intermediate_size"] = 32
+
+    engine = _edited_copy(engines / "dummy", tmp_path / "e", smaller_experts)
+    with pytest.raises(EngineError, match="records the matrix 'layers.1.experts.down.weight' as .*64, 48.*"
+                                          "the model config implies .*64, 32"):
+        LLM(str(engine))
+
+
+def test_an_engine_whose_load_format_was_flipped_to_dummy_is_refused(engines, tmp_path):
+    def dummy(m):
+        m["build_options"]["load_format"] = "dummy"
+
+    engine = _edited_copy(engines / "auto", tmp_path / "e", dummy)
+    with pytest.raises(EngineError, match="holds the matrix .* that a dummy engine makes at load"):
+        LLM(str(engine))

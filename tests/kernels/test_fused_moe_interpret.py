@@ -87,3 +87,20 @@ def test_fused_moe_kernels_compile_for_sm90_without_layout_round_trips_in_decode
         if converts:
             failures.append(f"{label}: {converts} layout conversions inside the streaming loops")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(top_k=5), "top_k is 5; it must be in 1..4"),
+    (dict(router=(3, 32)), "the router has 3 experts, gate_up 4, down 4"),
+    (dict(gate_up=(4, 18, 32)), "are not \\[E, 2I, 32\\] and \\[E, 32, I\\]"),
+    (dict(x=(2, 16)), "x must be \\[T, 32\\]"),
+])
+def test_arguments_the_kernels_would_read_past_are_refused_in_one_line(change, message):
+    import torch
+
+    from compiled_llm.kernels import triton_fused_moe
+
+    shapes = {"x": (2, 32), "router": (4, 32), "gate_up": (4, 16, 32), "down": (4, 32, 8), **change}
+    args = [torch.zeros(shapes[n]) for n in ("x", "router", "gate_up", "down")]
+    with pytest.raises(ValueError, match=message):
+        triton_fused_moe.fused_moe(*args, change.get("top_k", 2), True)

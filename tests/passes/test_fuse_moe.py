@@ -80,6 +80,37 @@ def test_a_mixture_whose_experts_output_is_read_elsewhere_is_left_alone():
     assert "cllm::fused_moe" not in op_histogram(gm)
 
 
+def test_a_bf16_mixture_fuses_with_its_float32_routing_and_sum():
+    config = preset_config("tiny-mixtral")
+    params = random_params(config, dtype=torch.bfloat16, seed=1)
+    gm = capture(config, params).gm
+    ctx = PassContext(config, dict(params), dtype=torch.bfloat16)
+    cleanup_noop.run(gm, ctx)
+    before = copy.deepcopy(gm)
+    assert fuse_moe.run(gm, ctx) == len(config.moe_layers)
+    torch.testing.assert_close(_run(gm, ctx.params, config), _run(before, params, config), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("change", ["smallest_k", "sum_over_tokens", "softmax_in_bf16"])
+def test_a_routing_that_is_not_the_spec_s_is_left_alone(change):
+    config = preset_config("tiny-qwen3-moe")
+    params = random_params(config, dtype=torch.bfloat16, seed=1)
+    gm = capture(config, params).gm
+    ctx = PassContext(config, dict(params), dtype=torch.bfloat16)
+    cleanup_noop.run(gm, ctx)
+    topk = next(n for n in gm.graph.nodes if is_call(n, aten.topk.default))
+    if change == "smallest_k":
+        topk.args = (*topk.args[:2], -1, False)
+    elif change == "sum_over_tokens":  # the renormalising sum over the wrong dim
+        total = next(n for n in gm.graph.nodes if is_call(n, aten.sum.dim_IntList) and n.args[0].args[0] is topk)
+        total.args = (total.args[0], [0], True)
+    else:
+        cast = topk.args[0].args[0]
+        assert is_call(cast, aten.to.dtype)
+        cast.args = (cast.args[0], torch.bfloat16)
+    assert fuse_moe.run(gm, ctx) == 0
+
+
 def test_experts_with_another_activation_are_left_alone():
     config, params, gm, ctx = _captured("tiny-mixtral")
     silu = next(n for n in gm.graph.nodes if is_call(n, aten.silu.default))
@@ -105,13 +136,17 @@ def test_experts_split_over_ranks_sum_to_the_whole_mixture(renormalize):
 
 def test_the_shard_pass_all_reduces_the_fused_mixture():
     config = preset_config("tiny-qwen3-moe")
-    lowered = lower(config, random_params(config), default_pass_names(), "cpu", torch.float32, tp_rank=1, tp_size=2)
+    params = random_params(config)
+    lowered = lower(config, params, default_pass_names(), "cpu", torch.float32, tp_rank=1, tp_size=2)
     moe = next(n for n in lowered.gm.graph.nodes if is_call(n, cllm.fused_moe.default))
     assert [u.target for u in moe.users] == [cllm.all_reduce.default]
     p = "layers.1.experts."
-    I = config.moe_intermediate_size
-    assert lowered.params[p + "gate_up.weight"].shape == (config.num_experts, I, config.hidden_size)
-    assert lowered.params[p + "down.weight"].shape == (config.num_experts, config.hidden_size, I // 2)
+    half = config.moe_intermediate_size // 2
+    whole_gate_up, whole_down = params[p + "gate_up.weight"], params[p + "down.weight"]
+    # rank 1: the second half of each expert's gate rows, then of its up rows, and of its down columns
+    want = torch.cat([whole_gate_up[:, half:2 * half], whole_gate_up[:, 3 * half:]], dim=1)
+    assert torch.equal(lowered.params[p + "gate_up.weight"], want)
+    assert torch.equal(lowered.params[p + "down.weight"], whole_down[:, :, half:])
 
 
 def test_experts_whose_columns_do_not_split_are_refused():
