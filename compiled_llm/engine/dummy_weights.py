@@ -17,7 +17,7 @@ from compiled_llm.model.spec import is_derived
 
 SEED = 0
 STD = 0.02
-METADATA_KEY = "compiled_llm.dummy_weights"  # in the weights file's safetensors metadata
+METADATA_KEY = "dummy_weights"  # in the weights file's safetensors metadata
 
 
 def is_dummy(name: str, shape: tuple[int, ...] | torch.Size) -> bool:

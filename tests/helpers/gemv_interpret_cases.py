@@ -161,10 +161,14 @@ def _residual(T, H, seed):
     return torch.randn((T, H), generator=torch.Generator().manual_seed(seed))
 
 
+GLU_FORMS = [("decode", 1), ("decode", 3), ("decode", 7), ("prefill", 2), ("prefill", 9)]
+
+
 # SwiGLU (Llama, Qwen) with and without the residual epilogue; GeGLU (Gemma) without it, since
-# the epilogue does not depend on the activation
-@pytest.mark.parametrize("activation,with_residual", [("silu", False), ("silu", True), ("gelu_tanh", False)])
-@pytest.mark.parametrize("form,T", [("decode", 1), ("decode", 3), ("decode", 7), ("prefill", 2), ("prefill", 9)])
+# the epilogue does not depend on the activation, nor at 7 rows, whose extra row blocks do not either
+@pytest.mark.parametrize("form,T,with_residual,activation", [
+    *[(form, T, with_residual, "silu") for form, T in GLU_FORMS for with_residual in (False, True)],
+    *[(form, T, False, "gelu_tanh") for form, T in GLU_FORMS if T != 7]])
 def test_rms_norm_glu_mlp_matches_reference(form, T, with_residual, activation):
     args = mlp_glu_inputs(T, 40, 56, F32, "cpu", seed=20 + T)
     r = _residual(T, 40, T) if with_residual else None
@@ -204,8 +208,10 @@ def test_layer_norm_gelu_mlp_matches_reference(form, T, with_residual):
     assert rel_err(out, fused_ops.fused_layer_norm_gelu_mlp_ref(*args, residual=r)) <= TOL
 
 
-@pytest.mark.parametrize("T", [1, pytest.param(5, marks=SLOW)])
-@pytest.mark.parametrize("mlp", ["swiglu", "geglu", "gelu"])
+# GeGLU at 1 row only: the general kernel's row blocks do not depend on the gate's activation
+# (SwiGLU takes them at 5 rows; GeGLU takes the general kernel in test_rms_norm_glu_mlp_matches_reference)
+@pytest.mark.parametrize("mlp,T", [("swiglu", 1), ("geglu", 1), ("gelu", 1), pytest.param("swiglu", 5, marks=SLOW),
+                                   pytest.param("gelu", 5, marks=SLOW)])
 def test_norm_mlp_decode_with_tiny_blocks(mlp, T):
     # 5 rows in blocks of 2 (1 row: the one-row kernels), 56/72 intermediate rows in blocks of 4,
     # H in chunks of 16 (last partial)
@@ -294,10 +300,10 @@ def test_qkv_rope_matches_reference(form, T, bias, qk_norm, rope, head_dim, inpu
 
 
 @pytest.mark.parametrize("bias,qk_norm,rope,head_dim", QKV_KINDS)
-@pytest.mark.parametrize("T", [1, pytest.param(7, marks=SLOW)])
+@pytest.mark.parametrize("T", [1, pytest.param(3, marks=SLOW)])
 def test_qkv_decode_with_tiny_blocks(bias, qk_norm, rope, head_dim, T):
-    # 7 rows in blocks of 2 (1 row: the one-row form); 4 pairs a program (a head split in 3-4 programs, or walked in 3-4
-    # steps with q/k norm); K = 40 in chunks of 16
+    # 3 rows in blocks of 2, a full block and a partial one, at positions 7, 0 and 63 (1 row: the one-row form); 4
+    # pairs a program (a head split in 3-4 programs; q/k norms after, in the epilogue); K = 40 in chunks of 16
     launch_configs.use_configs({"qkv_decode": {"inf": TINY_QKV}})
     args, nw = _qkv_args(T, bias, qk_norm, rope, head_dim, seed=60)
     out = triton_qkv_rope.fused_qkv_rope(*args, norm_weight=nw, norm_eps=1e-5, form="decode")
@@ -483,10 +489,11 @@ def test_int4_norm_mlps_equal_their_dequantizing_references(T, tiny, H, I):
     assert rel_err(triton_norm_mlp.fused_layer_norm_gelu_mlp_wq(*args), ref) <= TOL
 
 
-@pytest.mark.parametrize("scheme,T", [("int8", 1), ("int8", 3), ("int4", 1), ("int4", 3)])
+@pytest.mark.parametrize("scheme,T", [("int8", 1), ("int8", 3), ("int4", 3)])
 def test_quantized_geglu_mlp_equals_its_dequantizing_reference(scheme, T):
     """Gemma's GeGLU through the quantized decode forms: int8 in the one-row (T = 1) and the
-    general kernel, int4 in the INT4 form (int4 groups of 8 columns at H = 40, I = 56)."""
+    general kernel, int4 in the INT4 form (int4 groups of 8 columns at H = 40, I = 56), which
+    runs at every T, one row or three alike."""
     from compiled_llm.graph import quantized_ops
 
     quant = _int8 if scheme == "int8" else _int4

@@ -44,16 +44,31 @@ def require_compiled_kernels() -> None:
         "TRITON_INTERPRET=1 is set in the test process: unset it (the interpreter tests set it in a child)")
 
 
-def assert_cases_pass(cases: Path, group: str) -> None:
+# child runs already made, by (cases file, -m expression): the two groups' tests share one
+_RUNS: dict[tuple[Path, str], subprocess.CompletedProcess] = {}
+
+
+def assert_cases_pass(cases: Path, group: str, request: pytest.FixtureRequest | None = None) -> None:
     """Every case of ``cases`` in ``group`` (a -m expression, one of CASE_GROUPS) ran under the
     interpreter and passed: no failure, error, skip or xfail, and every collected case either
-    passed or belongs to the other group."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env.pop("PYTEST_ADDOPTS", None)  # the caller's -k/-x/-m must not thin out the child's run
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--no-header", "-rfEsxX", "-p", "no:cacheprovider", "-m", group, str(cases)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
+    passed or belongs to the other group.
+
+    With the calling test's ``request``: when this session also runs the test's other group
+    (CI, a plain ``pytest``), one child runs every case for both, and each group's test checks
+    that run: the cases run once, and the child's start (Python, torch, Triton, collection) is
+    paid once, not twice."""
+    expression = group
+    if request is not None and _groups_selected(request) >= {p.values[0] for p in CASE_GROUPS}:
+        expression = " or ".join(f"({p.values[0]})" for p in CASE_GROUPS)  # every case
+    if (cases, expression) not in _RUNS:
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        env.pop("PYTEST_ADDOPTS", None)  # the caller's -k/-x/-m must not thin out the child's run
+        _RUNS[cases, expression] = subprocess.run(
+            [sys.executable, "-m", "pytest", "--no-header", "-rfEsxX", "-p", "no:cacheprovider", "-m", expression,
+             str(cases)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        )
+    proc = _RUNS[cases, expression]
     report = proc.stdout[-8000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
     collected = re.search(r"^collected (\d+) items?", proc.stdout, re.M)
@@ -61,6 +76,14 @@ def assert_cases_pass(cases: Path, group: str) -> None:
     assert collected, report
     assert set(outcomes) - _NOT_OUTCOMES == {"passed"}, report
     assert outcomes["passed"] + outcomes.get("deselected", 0) == int(collected.group(1)), report
+
+
+def _groups_selected(request: pytest.FixtureRequest) -> set[str]:
+    """The groups (``group`` parameters) of the calling test function that this session runs."""
+    node = request.node
+    return {item.callspec.params["group"] for item in request.session.items
+            if item.path == node.path and getattr(item, "originalname", None) == node.originalname
+            and "group" in getattr(getattr(item, "callspec", None), "params", {})}
 
 
 def _summary_counts(stdout: str) -> dict[str, int]:

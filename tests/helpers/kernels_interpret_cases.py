@@ -305,8 +305,10 @@ def test_gumbel_sampling_draws_from_softmax_and_takes_argmax_at_temperature_0():
     freq = torch.bincount(ids[1:], minlength=7).float() / (rows - 1)
     expect = torch.softmax(logits / 0.7, dim=0)
     assert (freq - expect).abs().max() < 0.04, (freq, expect)
-    again = gumbel_sample(logits.expand(rows, -1), temps, torch.Generator().manual_seed(2))
-    assert not torch.equal(ids, again)
+    # another seed, other draws: 200 rows show it (the noise of (row, v) is counter row * V + v, so
+    # these rows are the first 200 of a 2000-row call with that seed) at a tenth of the programs
+    again = gumbel_sample(logits.expand(200, -1), temps[:200], torch.Generator().manual_seed(2))
+    assert not torch.equal(ids[:200], again)
 
 
 def test_greedy_argmax_split_over_the_vocabulary_matches_torch_and_breaks_ties_low():

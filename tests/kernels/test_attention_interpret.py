@@ -24,8 +24,8 @@ CASES = Path(__file__).parents[1] / "helpers" / "attention_interpret_cases.py"
 
 
 @pytest.mark.parametrize("group", CASE_GROUPS)
-def test_attention_kernels_under_interpreter(group):
-    assert_cases_pass(CASES, group)
+def test_attention_kernels_under_interpreter(group, request):
+    assert_cases_pass(CASES, group, request)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ CASES = Path(__file__).parents[1] / "helpers" / "gemv_interpret_cases.py"
 
 
 @pytest.mark.parametrize("group", CASE_GROUPS)
-def test_gemv_kernels_under_interpreter(group):
-    assert_cases_pass(CASES, group)
+def test_gemv_kernels_under_interpreter(group, request):
+    assert_cases_pass(CASES, group, request)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,5 +17,5 @@ CASES = Path(__file__).parents[1] / "helpers" / "kernels_interpret_cases.py"
 
 
 @pytest.mark.parametrize("group", CASE_GROUPS)
-def test_triton_kernels_under_interpreter(group):
-    assert_cases_pass(CASES, group)
+def test_triton_kernels_under_interpreter(group, request):
+    assert_cases_pass(CASES, group, request)

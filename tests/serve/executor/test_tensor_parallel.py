@@ -477,9 +477,17 @@ def test_shutdown_drops_the_runners_graphs_while_the_group_still_stands(qwen2, m
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
 
 
-def test_bench_runs_a_tp_engine_and_holds_it_to_the_asked_size(qwen2, capsys):
+def test_bench_runs_a_tp_engine_and_holds_it_to_the_asked_size(qwen2, capsys, monkeypatch):
+    import functools
+
+    from compiled_llm.cli.bench import workloads
     from compiled_llm.cli.main import main
 
+    # the latency workload through both ranks, one repeat of 32 tokens instead of 3 of 256: the
+    # same bench path (load, warm-up, timed decode, median, JSON row) in 40 decode steps over gloo,
+    # not 776 (test_llm.py's test_bench_latency_on_cpu runs the workload at full size on one rank)
+    monkeypatch.setattr(workloads, "compiled_latency",
+                        functools.partial(workloads.compiled_latency, new_tokens=32, repeats=1))
     argv = ["bench", str(qwen2.engine), "--workload", "latency", "--no-hf", "--device", "cpu", "--json"]
     assert main([*argv, "--tensor-parallel-size", "2"]) == 0
     assert not torch.distributed.is_initialized()  # the workers ended with the measurement

@@ -818,7 +818,11 @@ def test_streamed_deltas_add_up_to_the_final_output(engine):
         front = AsyncEngine.in_thread(engine)
         front.start()
         try:
-            final = await front.submit(requests_of(engine, PROMPTS[:3], 20)).results()
+            # each call released once read, as the server does: stop() would otherwise give the
+            # unreleased one 5 s to be let go before it stops the engine
+            group = front.submit(requests_of(engine, PROMPTS[:3], 20))
+            final = await group.results()
+            group.release()
             stream = front.submit(requests_of(engine, PROMPTS[:3], 20), stream=True)
             texts, ids, finished = ["", "", ""], [[], [], []], [None] * 3
             async for ready in stream:
@@ -884,7 +888,9 @@ def test_admission_counts_requests_not_yet_scheduled(engine):
             for g in groups:
                 g.release()
             assert front.num_unscheduled == (0, 0)
-            later = await front.submit(requests_of(engine, [PROMPTS[2]], 4)).results()
+            group = front.submit(requests_of(engine, [PROMPTS[2]], 4))
+            later = await group.results()
+            group.release()  # read: released, so stop() need not wait 5 s for it
             return results, later
         finally:
             await front.stop()
@@ -976,7 +982,9 @@ def test_metrics_count_the_engine_and_log_a_stats_line_while_busy(engine, caplog
         front = AsyncEngine.in_thread(engine, metrics=metrics)
         front.start()
         try:
-            outs = await front.submit(requests_of(engine, PROMPTS[:2], 60)).results()
+            group = front.submit(requests_of(engine, PROMPTS[:2], 60))
+            outs = await group.results()
+            group.release()  # read: released, so stop() need not wait 5 s for it
             await asyncio.sleep(0.2)  # the idle thread still logs the busy interval's line
             return outs
         finally:
