@@ -936,26 +936,37 @@ def tune(args) -> int:
     best_us = step_us(best)
     print(f"start: {best_us:.1f} us per batch-1 decode step", flush=True)
     for r in range(args.rounds):
-        for table in args.tables:
-            for knob, values in TUNE_SPACE[table].items():
-                for v in values:
-                    if best[table]["1"].get(knob) == v:
-                        continue
-                    trial = copy.deepcopy(best)
-                    trial[table]["1"][knob] = v
-                    try:
-                        us = step_us(trial)
-                    except Exception as e:  # a config that does not compile or launch
-                        print(f"  {table}.{knob}={v}: {failure(e)}", flush=True)
-                        continue
-                    mark = ""
-                    if us < best_us * 0.995:
-                        best, best_us, mark = trial, us, "  <- best"
-                    print(f"  {table}.{knob}={v}: {us:.1f} us{mark}", flush=True)
+        best, best_us = descend_one_round(best, best_us, {t: TUNE_SPACE[t] for t in args.tables}, step_us, 0.995)
         print(f"round {r + 1}: {best_us:.1f} us ({1e6 / best_us:.0f} steps/s of graph time)", flush=True)
     launch_configs.use_configs(None)
     print(json.dumps({t: {"1": best[t]["1"]} for t in args.tables}, indent=1))
     return 0
+
+
+def descend_one_round(best: dict, best_us: float, space: dict, measure: Callable, keep_below: float,
+                      quiet: bool = False) -> tuple[dict, float]:
+    """One round of coordinate descent over the T = 1 bucket of the tables in ``space`` (table ->
+    knob -> values): each value of each knob tried on the best table so far, kept when
+    ``measure(table)`` is under ``keep_below`` x the best; prints each trial (only the kept ones
+    when ``quiet``)."""
+    for table, knobs in space.items():
+        for knob, values in knobs.items():
+            for v in values:
+                if best[table]["1"].get(knob) == v:
+                    continue
+                trial = copy.deepcopy(best)
+                trial[table]["1"][knob] = v
+                try:
+                    us = measure(trial)
+                except Exception as e:  # a config that does not compile or launch
+                    print(f"  {table}.{knob}={v}: {failure(e)}", flush=True)
+                    continue
+                kept = us < best_us * keep_below
+                if kept:
+                    best, best_us = trial, us
+                if kept or not quiet:
+                    print(f"  {table}.{knob}={v}: {us:.1f} us{'  <- best' if kept else ''}", flush=True)
+    return best, best_us
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1342,21 +1353,7 @@ def moe_sweep(name: str, layers: list, top_k: int, gen, rounds: int = 2) -> None
     print(f"{name} sweep at T=1: start {best_us:.1f} us; routing alone "
           f"{graph_time_us(lambda x, r, gu, d: route(x, r, top_k, True), sets):.1f} us", flush=True)
     for _ in range(rounds):
-        for table, knobs in MOE_SWEEP.items():
-            for knob, values in knobs.items():
-                for v in values:
-                    if best[table]["1"].get(knob) == v:
-                        continue
-                    trial = copy.deepcopy(best)
-                    trial[table]["1"][knob] = v
-                    try:
-                        us = op_us(trial)
-                    except Exception as e:  # a config that does not compile or launch
-                        print(f"  {table}.{knob}={v}: {failure(e)}", flush=True)
-                        continue
-                    if us < best_us * 0.99:
-                        best, best_us = trial, us
-                        print(f"  {table}.{knob}={v}: {us:.1f} us  <- best", flush=True)
+        best, best_us = descend_one_round(best, best_us, MOE_SWEEP, op_us, 0.99, quiet=True)
     launch_configs.use_configs(None)
     print(f"{name} best {best_us:.1f} us: " + json.dumps({t: {"1": best[t]["1"]} for t in MOE_SWEEP}), flush=True)
 
