@@ -444,13 +444,15 @@ def _load_weights(engine_dir: Path, manifest: dict, device: torch.device, rank: 
         made = [n for n in names if n in expected and dummy_weights.is_dummy(n, expected[n][1])]
     weights_header.check_header(path, name, config, build, [n for n in names if n not in made])
     try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata, held = f.metadata(), set(f.keys())
         tensors = load_file(str(path), device=str(device))
+        metadata = None
+        if build.load_format == "dummy":
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata()
     except Exception as e:
         raise EngineError(f"cannot read {name} as safetensors ({type(e).__name__}); rebuild the engine") from None
     if build.load_format == "dummy":
-        dummy_weights.check_file(metadata, held, {n: expected[n] for n in made}, name)
+        dummy_weights.check_file(metadata, set(tensors), {n: expected[n] for n in made}, name)
         tensors.update(dummy_weights.make(made, expected, device))
     missing = [n for n in names if n not in tensors]
     if missing:

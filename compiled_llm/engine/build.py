@@ -225,8 +225,8 @@ def build_engine(
             if size > 1:
                 _check_same_program(lowered, rank_lowered, rank)
                 with _Stage("write", times, progress):
-                    artifact.save_weights(work, _stored(rank_lowered.params, dummy), artifact.weights_file(rank, size),
-                                          _weights_metadata(rank_lowered.params, dummy))
+                    stored, metadata = _file_contents(rank_lowered.params, dummy)
+                    artifact.save_weights(work, stored, artifact.weights_file(rank, size), metadata)
             if rank == 0:
                 lowered = rank_lowered
             del rank_lowered
@@ -250,8 +250,8 @@ def build_engine(
                 stage_seconds=times,
                 generation_config=generation,
             )
-            artifact.save_engine(work, manifest, _stored(lowered.params, dummy) if size == 1 else None, tokenizer,
-                                 _weights_metadata(lowered.params, dummy))
+            stored, metadata = _file_contents(lowered.params, dummy)
+            artifact.save_engine(work, manifest, stored if size == 1 else None, tokenizer, metadata)
         del lowered
         warmed = dev.type == "cuda" and warm_up is not None
         host = None
@@ -276,14 +276,10 @@ def build_engine(
     return artifact.read_manifest(out_dir)
 
 
-def _stored(params: dict, dummy: bool) -> dict:
-    """The weights an engine's file holds: all, or a dummy engine's small ones."""
-    return dummy_weights.stored(params) if dummy else params
-
-
-def _weights_metadata(params: dict, dummy: bool) -> dict | None:
-    """A dummy engine's record, in its weights file, of the matrices a load makes."""
-    return dummy_weights.file_metadata(params) if dummy else None
+def _file_contents(params: dict, dummy: bool) -> tuple[dict, dict | None]:
+    """(the weights an engine's file holds, its extra metadata): all of them, or a dummy engine's
+    small ones and its record of the matrices a load makes."""
+    return (dummy_weights.stored(params), dummy_weights.file_metadata(params)) if dummy else (params, None)
 
 
 def _check_same_program(first: Lowered | None, lowered: Lowered, rank: int) -> None:

@@ -176,6 +176,15 @@ def _non_finite_error(file: Path, hf_name: str, stored: Tensor, loaded: Tensor) 
     )
 
 
+def _loaded(file: Path, hf_name: str, stored: Tensor, t: Tensor, dtype, device) -> Tensor:
+    """``t`` (checkpoint tensor ``stored`` in the spec's layout) cast and moved, refused when not
+    finite: checked on the target device, after the cast."""
+    loaded = t.to(device=device, dtype=dtype).contiguous()
+    if not _all_finite(loaded):
+        raise _non_finite_error(file, hf_name, stored, loaded)
+    return loaded
+
+
 def load_params(
     config: ModelConfig,
     model_dir: Path,
@@ -200,11 +209,8 @@ def load_params(
             if tuple(tensor.shape) != shape:
                 raise WeightLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; {config.architecture} "
                                       f"with this config expects {shape} for {spec_name}")
-            loaded = tensor.to(device=device, dtype=dtype)
-            if not _all_finite(loaded):
-                raise _non_finite_error(file, hf_name, tensor, loaded)
-            experts.put(stacked, expert, proj, loaded)
-            del tensor, loaded
+            experts.put(stacked, expert, proj, _loaded(file, hf_name, tensor, tensor, dtype, device))
+            del tensor
             continue
         if spec_name == "" or any(n not in expected for n in family.spec_params(spec_name)):
             raise WeightLoadError(f"unexpected tensor {hf_name!r} in checkpoint (no place for it in {config.architecture})")
@@ -215,10 +221,7 @@ def load_params(
                 )
             if family.norm_offset and _is_norm_weight(name):
                 t = t.float() + family.norm_offset  # added in float32, as transformers does, then cast
-            loaded = t.to(device=device, dtype=dtype).contiguous()
-            if not _all_finite(loaded):  # checked on the target device, after the cast
-                raise _non_finite_error(file, hf_name, tensor, loaded)
-            params[name] = loaded
+            params[name] = _loaded(file, hf_name, tensor, t, dtype, device)
         del tensor
     params.update(derived_params(config, device))
     missing_expert = experts.first_missing()

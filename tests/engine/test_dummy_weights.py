@@ -101,3 +101,17 @@ def test_an_engine_whose_load_format_was_flipped_to_dummy_is_refused(engines, tm
     engine = _edited_copy(engines / "auto", tmp_path / "e", dummy)
     with pytest.raises(EngineError, match="holds the matrix .* that a dummy engine makes at load"):
         LLM(str(engine))
+
+
+def test_a_dummy_engine_shards_over_two_ranks_each_making_its_own_slices(tmp_path):
+    build_engine("tiny-qwen3-moe", tmp_path / "tp2", dtype="float32", device="cpu", progress=False,
+                 load_format="dummy", tensor_parallel_size=2)
+    llm = LLM(str(tmp_path / "tp2"))
+    try:
+        experts = llm.model.params["layers.1.experts.down.weight"]
+        assert experts.shape[-1] == llm.model.config.moe_intermediate_size  # rank 0's half of the columns
+        out = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=6, temperature=0.0,
+                                                                           ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()
