@@ -1325,25 +1325,36 @@ MOE_SHAPES = {  # name -> (experts, top_k, hidden, expert intermediate), from th
 
 
 MOE_SWEEP = {
+    "fused_moe_route": {"BLOCK_R": [1, 2, 4, 8], "BLOCK_H": [256, 512, 1024, 2048], "num_warps": [1, 2, 4, 8]},
     "fused_moe_decode": {"BLOCK_I": [1, 2, 4, 8, 16], "BLOCK_H": [256, 512, 1024, 2048], "num_warps": [1, 2, 4, 8]},
     "fused_moe_down": {"BLOCK_N": [1, 2, 4, 8, 16, 32], "BLOCK_K": [256, 512, 1024, 2048], "num_warps": [1, 2, 4, 8]},
 }
 
 
+def moe_layer_op(top_k: int, norm_weight):
+    """The mixture as a built engine runs it: the layer's norm folded in and x its own residual
+    (``fused_moe(h, ..., norm, eps, residual=h)``)."""
+    from compiled_llm.kernels.triton_fused_moe import fused_moe
+
+    return lambda x, r, gu, d: fused_moe(x, r, gu, d, top_k, True, norm_weight, 1e-6, x)
+
+
 def moe_sweep(name: str, layers: list, top_k: int, gen, rounds: int = 2) -> None:
-    """Coordinate descent over the T = 1 bucket of the decode form's two tables (one layer's
-    device µs, the weights rotated past the L2), from the general bucket; prints each step, the
-    winner as JSON (for the table's "1" bucket, or its "shapes" when it is one model's), and the
-    time of the routing alone (router linear + top-k kernel) beside the whole op."""
-    from compiled_llm.kernels.triton_fused_moe import fused_moe, route
+    """Coordinate descent over the T = 1 bucket of the decode form's tables (one layer's device
+    µs, the weights rotated past the L2), from the general bucket; prints each step, the winner
+    as JSON (for the table's "1" bucket, or its "shapes" when it is one model's), and the time of
+    the routing alone (the norm, the router and the top-k in one launch) beside the whole op."""
+    from compiled_llm.kernels.triton_fused_moe import _route_decode
 
     H = layers[0][0].shape[1]
     x = torch.randn(1, H, generator=gen, device="cuda", dtype=DTYPE)
+    norm_weight = torch.rand(H, generator=gen, device="cuda").to(DTYPE) + 0.5
     sets = [(x, *w) for w in layers]
+    layer_op = moe_layer_op(top_k, norm_weight)
 
     def op_us(table) -> float:
         launch_configs.use_configs(table)
-        return graph_time_us(lambda x, r, gu, d: fused_moe(x, r, gu, d, top_k, True), sets)
+        return graph_time_us(layer_op, sets)
 
     best = launch_configs.current()
     for table in MOE_SWEEP:  # from the general T = 1 bucket, the per-shape ones set aside
@@ -1351,7 +1362,8 @@ def moe_sweep(name: str, layers: list, top_k: int, gen, rounds: int = 2) -> None
         best[table].pop(launch_configs.SHAPES, None)
     best_us = op_us(best)
     print(f"{name} sweep at T=1: start {best_us:.1f} us; routing alone "
-          f"{graph_time_us(lambda x, r, gu, d: route(x, r, top_k, True), sets):.1f} us", flush=True)
+          f"{graph_time_us(lambda x, r, gu, d: _route_decode(x, norm_weight, 1e-6, r, top_k, True, True), sets):.1f} us",
+          flush=True)
     for _ in range(rounds):
         best, best_us = descend_one_round(best, best_us, MOE_SWEEP, op_us, 0.99, quiet=True)
     launch_configs.use_configs(None)
@@ -1363,9 +1375,9 @@ def moe(args) -> int:
     L2) at each token count: device µs; at decode sizes the bandwidth of the bytes the chosen
     experts hold (each distinct chosen expert's gate, up and down once, plus the router) against
     the copy bandwidth; at prefill sizes TFLOP/s (2 * T * top_k * 3 * H * I) against the bf16
-    matmul rate; and the error against the op's reference (fused_ops.fused_moe_ref)."""
+    matmul rate; and the error against the op's reference (fused_ops.fused_moe_ref). The op runs
+    as a built engine runs it (``moe_layer_op``: the norm and the residual add folded in)."""
     from compiled_llm.graph.fused_ops import fused_moe_ref
-    from compiled_llm.kernels.triton_fused_moe import fused_moe
 
     if not needs_cuda("moe"):
         return 2
@@ -1381,11 +1393,14 @@ def moe(args) -> int:
                    torch.randn(E, H, I, generator=gen, device="cuda", dtype=DTYPE) * I ** -0.5) for _ in range(copies)]
         if args.sweep:
             moe_sweep(name, layers, k, gen)
+        norm_weight = torch.rand(H, generator=gen, device="cuda").to(DTYPE) + 0.5
+        layer_op = moe_layer_op(k, norm_weight)
         for T in args.tokens:
             x = torch.randn(T, H, generator=gen, device="cuda", dtype=DTYPE)
             sets = [(x, *w) for w in layers]
-            us = graph_time_us(lambda x, r, gu, d: fused_moe(x, r, gu, d, k, True), sets)
-            ids = torch.topk(torch.softmax((x @ layers[0][0].t()).float(), -1), k).indices
+            us = graph_time_us(layer_op, sets)
+            normed = ops.rms_norm_ref(x, norm_weight, 1e-6)
+            ids = torch.topk(torch.softmax((normed @ layers[0][0].t()).float(), -1), k).indices
             chosen = ids.unique().numel()
             line = f"{name:14} T={T:5d}: {us:9.1f} us"
             if T * k <= 64:
@@ -1395,8 +1410,8 @@ def moe(args) -> int:
                 flops = 2 * T * k * 3 * H * I
                 line += f"  {flops / us / 1e6:6.1f} TFLOP/s ({flops / us / 1e6 / peak:.0%} of matmul)"
             if T <= 512:
-                ref = fused_moe_ref(x, *layers[0], k, True)
-                got = fused_moe(x, *layers[0], k, True)
+                ref = fused_moe_ref(x, *layers[0], k, True, norm_weight, 1e-6, x)
+                got = layer_op(x, *layers[0])
                 line += f"  err {rel_err(got, ref):.1e}"
             print(line, flush=True)
         del layers

@@ -41,6 +41,7 @@ most likely successor and the median / 1st-percentile top-1 minus top-2 logit ga
 --prompts-file``) and ``training.json`` (the chain and the log).
 
     python benchmarks/train_synthetic_lm.py --out /tmp/cllm_trained [--preset qwen2.5-0.5b] [--steps 300]
+        [--num-hidden-layers N]
 """
 
 from __future__ import annotations
@@ -237,12 +238,18 @@ def main(argv=None) -> int:
     ap.add_argument("--probs", default=",".join(map(str, DEFAULT_PROBS)), help="successor probabilities, comma separated")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--num-hidden-layers", type=int, default=None,
+                    help="the preset's shapes with this many layers (a 30B mixture's two layers train on one GPU)")
     args = ap.parse_args(argv)
 
     from compiled_llm.model.presets import preset_hf_config
 
     device = torch.device(args.device)
     hf = preset_hf_config(args.preset)
+    if args.num_hidden_layers is not None:
+        if args.num_hidden_layers < 1:
+            ap.error(f"--num-hidden-layers must be at least 1, not {args.num_hidden_layers}")
+        hf["num_hidden_layers"] = args.num_hidden_layers
     model = build_model(hf, args.seed, device)
     exclude = excluded_ids(hf)
     num_states = args.states or min(DEFAULT_STATES, hf["vocab_size"] - len(exclude))

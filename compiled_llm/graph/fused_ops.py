@@ -165,19 +165,28 @@ def moe_routing_ref(x: Tensor, router_weight: Tensor, top_k: int, renormalize: b
 
 
 def fused_moe_ref(x: Tensor, router_weight: Tensor, gate_up_weight: Tensor, down_weight: Tensor, top_k: int,
-                  renormalize: bool) -> Tensor:
+                  renormalize: bool, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0,
+                  residual: Optional[Tensor] = None) -> Tensor:
     """A mixture of SwiGLU experts over x [T, H]: router_weight [E, H], gate_up_weight [E, 2I, H]
     (each expert's gate rows, then its up rows), down_weight [E, H, I]. Each token's output is
     the sum over its top_k experts of ``weight * down(silu(gate(x)) * up(x))``, the weight
     rounded to x's dtype and each product too, summed in float32 (the spec's graph does the same;
-    transformers adds the experts one at a time in x's dtype, so in bf16 it rounds more). Written densely (every expert on every token, an unchosen one weighted 0) so that it
-    has no data-dependent shapes; the kernels read only the chosen experts."""
+    transformers adds the experts one at a time in x's dtype, so in bf16 it rounds more). Written
+    densely (every expert on every token, an unchosen one weighted 0) so that it has no
+    data-dependent shapes; the kernels read only the chosen experts.
+
+    With ``norm_weight``, x is the layer's RMSNorm input, normalised first (eps ``norm_eps``, as
+    the separate op rounds it); with ``residual``, the output is ``residual + mixture``, the
+    mixture rounded to the dtype before the add (the passes fold the norm before and the add after
+    into the op, so a decode step runs neither as a launch of its own)."""
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, norm_eps)
     weights, ids = moe_routing_ref(x, router_weight, top_k, renormalize)
     dense = torch.zeros(x.shape[0], router_weight.shape[0], dtype=torch.float32, device=x.device)
     dense = dense.scatter(1, ids, weights).to(x.dtype)  # [T, E]
     gate, up = torch.matmul(x, gate_up_weight.transpose(1, 2)).chunk(2, dim=-1)  # [E, T, I] each
     experts = torch.matmul(F.silu(gate) * up, down_weight.transpose(1, 2))  # [E, T, H]
-    return (experts * dense.t().unsqueeze(-1)).float().sum(0).to(x.dtype)
+    return add_residual((experts * dense.t().unsqueeze(-1)).float().sum(0).to(x.dtype), residual)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -196,6 +196,13 @@ DEFAULT_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # defaults for H100 at Qwen3-MoE / Mixtral shapes (H 2048-4096, I 768-14336).
     # The T = 1 buckets come from `kernel_bench.py moe --sweep` (H200, one layer timed alone):
     # Qwen3-30B-A3B 42.4 -> 31.8 us, Mixtral-8x7B 213.5 -> 167.6 us.
+    # "fused_moe_route": the decode form's routing, BLOCK_R router rows a program, BLOCK_H
+    # columns a step (the router is [E, H]: 128 x 2048 for Qwen3-30B-A3B, 8 x 4096 for Mixtral);
+    # its T = 1 bucket from `kernel_bench.py moe --sweep` (H200, Qwen3-30B-A3B).
+    "fused_moe_route": {
+        "1": {"BLOCK_R": 2, "BLOCK_H": 2048, "num_warps": 4, "num_stages": 1},
+        "inf": {"BLOCK_R": 2, "BLOCK_H": 1024, "num_warps": 4, "num_stages": 1},
+    },
     "fused_moe_decode": {
         "1": {"BLOCK_I": 1, "BLOCK_H": 1024, "num_warps": 4, "num_stages": 1},
         "inf": {"BLOCK_I": 4, "BLOCK_H": 1024, "num_warps": 4, "num_stages": 1},

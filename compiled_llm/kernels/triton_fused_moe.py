@@ -6,26 +6,39 @@ Every launch is sized from shapes alone and nothing is read back to the host (no
 nonzero, no boolean indexing), so both forms run inside a CUDA graph: which experts a step uses
 is data, and lives only in device tensors that the kernels read.
 
-Routing (both forms): the router's logits by F.linear (x's dtype, as the reference computes
-them), then ``_route_kernel``, one program per token: softmax in fp32, the top_k by repeated
-arg-max (the highest weight first, the lowest expert id among equal weights), renormalised when
-asked. It writes weights [T, top_k] fp32 and expert ids [T, top_k] int32; pair p = t * top_k + k
-is token t's k-th choice. One launch instead of torch's five (float, softmax, topk, sum, div).
+The op takes the layer's RMSNorm weight and its residual too (the passes fold the norm before
+the mixture and the add after it into the op): x is normalised first, as the separate norm op
+rounds it, and the output is ``residual + mixture``, the mixture rounded first.
 
-Decode form (T * top_k <= MAX_DECODE_PAIRS of "fused_moe_dispatch"): two weight-streaming
+Routing: the router's logits rounded to x's dtype (as F.linear's are), their softmax in fp32,
+the top_k by repeated arg-max (the highest weight first, the lowest expert id among equal
+weights), renormalised when asked. It writes weights [T, top_k] fp32 and expert ids [T, top_k]
+int32; pair p = t * top_k + k is token t's k-th choice.
+
+Decode form (T * top_k <= MAX_DECODE_PAIRS of "fused_moe_dispatch"): three weight-streaming
 launches in triton_gemv's one-row layout (a thread's 16-byte vector summed inside the thread each
 step, one fp32 accumulator per weight row and thread; no tl.dot, whose tiles would be padding at
 one row).
+  0. ``_route_decode_kernel``, grid (cdiv(E, BLOCK_R), T): the norm, the router and the top_k in
+     one launch. A program normalises its token's row (programs of router block 0 store it for
+     the experts), streams BLOCK_R router rows and stores those logits; the token's last program
+     to finish, by an atomic count per token, reads all E logits back, writes the routing and
+     resets the count. The counts live in one zeroed buffer per device (``_route_counters``),
+     which every call leaves zero.
   1. ``_gate_up_decode_kernel``, grid (cdiv(I, BLOCK_I), T * top_k): a program owns one pair and
      BLOCK_I intermediate rows; it reads the pair's expert id, streams that expert's gate rows i
-     and up rows i + I along H against the token's row of x, and writes act [T * top_k, I] =
-     silu(gate) * up. Pairs of tokens that chose the same expert stream its rows again, from L2.
+     and up rows i + I along H against the token's (normalised) row, and writes act
+     [T * top_k, I] = silu(gate) * up. Pairs of tokens that chose the same expert stream its rows
+     again, from L2.
   2. ``_down_decode_kernel``, grid (cdiv(H, BLOCK_N), T): a program owns one token and BLOCK_N
      output rows; for each of the token's top_k experts it streams the down rows against the
-     pair's act row, weights the result and adds it to an fp32 accumulator, and stores once. The
-     weighted sum is the epilogue: no [T, top_k, H] buffer, no atomics, a fixed sum order.
+     pair's act row, weights the result and adds it to an fp32 accumulator, and stores once, plus
+     the residual. The weighted sum is the epilogue: no [T, top_k, H] buffer, no atomics, a fixed
+     sum order.
 
-Prefill form (more pairs): grouped GEMMs over the pairs sorted by expert, vLLM's fused_moe design.
+Prefill form (more pairs): the norm (triton_norm), the router by F.linear and ``_route_kernel``
+(one program per token), then grouped GEMMs over the pairs sorted by expert, vLLM's fused_moe
+design.
   1. Dispatch layout: the pairs' expert ids sorted (torch.sort, stable), then ``_align_kernel``
      lays the pairs out by expert, each expert's run padded to whole blocks of BLOCK_M rows, into
      a buffer of the worst-case size (T * top_k + E * (BLOCK_M - 1) rows, rounded up to whole
@@ -38,7 +51,8 @@ Prefill form (more pairs): grouped GEMMs over the pairs sorted by expert, vLLM's
      silu(gate) * up epilogue, act stored at the pairs' rows of [T * top_k, I].
   3. ``_down_gemm_kernel``: the same over act and the expert's down rows, the routing weight in
      the epilogue, stored at the pairs' rows of [T * top_k, H].
-  4. ``_sum_slots_kernel``: each token's top_k rows summed in fp32 (a fixed order, no atomics).
+  4. ``_sum_slots_kernel``: each token's top_k rows summed in fp32 (a fixed order, no atomics),
+     plus the residual.
   Blocks past num_padded (the buffer is sized for the worst case) exit before reading anything,
   so only the chosen experts' weights are read. Programs run GROUP_M blocks against each weight
   tile before the next (triton_gemm_wq's ordering), so consecutive blocks of an expert share its
@@ -61,7 +75,8 @@ from compiled_llm.kernels import launch_configs
 from compiled_llm.kernels.triton_common import (
     dot, is_fp32, next_pow2, pdl_launch, pdl_open, pdl_wait, row_warps, use_pdl,
 )
-from compiled_llm.kernels.triton_gemv import VECTOR_BYTES, tile_config, weight_tile
+from compiled_llm.kernels.triton_gemv import VECTOR_BYTES, input_chunk, norm_stats, tile_config, weight_tile
+from compiled_llm.kernels.triton_norm import rms_norm as tr_rms_norm
 
 FORMS = ("decode", "prefill")
 MIN_DOT = 16  # tl.dot's smallest M, N and K
@@ -96,17 +111,13 @@ def _weighted(y, routing_weight, dtype):
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """One token's routing: softmax of its E logits in fp32, the top_k of it (the highest first;
-    the lowest id among equal weights), renormalised to sum to 1 when RENORMALIZE."""
-    pdl_open(PDL)
-    pdl_wait(PDL)
-    t = tl.program_id(0).to(tl.int64)
+def _top_k(logits, mask_e, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """(weights, ids), [BLOCK_K] each (slots past TOP_K hold 0): the softmax of one token's fp32
+    logits [BLOCK_E] (``mask_e`` the real experts), its top_k (the highest first; the lowest id
+    among equal weights), renormalised to sum to 1 when RENORMALIZE."""
     offs_e = tl.arange(0, BLOCK_E)
-    mask_e = offs_e < E
-    logits = tl.load(logits_ptr + t * stride_l + offs_e, mask=mask_e, other=float("-inf")).to(tl.float32)
+    logits = tl.where(mask_e, logits, float("-inf"))
     p = tl.exp(logits - tl.max(logits, 0))
     p = tl.where(mask_e, p, 0.0)
     p = p / tl.sum(p, 0)
@@ -125,8 +136,29 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l,
         left = tl.where(offs_e == pick, -1.0, left)
     if RENORMALIZE:  # slots past TOP_K hold 0
         top_w = top_w / tl.sum(top_w, 0)
+    return top_w, top_id
+
+
+@triton.jit
+def _store_routing(weights_ptr, ids_ptr, t, top_w, top_id, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    slots = tl.arange(0, BLOCK_K)
     tl.store(weights_ptr + t * TOP_K + slots, top_w, mask=slots < TOP_K)
     tl.store(ids_ptr + t * TOP_K + slots, top_id, mask=slots < TOP_K)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """One token's routing from its logits (``_top_k``)."""
+    pdl_open(PDL)
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < E
+    logits = tl.load(logits_ptr + t * stride_l + offs_e, mask=mask_e, other=0.0).to(tl.float32)
+    top_w, top_id = _top_k(logits, mask_e, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+    _store_routing(weights_ptr, ids_ptr, t, top_w, top_id, TOP_K, BLOCK_K)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
@@ -134,8 +166,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize:
     """(weights [T, top_k] fp32, expert ids [T, top_k] int32) of x [T, H]: what
     fused_ops.moe_routing_ref returns (its ids int64), the logits from F.linear in x's dtype."""
     T, E = x.shape[0], router_weight.shape[0]
-    weights = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    weights, ids = _routing_buffers(T, top_k, x.device)
     if T == 0:
         return weights, ids
     logits = F.linear(x, router_weight)
@@ -146,6 +177,110 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize:
         num_warps=row_warps(block_e), **pdl_launch(pdl),
     )
     return weights, ids
+
+
+def _routing_buffers(T: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((T, top_k), dtype=torch.float32, device=device),
+            torch.empty((T, top_k), dtype=torch.int32, device=device))
+
+
+@triton.jit
+def _route_decode_kernel(
+    x_ptr, nw_ptr, w_ptr, logits_ptr, xn_ptr, weights_ptr, ids_ptr, count_ptr,
+    H, E, stride_x, stride_w, stride_xn, norm_eps,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, VEC: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """The decode form's routing in one launch, grid (cdiv(E, BLOCK_R), T): a program normalises
+    its token's row of x (the layer's RMSNorm, when HAS_NORM; the programs of router block 0
+    store it to xn for the experts), streams BLOCK_R router rows against it (triton_gemv's one-row
+    layout) and stores those logits, rounded to the dtype as F.linear's are. The token's last
+    program to finish (a counter per token, which it resets) reads all E logits back and writes
+    the routing (``_top_k``)."""
+    pdl_open(PDL)
+    KC: tl.constexpr = BLOCK_H // VEC
+    t = tl.program_id(1).to(tl.int64)
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < E
+    mask_r3 = mask_r[:, None, None]
+    offs_c = tl.arange(0, KC)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]  # [1, KC, VEC]
+    w_rows = w_ptr + offs_r.to(tl.int64)[:, None, None] * stride_w
+    # the router's first tile needs nothing from the previous kernel: stream it while that
+    # kernel finishes (PDL)
+    w_first = weight_tile(w_rows, offs_c, mask_r3 & (offs_c < H))
+    pdl_wait(PDL)
+    dtype = xn_ptr.dtype.element_ty
+    x_row = x_ptr + t * stride_x + tl.zeros([1, 1, 1], tl.int64)
+    row_exists = tl.full([1, 1, 1], 1, tl.int1)
+    mean = tl.zeros([1, 1, 1], tl.float32)
+    rstd = mean
+    if HAS_NORM:
+        mean, rstd = norm_stats(x_row, row_exists, H, norm_eps, 1, BLOCK_H, True)
+    keeps_x = HAS_NORM and tl.program_id(0) == 0  # without a norm the experts read x itself
+    xk = input_chunk(x_row, row_exists, offs_c, offs_c < H, nw_ptr, nw_ptr, mean, rstd, HAS_NORM, True)
+    if keeps_x:
+        tl.store(xn_ptr + t * stride_xn + offs_c, xk.to(dtype), mask=offs_c < H)
+    acc = tl.sum(xk * w_first, 2)
+    for h0 in range(BLOCK_H, H, BLOCK_H):
+        offs_h = h0 + offs_c
+        mask_h = offs_h < H
+        xk = input_chunk(x_row, row_exists, offs_h, mask_h, nw_ptr, nw_ptr, mean, rstd, HAS_NORM, True)
+        if keeps_x:
+            tl.store(xn_ptr + t * stride_xn + offs_h, xk.to(dtype), mask=mask_h)
+        acc += tl.sum(xk * weight_tile(w_rows, offs_h, mask_r3 & mask_h), 2)
+    logits = tl.sum(acc, 1).to(dtype).to(tl.float32)
+    tl.store(logits_ptr + t * E + offs_r, logits, mask=mask_r)
+
+    # acq_rel: this program's logits are visible before its count is, and the last program sees
+    # every other program's logits after reading the count
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        offs_e = tl.arange(0, BLOCK_E)
+        mask_e = offs_e < E
+        every = tl.load(logits_ptr + t * E + offs_e, mask=mask_e, other=0.0, cache_modifier=".cg")
+        top_w, top_id = _top_k(every, mask_e, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+        _store_routing(weights_ptr, ids_ptr, t, top_w, top_id, TOP_K, BLOCK_K)
+        tl.store(count_ptr + t, 0)  # ready for the next call: every program of this one has counted
+
+
+# Tokens the decode form's one-launch routing counts for (its per-token counters). Decode steps
+# have far fewer (MAX_DECODE_PAIRS / top_k); a call with more routes in two launches.
+ROUTE_COUNTERS = 4096
+_route_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def _route_counters(device: torch.device) -> torch.Tensor:
+    """The device's routing counters: zeros, made once per process and device and kept for
+    good, since captured graphs hold their address (each call leaves them zero again). Calls on
+    one device run one at a time (a stream's order), as an engine's steps do."""
+    counts = _route_counts.get(device)
+    if counts is None:
+        counts = _route_counts[device] = torch.zeros(ROUTE_COUNTERS, dtype=torch.int32, device=device)
+    return counts
+
+
+def _route_decode(x, norm_weight, norm_eps: float, router_weight, top_k: int, renormalize: bool, pdl: bool):
+    """(normalised x, routing weights, expert ids) of the decode form, in one launch
+    (``_route_decode_kernel``)."""
+    T, H = x.shape
+    E = router_weight.shape[0]
+    itemsize = x.element_size()
+    xn = torch.empty_like(x) if norm_weight is not None else x
+    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
+    weights, ids = _routing_buffers(T, top_k, x.device)
+    tile = _streaming_tile("fused_moe_route", T, (E, H), E, H, itemsize, "BLOCK_R", "BLOCK_H")
+    block_e = next_pow2(E)
+    _route_decode_kernel[(triton.cdiv(E, tile["BLOCK_ROWS"]), T)](
+        x, norm_weight if norm_weight is not None else x, router_weight, logits, xn, weights, ids,
+        _route_counters(x.device),
+        H, E, x.stride(0), router_weight.stride(0), xn.stride(0), norm_eps,
+        TOP_K=top_k, RENORMALIZE=renormalize, HAS_NORM=norm_weight is not None,
+        BLOCK_R=tile["BLOCK_ROWS"], BLOCK_H=tile["BLOCK_K"], VEC=VECTOR_BYTES // itemsize, BLOCK_E=block_e,
+        BLOCK_K=next_pow2(top_k), PDL=pdl,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
+    )
+    return xn, weights, ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,14 +329,14 @@ def _gate_up_decode_kernel(
 
 @triton.jit
 def _down_decode_kernel(
-    act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr,
-    H, I, stride_a, stride_we, stride_wr, stride_o,
+    act_ptr, w_ptr, ids_ptr, weights_ptr, r_ptr, out_ptr,
+    H, I, stride_a, stride_we, stride_wr, stride_r, stride_o,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    PDL: tl.constexpr = False,
+    HAS_RESIDUAL: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """out[t, n] for BLOCK_N output rows n of token t: the sum over the token's top_k experts of
     routing weight x (down_n . act_pair), each term rounded as the reference rounds it, summed in
-    fp32 and stored once."""
+    fp32 and stored once (rounded, plus the residual row when HAS_RESIDUAL)."""
     pdl_open(PDL)
     # everything read here is an earlier launch's output: act the previous kernel's, the ids and
     # weights the routing kernel's, which finished before the previous kernel could (it waits
@@ -230,6 +365,9 @@ def _down_decode_kernel(
             a = tl.load(act_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             acc += tl.sum(a * weight_tile(down_rows, offs_k, mask_n3 & mask_k), 2)
         out += _weighted(tl.sum(acc, 1), tl.load(weights_ptr + pair), dtype)
+    if HAS_RESIDUAL:  # the mixture rounded before the add, as the unfused graph rounds it
+        r = tl.load(r_ptr + token.to(tl.int64) * stride_r + offs_n, mask=mask_n, other=0.0)
+        out = out.to(dtype).to(tl.float32) + r.to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * stride_o + offs_n, out.to(dtype), mask=mask_n)
 
 
@@ -241,14 +379,19 @@ def _streaming_tile(table: str, T: int, shape: tuple[int, int], rows: int, K: in
     return tile_config({**cfg, "BLOCK_T": 1}, 1, rows, K, itemsize, rows_key=rows_key, k_key=k_key)
 
 
-def _decode(x, gate_up_weight, down_weight, weights, ids) -> torch.Tensor:
-    """Gate/up + activation per (pair, block of I rows), then down + weighted sum per (token,
-    block of H rows)."""
+def _decode(x, router_weight, gate_up_weight, down_weight, top_k: int, renormalize: bool, norm_weight, norm_eps: float,
+            residual) -> torch.Tensor:
+    """Routing (with the input norm) per (token, block of router rows), gate/up + activation per
+    (pair, block of I rows), then down + weighted sum (+ residual) per (token, block of H rows)."""
     T, H = x.shape
-    top_k = ids.shape[1]
     inter = down_weight.shape[2]
     itemsize = x.element_size()
     pdl = use_pdl(x)
+    if T <= ROUTE_COUNTERS:
+        x, weights, ids = _route_decode(x, norm_weight, norm_eps, router_weight, top_k, renormalize, pdl)
+    else:
+        x = tr_rms_norm(x, norm_weight, norm_eps) if norm_weight is not None else x
+        weights, ids = route(x, router_weight, top_k, renormalize, pdl=pdl)
     act = torch.empty((T * top_k, inter), dtype=x.dtype, device=x.device)
     tile = _streaming_tile("fused_moe_decode", T, (2 * inter, H), inter, H, itemsize, "BLOCK_I", "BLOCK_H")
     _gate_up_decode_kernel[(triton.cdiv(inter, tile["BLOCK_ROWS"]), T * top_k)](
@@ -258,11 +401,13 @@ def _decode(x, gate_up_weight, down_weight, weights, ids) -> torch.Tensor:
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
     )
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    r = residual if residual is not None else out
     tile = _streaming_tile("fused_moe_down", T, (H, inter), H, inter, itemsize, "BLOCK_N", "BLOCK_K")
     _down_decode_kernel[(triton.cdiv(H, tile["BLOCK_ROWS"]), T)](
-        act, down_weight, ids, weights, out,
-        H, inter, act.stride(0), down_weight.stride(0), down_weight.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"], VEC=VECTOR_BYTES // itemsize, PDL=pdl,
+        act, down_weight, ids, weights, r, out,
+        H, inter, act.stride(0), down_weight.stride(0), down_weight.stride(1), r.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_N=tile["BLOCK_ROWS"], BLOCK_K=tile["BLOCK_K"], VEC=VECTOR_BYTES // itemsize,
+        HAS_RESIDUAL=residual is not None, PDL=pdl,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl_launch(pdl),
     )
     return out
@@ -439,16 +584,20 @@ def _down_gemm_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(pair_out_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_slots_kernel(pair_out_ptr, r_ptr, out_ptr, H, stride_r, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr = False):
     """out[t] = the sum of token t's TOP_K rows of pair_out ([T * TOP_K, H], already weighted and
-    rounded) in fp32, in slot order, rounded once."""
+    rounded) in fp32, in slot order, rounded once (then plus the residual row when HAS_RESIDUAL)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
+    dtype = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK], tl.float32)
     for k in range(TOP_K):
         acc += tl.load(pair_out_ptr + (t * TOP_K + k) * H + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_RESIDUAL:
+        acc = acc.to(dtype).to(tl.float32) + tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(dtype), mask=mask)
 
 
 def _dot_block(value: int, extent: int) -> int:
@@ -469,11 +618,14 @@ def gemm_blocks(T: int, top_k: int, H: int, inter: int) -> dict[str, int]:
     }
 
 
-def _prefill(x, gate_up_weight, down_weight, weights, ids) -> torch.Tensor:
-    """Layout by expert, gate/up grouped GEMM with the activation, down grouped GEMM with the
-    routing weight, sum over each token's slots."""
+def _prefill(x, router_weight, gate_up_weight, down_weight, top_k: int, renormalize: bool, norm_weight,
+             norm_eps: float, residual) -> torch.Tensor:
+    """The input norm, routing, layout by expert, gate/up grouped GEMM with the activation, down
+    grouped GEMM with the routing weight, sum over each token's slots (+ residual)."""
+    if norm_weight is not None:
+        x = tr_rms_norm(x, norm_weight, norm_eps)
+    weights, ids = route(x, router_weight, top_k, renormalize)
     T, H = x.shape
-    top_k = ids.shape[1]
     num_experts, inter = down_weight.shape[0], down_weight.shape[2]
     num_pairs = T * top_k
     blk = gemm_blocks(T, top_k, H, inter)
@@ -501,7 +653,9 @@ def _prefill(x, gate_up_weight, down_weight, weights, ids) -> torch.Tensor:
     )
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     block = min(SUM_BLOCK, next_pow2(H))
-    _sum_slots_kernel[(T, triton.cdiv(H, block))](pair_out, out, H, TOP_K=top_k, BLOCK=block,
+    r = residual if residual is not None else out
+    _sum_slots_kernel[(T, triton.cdiv(H, block))](pair_out, r, out, H, r.stride(0), TOP_K=top_k, BLOCK=block,
+                                                  HAS_RESIDUAL=residual is not None,
                                                   num_warps=row_warps(block, cap=4))
     return out
 
@@ -526,7 +680,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the decode form's pairs)
 
 
-def _check_shapes(x, router_weight, gate_up_weight, down_weight, top_k: int) -> None:
+def _check_shapes(x, router_weight, gate_up_weight, down_weight, top_k: int, norm_weight, residual) -> None:
     """A one-line ValueError for arguments the kernels would read past (the reference raises its
     own errors for them)."""
     E, H = router_weight.shape
@@ -540,29 +694,35 @@ def _check_shapes(x, router_weight, gate_up_weight, down_weight, top_k: int) -> 
                          f"not [E, 2I, {H}] and [E, {H}, I]")
     if not 0 < top_k <= E:
         raise ValueError(f"fused_moe: top_k is {top_k}; it must be in 1..{E} (the experts)")
-    if len({t.dtype for t in (x, router_weight, gate_up_weight, down_weight)}) != 1:
-        raise ValueError("fused_moe: x and the weights must share one dtype")
+    if norm_weight is not None and tuple(norm_weight.shape) != (H,):
+        raise ValueError(f"fused_moe: the norm weight is {tuple(norm_weight.shape)}, not [{H}]")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"fused_moe: the residual is {tuple(residual.shape)}, x {tuple(x.shape)}: they must match")
+    given = [t for t in (x, router_weight, gate_up_weight, down_weight, norm_weight, residual) if t is not None]
+    if len({t.dtype for t in given}) != 1:
+        raise ValueError("fused_moe: x, the weights and the residual must share one dtype")
 
 
 def fused_moe(x, router_weight, gate_up_weight, down_weight, top_k: int, renormalize: bool,
-              form: str | None = None):
+              norm_weight=None, norm_eps: float = 0.0, residual=None, form: str | None = None):
     """fused_ops.fused_moe_ref's mixture of SwiGLU experts over x [T, H]: router_weight [E, H],
     gate_up_weight [E, 2I, H] (each expert's gate rows, then its up rows), down_weight [E, H, I];
-    out [T, H] in x's dtype. ``form`` forces "decode" or "prefill" (default: by the number of
-    pairs, ``use_decode_form``)."""
+    x RMS-normalised first when ``norm_weight`` is given, ``residual`` [T, H] added to the
+    output when given; out [T, H] in x's dtype. ``form`` forces "decode" or "prefill" (default:
+    by the number of pairs, ``use_decode_form``)."""
     if form not in (None, *FORMS):
         raise ValueError(f"form must be None, 'decode' or 'prefill', not {form!r}")
-    _check_shapes(x, router_weight, gate_up_weight, down_weight, top_k)
+    _check_shapes(x, router_weight, gate_up_weight, down_weight, top_k, norm_weight, residual)
     T = x.shape[0]
     if T == 0:
         return x.new_empty(x.shape)
     x = _rows(x)
-    gate_up_weight, down_weight = _rows(gate_up_weight), _rows(down_weight)
+    residual = _rows(residual) if residual is not None else None
+    norm_weight = _rows(norm_weight) if norm_weight is not None else None
+    args = (_rows(router_weight), _rows(gate_up_weight), _rows(down_weight), top_k, renormalize, norm_weight, norm_eps,
+            residual)
     decode = (form or ("decode" if use_decode_form(T, top_k) else "prefill")) == "decode"
     if decode and T * top_k > MAX_GRID_Y:
         raise ValueError(f"fused_moe: the decode form takes at most {MAX_GRID_Y} (token, expert) pairs, "
                          f"not {T} x {top_k}")
-    weights, ids = route(x, _rows(router_weight), top_k, renormalize, pdl=decode and use_pdl(x))
-    if decode:
-        return _decode(x, gate_up_weight, down_weight, weights, ids)
-    return _prefill(x, gate_up_weight, down_weight, weights, ids)
+    return _decode(x, *args) if decode else _prefill(x, *args)

@@ -101,6 +101,20 @@ def _topo_index(gm: GraphModule):
     return lambda n: order[n]
 
 
+def fold_input_norm(gm: GraphModule, fused: Node) -> None:
+    """x = rms_norm(h, w, eps) read only by ``fused`` (its first argument) -> ``fused`` normalises
+    h itself: ``(h, ..., w, eps)``, the op's ``norm_weight`` and ``norm_eps`` right after the
+    arguments it has (fused_qkv_rope's and fused_moe's schemas put them there)."""
+    norm = fused.args[0]
+    if not (is_call(norm, cllm.rms_norm.default) and len(norm.args) == 3 and not norm.kwargs):
+        return
+    if set(norm.users) != {fused}:
+        return
+    h, weight, eps = norm.args
+    fused.args = (h, *fused.args[1:], weight, eps)
+    gm.graph.erase_node(norm)
+
+
 def shape_str(node: Any) -> str | None:
     """The node's output shape as text (symbolic dims included), from export's metadata."""
     val = node.meta.get("val") if isinstance(node, Node) else None

@@ -6,6 +6,11 @@
   out = sum(y * dense.t().unsqueeze(-1), 0)  (float32)
       => fused_moe(x, W_router, GU, D, k, renormalize)
 
+When x is an ``rms_norm(h, Wn, eps)`` that nothing else reads (the layer's post-attention norm),
+it is folded in too: ``fused_moe(h, ..., renormalize, Wn, eps)``, so the decode form normalises
+while it routes instead of in a launch of its own (fuse_residual later gives the op the residual
+add after it as well).
+
 The spec holds the experts stacked (``layers.N.experts.gate_up.weight`` [E, 2I, H], each expert's
 gate rows then its up rows; ``layers.N.experts.down.weight`` [E, H, I]) and runs every expert on
 every token; the op's kernels run only the chosen ones. Anything that does not match this shape
@@ -24,7 +29,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from compiled_llm.passes.base import (
-    Pass, PassContext, aten, cllm, erase_dead, finish, is_call, linear_parts, param_name, single_user,
+    Pass, PassContext, aten, cllm, erase_dead, finish, fold_input_norm, is_call, linear_parts, param_name, single_user,
 )
 
 _CASTS = (aten.to.dtype, aten._to_copy.default)
@@ -201,6 +206,7 @@ def _fuse(gm: GraphModule, ctx: PassContext, topk: Node) -> bool:
     fused.meta.update({key: v for key, v in last.meta.items() if key == "val"})
     last.replace_all_uses_with(fused)
     erase_dead(gm, [last, *expert_nodes, *routing_nodes])
+    fold_input_norm(gm, fused)
     return True
 
 

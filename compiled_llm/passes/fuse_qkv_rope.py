@@ -25,7 +25,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from compiled_llm.passes.base import (
-    Pass, PassContext, add_param, aten, cllm, erase_dead, finish, input_node, is_call, param_name, single_user,
+    Pass, PassContext, add_param, aten, cllm, erase_dead, finish, fold_input_norm, input_node, is_call, param_name,
+    single_user,
 )
 
 
@@ -96,18 +97,6 @@ def _merged(name: str, part: str) -> str:
     return f"{prefix}qkv.{leaf}"
 
 
-def _fold_input_norm(gm: GraphModule, fused: Node) -> None:
-    """x = rms_norm(h, w, eps) read only by ``fused`` -> fused normalises h itself."""
-    norm = fused.args[0]
-    if not (is_call(norm, cllm.rms_norm.default) and len(norm.args) == 3 and not norm.kwargs):
-        return
-    if set(norm.users) != {fused}:
-        return
-    h, weight, eps = norm.args
-    fused.args = (h, *fused.args[1:], weight, eps)
-    gm.graph.erase_node(norm)
-
-
 def _fuse(gm: GraphModule, ctx: PassContext, attn: Node) -> bool:
     try:
         m = _match(attn)
@@ -131,7 +120,7 @@ def _fuse(gm: GraphModule, ctx: PassContext, attn: Node) -> bool:
         out.meta["val"] = old.meta.get("val")
     attn.args = (*outs, *attn.args[3:])
     erase_dead(gm, m["chain"])  # the q/k/v linears go: the norm's only reader is now the fused op
-    _fold_input_norm(gm, fused)
+    fold_input_norm(gm, fused)
     return True
 
 

@@ -4,6 +4,9 @@ as that op's epilogue instead of as a launch of its own.
   h = r + linear(x, W, b)                     => h = fused_linear_residual(x, W, b, r)
   h = r + fused_rms_norm_glu_mlp(x, ...)      => h = fused_rms_norm_glu_mlp(x, ..., residual=r)
   h = r + fused_layer_norm_gelu_mlp(x, ...)   => h = fused_layer_norm_gelu_mlp(x, ..., residual=r)
+  h = r + fused_moe(x, ...)                   => h = fused_moe(x, ..., residual=r)
+                                                (the arguments before it left at their defaults
+                                                where the op does not give them)
   h = r + all_reduce(p)                       => h = all_reduce(p, r)     (a sharded program's
                                                  row-parallel outputs: the add rides the reduction)
   h = r + all_reduce(linear(x, W, b))         => h = all_reduce(cllm::linear(x, W, b), r)
@@ -27,6 +30,7 @@ add left to take on Llama/Qwen/GPT-2 graphs.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch.fx import GraphModule, Node
@@ -36,10 +40,10 @@ from compiled_llm.passes.base import (
     Pass, PassContext, aten, cllm, finish, is_call, linear_parts, same_tensor_type, single_user,
 )
 
-# fused MLP -> how many arguments precede its optional trailing ``residual`` (from its schema)
+# fused MLP or mixture -> how many arguments precede its optional ``residual`` (from its schema)
 _MLP_ARITY = {
     OPS[name].overload: OPS[name].params.index("residual")
-    for name in ("fused_rms_norm_glu_mlp", "fused_layer_norm_gelu_mlp")
+    for name in ("fused_rms_norm_glu_mlp", "fused_layer_norm_gelu_mlp", "fused_moe")
 }
 
 
@@ -52,12 +56,22 @@ def _plain_add(node: Node) -> bool:
 
 
 def _mlp_without_residual(node: Node) -> bool:
-    """A fused MLP called positionally (as fuse_norm_mlp emits it) that adds no residual yet;
-    arguments after the residual (the GLU MLP's activation) may follow its None."""
+    """A fused MLP or mixture called positionally (as fuse_norm_mlp and fuse_moe emit them) that
+    adds no residual yet; arguments after the residual (the GLU MLP's activation) may follow its
+    None."""
     if not is_call(node, *_MLP_ARITY) or node.kwargs:
         return False
     n = _MLP_ARITY[node.target]
-    return len(node.args) == n or (len(node.args) > n and node.args[n] is None)
+    return len(node.args) <= n or node.args[n] is None
+
+
+def _defaults_up_to(target, args: tuple, n: int) -> tuple:
+    """``args`` with the op's defaults appended up to its n-th parameter."""
+    if len(args) >= n:
+        return args[:n]
+    op = OPS[target.name().removeprefix("cllm::")]
+    defaults = inspect.signature(op.reference).parameters
+    return (*args, *(defaults[name].default for name in op.params[len(args):n]))
 
 
 def _with_residual(producer: Node, residual: Node) -> tuple[Any, tuple] | None:
@@ -71,7 +85,7 @@ def _with_residual(producer: Node, residual: Node) -> tuple[Any, tuple] | None:
         return cllm.fused_rms_norm_residual.default, (*producer.args, residual)
     if _mlp_without_residual(producer):
         n = _MLP_ARITY[producer.target]
-        return producer.target, (*producer.args[:n], residual, *producer.args[n + 1:])
+        return producer.target, (*_defaults_up_to(producer.target, producer.args, n), residual, *producer.args[n + 1:])
     return None
 
 

@@ -40,6 +40,7 @@ SLOW = pytest.mark.slow
 
 # every loop several steps deep and every edge tile partial at H = 48, I = 40
 TINY_DECODE = {
+    "fused_moe_route": {"inf": {"BLOCK_R": 2, "BLOCK_H": 16, "num_warps": 1, "num_stages": 1}},
     "fused_moe_decode": {"inf": {"BLOCK_I": 16, "BLOCK_H": 16, "num_warps": 1, "num_stages": 1}},
     "fused_moe_down": {"inf": {"BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1}},
 }
@@ -146,12 +147,15 @@ def _assert_matches(out, ref):
         assert (out == ref).float().mean() >= 0.95, (out == ref).float().mean()
 
 
-def _check_reads_only_the_chosen_experts(args, top_k, renormalize, form):
+def _check_reads_only_the_chosen_experts(args, top_k, renormalize, form, norm=()):
     """The kernels' output over NaN-filled unchosen experts equals the reference's over the
-    clean weights (the dense reference reads every expert)."""
-    ref = fused_ops.fused_moe_ref(*args, top_k, renormalize)
-    poisoned, _ = _unchosen_as_nan(args, top_k)
-    out = triton_fused_moe.fused_moe(*poisoned, top_k, renormalize, form=form)
+    clean weights (the dense reference reads every expert). ``norm``: (norm weight, eps,
+    residual), the op's optional arguments, when given."""
+    ref = fused_ops.fused_moe_ref(*args, top_k, renormalize, *norm)
+    routed = args if not norm else (fused_ops.rms_norm_ref(args[0], norm[0], norm[1]), *args[1:])
+    poisoned, _ = _unchosen_as_nan(routed, top_k)
+    poisoned = (args[0], *poisoned[1:])
+    out = triton_fused_moe.fused_moe(*poisoned, top_k, renormalize, *norm, form=form)
     assert torch.isfinite(out).all(), "read an expert no token chose"
     _assert_matches(out, ref)
 
@@ -227,6 +231,45 @@ def test_decode_form_reads_only_the_chosen_experts_and_matches_the_reference(T, 
 def test_prefill_form_reads_only_the_chosen_experts_and_matches_the_reference(T, E, top_k, renormalize, dtype):
     launch_configs.use_configs(TINY_GEMM)
     _check_reads_only_the_chosen_experts(_moe_inputs(T, E, DTYPES[dtype], seed=20 + T), top_k, renormalize, "prefill")
+
+
+def _norm_and_residual(T, dtype, seed):
+    """(norm weight [H], eps, residual [T, H]): the op's input norm and residual."""
+    gen = torch.Generator().manual_seed(seed)
+    return ((torch.rand(H, generator=gen) + 0.5).to(dtype), 1e-6, torch.randn(T, H, generator=gen).to(dtype))
+
+
+@pytest.mark.parametrize("form,T,dtype", [("decode", 1, "fp32"), ("decode", 3, "bf16"), ("prefill", 5, "fp32"),
+                                          ("prefill", 33, "bf16")])
+def test_both_forms_normalise_their_input_and_add_the_residual_as_the_reference(form, T, dtype):
+    launch_configs.use_configs({**TINY_DECODE, **TINY_GEMM})
+    E, top_k = 8, 2
+    args = _moe_inputs(T, E, DTYPES[dtype], seed=60 + T)
+    _check_reads_only_the_chosen_experts(args, top_k, True, form, _norm_and_residual(T, DTYPES[dtype], seed=61))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_decode_routing_is_one_launch_that_routes_every_token_and_leaves_its_counters_at_zero(with_norm, dtype):
+    """Several programs per token (two router rows each) count in; the last one writes the
+    token's routing. Twice in a row, so the counters must have been reset by the first call."""
+    launch_configs.use_configs(TINY_DECODE)
+    T, E, top_k = 4, 7, 3
+    x, router, _, _ = _moe_inputs(T, E, DTYPES[dtype], seed=70)
+    norm_weight, eps, _ = _norm_and_residual(T, DTYPES[dtype], seed=71)
+    if not with_norm:
+        norm_weight = None
+    normed = fused_ops.rms_norm_ref(x, norm_weight, eps) if with_norm else x
+    want_weights, want_ids = fused_ops.moe_routing_ref(normed, router, top_k, True)
+    for _ in range(2):
+        xn, weights, ids = triton_fused_moe._route_decode(x, norm_weight, eps, router, top_k, True, pdl=False)
+        assert torch.equal(ids.long(), want_ids)
+        assert torch.allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
+        if dtype == "fp32":
+            torch.testing.assert_close(xn, normed, rtol=1e-6, atol=1e-6)
+        else:  # an rstd summed in another order may move a rounding or two
+            assert (xn == normed).float().mean() >= 0.95
+        assert not triton_fused_moe._route_counters(x.device).any()
 
 
 @pytest.mark.parametrize("form,T,dtype", [("decode", 3, "fp32"), ("prefill", 33, "fp32"), ("prefill", 33, "bf16")])

@@ -17,7 +17,7 @@ from compiled_llm.model import sharding
 from compiled_llm.model.presets import preset_config
 from compiled_llm.model.spec import forward
 from compiled_llm.model.weights import random_params
-from compiled_llm.passes import cleanup_noop, default_pass_names, fuse_moe
+from compiled_llm.passes import cleanup_noop, default_pass_names, fuse_moe, fuse_residual
 from compiled_llm.passes.base import PassContext, aten, cllm, is_call, param_name
 from compiled_llm.passes.manager import op_histogram
 from helpers.program_inputs import mixed_batch
@@ -40,7 +40,7 @@ def _run(gm, params, config, seed=0):
 
 
 @pytest.mark.parametrize("family", MIXTURES)
-def test_each_mixture_layer_becomes_one_fused_moe_over_the_stacked_experts(family):
+def test_each_mixture_layer_becomes_one_fused_moe_over_the_stacked_experts_and_its_input_norm(family):
     config, params, gm, ctx = _captured(family)
     before_gm, before_params = copy.deepcopy(gm), dict(ctx.params)
     assert fuse_moe.run(gm, ctx) == len(config.moe_layers)
@@ -52,7 +52,12 @@ def test_each_mixture_layer_becomes_one_fused_moe_over_the_stacked_experts(famil
         p = f"layers.{layer}."
         names = [param_name(a) for a in node.args[1:4]]
         assert names == [p + "router.weight", p + "experts.gate_up.weight", p + "experts.down.weight"]
-        assert node.args[4:] == (config.num_experts_per_tok, config.norm_topk_prob)
+        assert node.args[4:6] == (config.num_experts_per_tok, config.norm_topk_prob)
+        # the post-attention RMSNorm, read by nothing else, folded in: the op normalises x itself
+        assert param_name(node.args[6]) == p + "mlp_norm.weight" and node.args[7] == config.norm_eps
+    assert "cllm::rms_norm" not in op_histogram(gm) or all(
+        not any(is_call(u, cllm.fused_moe.default) for u in n.users)
+        for n in gm.graph.nodes if is_call(n, cllm.rms_norm.default))
     assert ctx.params.keys() == params.keys()  # the spec's weights serve the op as they are
     torch.testing.assert_close(_run(gm, ctx.params, config), _run(before_gm, before_params, config),
                                rtol=1e-5, atol=1e-5)
@@ -60,10 +65,21 @@ def test_each_mixture_layer_becomes_one_fused_moe_over_the_stacked_experts(famil
 
 @pytest.mark.parametrize("family", MIXTURES)
 def test_the_whole_pipeline_on_a_mixture_computes_the_spec(family):
+    """A mixture layer after every pass is one op: its norm before and its residual add after are
+    the op's, so the next layer's q/k/v projection reads its output and folds its own norm."""
     config = preset_config(family)
     params = random_params(config, seed=5)
     lowered = lower(config, params, default_pass_names(), "cpu", torch.float32)
-    assert op_histogram(lowered.gm)["cllm::fused_moe"] == len(config.moe_layers)
+    hist = op_histogram(lowered.gm)
+    assert hist["cllm::fused_moe"] == len(config.moe_layers)
+    assert "aten::add.Tensor" not in hist and "cllm::fused_add_rms_norm" not in hist
+    for node in lowered.gm.graph.nodes:
+        if is_call(node, cllm.fused_moe.default):
+            x, residual = node.args[0], node.args[8]
+            assert residual is x and param_name(node.args[6]).endswith("mlp_norm.weight")
+            readers = node.users
+            assert any(is_call(u, cllm.fused_qkv_rope.default, aten.index_select.default) for u in readers)
+            assert not any(is_call(u, cllm.rms_norm.default) for u in readers)
     batch, kv = mixed_batch(config, seed=6)
     kv_ref = kv.clone()
     got = FlatProgram(lowered.gm, lowered.param_names)(lowered.params, *batch, kv)
@@ -78,6 +94,26 @@ def test_a_mixture_whose_experts_output_is_read_elsewhere_is_left_alone():
         gm.graph.call_function(aten.neg.default, (experts,))
     assert fuse_moe.run(gm, ctx) == 0
     assert "cllm::fused_moe" not in op_histogram(gm)
+
+
+def test_a_norm_read_elsewhere_stays_and_the_residual_add_still_joins_the_mixture():
+    """The norm's output has a second reader, so it is not folded; fuse_residual then gives the
+    op its residual with the norm arguments at their defaults (None, 0.0)."""
+    config, params, gm, ctx = _captured("tiny-qwen3-moe")
+    norm = next(n for n in gm.graph.nodes if is_call(n, cllm.rms_norm.default)
+                and "mlp_norm" in str(n.args[1]) and n.args[1].target.startswith("params_layers_1"))
+    with gm.graph.inserting_after(norm):
+        second_reader = gm.graph.call_function(aten.neg.default, (norm,))
+    gm.graph.output_node().args = ((gm.graph.output_node().args[0], second_reader),)
+    gm.recompile()
+    before_gm, before_params = copy.deepcopy(gm), dict(ctx.params)
+    assert fuse_moe.run(gm, ctx) == 1 and fuse_residual.run(gm, ctx) >= 1
+    (fused,) = [n for n in gm.graph.nodes if is_call(n, cllm.fused_moe.default)]
+    assert fused.args[0] is norm and fused.args[6:8] == (None, 0.0)
+    assert isinstance(fused.args[8], torch.fx.Node)  # the residual stream
+    got, want = _run(gm, ctx.params, config), _run(before_gm, before_params, config)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_a_bf16_mixture_fuses_with_its_float32_routing_and_sum():
