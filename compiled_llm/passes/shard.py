@@ -7,8 +7,9 @@ tensor parallelism; the split itself is ``model/sharding.py``). With one rank it
                                                                                     b_r = b on rank 0, else 0)
   embedding(E, ids)                         => all_reduce(vocab_shard_embedding(E_r, ids, start_r))
   linear(h, E or W_lm)                      => all_gather_columns(linear(h, E_r or W_lm_r), V)
-  fused_moe(x, W_router, GU, D, k, norm)    => all_reduce(fused_moe(x, W_router, GU_r, D_r, k, norm))
-                                               (each expert's intermediate columns; fuse_moe runs first)
+  fused_moe(x, W_router, GU, D, k, ...)     => all_reduce(fused_moe(x, W_router, GU_r, D_r, k, ...))
+                                               (each expert's intermediate columns; fuse_moe runs first,
+                                               and every rank normalises and routes every token alike)
 
 Every rank's graph is the same; only its weights differ (``start_r`` is a one-element weight),
 so one program serves all ranks. The passes after this one see the rank's shapes: head counts

@@ -272,6 +272,16 @@ def test_decode_routing_is_one_launch_that_routes_every_token_and_leaves_its_cou
         assert not triton_fused_moe._route_counters(x.device).any()
 
 
+def test_a_decode_call_with_more_tokens_than_routing_counters_routes_in_two_launches(monkeypatch):
+    """Past ROUTE_COUNTERS tokens the decode form normalises and routes as the prefill form does
+    (triton_norm, then the router and the top-k kernel), with the same result."""
+    launch_configs.use_configs(TINY_DECODE)
+    monkeypatch.setattr(triton_fused_moe, "ROUTE_COUNTERS", 2)
+    T, E, top_k = 3, 8, 2
+    args = _moe_inputs(T, E, F32, seed=80)
+    _check_reads_only_the_chosen_experts(args, top_k, True, "decode", _norm_and_residual(T, F32, seed=81))
+
+
 @pytest.mark.parametrize("form,T,dtype", [("decode", 3, "fp32"), ("prefill", 33, "fp32"), ("prefill", 33, "bf16")])
 def test_every_token_choosing_one_expert_and_an_expert_nobody_chooses(form, T, dtype):
     """At the default launch configs: expert 0 takes every token (in the prefill form, 33 rows:
