@@ -208,6 +208,10 @@ class LLM:
         return self
 
     def _init_engine(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        if config.data_parallel_size != 1:
+            raise InvalidOptionError(
+                f"data_parallel_size {config.data_parallel_size}: LLM runs one engine in this process; serve "
+                f"replicas with 'compiled-llm serve MODEL --data-parallel-size {config.data_parallel_size}'")
         self.model = loaded
         self.engine = LLMEngine(loaded, config)
         self._loop = EngineLoop(self.engine)

@@ -104,6 +104,20 @@ class EngineCoreClient:
             return self._process.is_alive()
         return self._thread is not None and self._thread.is_alive()
 
+    # what the server asks of its engines, as of ``DataParallelClient``'s: one replica here
+
+    @property
+    def start_snapshots(self) -> list[EngineSnapshot]:
+        return [self.start_snapshot]
+
+    @property
+    def num_replicas(self) -> int:
+        return 1
+
+    @property
+    def live_replicas(self) -> list[int]:
+        return [] if self._lost else [0]
+
     # ---- the event loop ------------------------------------------------------------------------
 
     def start(self, on_message: Callable[[tuple], None]) -> None:

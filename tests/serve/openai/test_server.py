@@ -19,10 +19,9 @@ import urllib.request
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.lively import greedy_continuation
-from helpers.server_fixtures import child_pids, http_status, process_exists, serve_process
+from helpers.lively import greedy_text_oracle
+from helpers.server_fixtures import child_pids, http_status, process_exists, scrape, serve_process, wait_until
 
 API_KEY = "test-key"
 MODEL = "lively"
@@ -51,17 +50,7 @@ def hf_tokenizer(lively_bpe_checkpoint):
 @pytest.fixture(scope="module")
 def oracle(lively_bpe_checkpoint, hf_tokenizer):
     """expected(prompt ids, n) -> (greedy token ids, their text) from transformers, run to n tokens."""
-    model = lively_bpe_checkpoint[1]
-    cache = {}
-
-    def expected(ids: list[int], n: int) -> tuple[list[int], str]:
-        key = (tuple(ids), n)
-        if key not in cache:
-            tokens = list(greedy_continuation(model, list(ids), n).token_ids)
-            cache[key] = tokens, hf_tokenizer.decode(tokens, skip_special_tokens=True)
-        return cache[key]
-
-    return expected
+    return greedy_text_oracle(lively_bpe_checkpoint[1], hf_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -88,29 +77,6 @@ def client(server):
 def greedy(**extra):
     """Greedy sampling that ignores EOS, so every request runs to max_tokens like the oracle."""
     return {"temperature": 0.0, "extra_body": {"ignore_eos": True, **extra}}
-
-
-def scrape(url: str) -> dict[str, float]:
-    """/metrics as {sample name + sorted labels: value}, the model_name label left out."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            values[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return values
-
-
-def wait_until(check, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def idle(url: str) -> bool:
@@ -993,11 +959,12 @@ def test_metrics_count_the_engine_and_log_a_stats_line_while_busy(engine, caplog
     asyncio.run(main())
     value = metrics.registry.get_sample_value
     labels = {"model_name": "m"}
-    assert value("compiled_llm:generation_tokens_total", labels) == engine.stats.generated_tokens - generated_before
+    engine_0 = {**labels, "engine": "0"}  # the engine's own series carry vLLM's engine label
+    assert value("compiled_llm:generation_tokens_total", engine_0) == engine.stats.generated_tokens - generated_before
     assert value("compiled_llm:request_success_total", {**labels, "finished_reason": "length"}) == 2
     assert value("compiled_llm:e2e_request_latency_seconds_count", labels) == 2
-    assert value("compiled_llm:num_requests_running", labels) == 0
-    assert value("compiled_llm:spec_decode_num_drafts_total", labels) is None  # no speculation, no counters
+    assert value("compiled_llm:num_requests_running", engine_0) == 0
+    assert value("compiled_llm:spec_decode_num_drafts_total", engine_0) is None  # no speculation, no counters
     lines = [r.getMessage() for r in caplog.records if r.name == "compiled_llm.serve.metrics"]
     assert any("Avg generation throughput" in line and "KV cache usage" in line for line in lines)
 
