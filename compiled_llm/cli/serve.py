@@ -59,16 +59,21 @@ def server_config(args) -> ServerConfig:
     return ServerConfig(**options)
 
 
-def load_engine(args, visible_devices: str | None = None):
+def load_engine(args, visible_devices: str | None = None, cpu_threads: int | None = None):
     """The engine process's loader: the model as ``run`` loads it, logging as this command does.
-    ``visible_devices``: a data-parallel replica's GPUs (``CUDA_VISIBLE_DEVICES``), set before
-    anything touches CUDA here or in the tensor-parallel ranks it starts."""
+    A data-parallel replica's share of the machine: ``visible_devices``, its GPUs
+    (``CUDA_VISIBLE_DEVICES``, set before anything touches CUDA here or in the tensor-parallel
+    ranks it starts), or on a CPU ``cpu_threads``, its torch threads."""
     from compiled_llm.cli.main import configure_logging
+    from compiled_llm.serve.engine_process.dp_placement import CPU_THREADS_VAR, VISIBLE_DEVICES_VAR
 
     if visible_devices is not None:
-        from compiled_llm.serve.engine_process.dp_placement import VISIBLE_DEVICES_VAR
-
         os.environ[VISIBLE_DEVICES_VAR] = visible_devices
+    if cpu_threads is not None:
+        import torch
+
+        os.environ[CPU_THREADS_VAR] = str(cpu_threads)
+        torch.set_num_threads(cpu_threads)
     from compiled_llm.cli.run import build_llm
 
     configure_logging()
@@ -95,18 +100,19 @@ def replica_loads(args, build: BuildConfig) -> list:
     an engine of its own (data_parallel_size 1) on its own GPUs (``dp_placement``)."""
     from compiled_llm.model.placement import resolve_device
     from compiled_llm.serve.engine_process.dp_placement import (VISIBLE_DEVICES_VAR, check_replica_device,
-                                                                replica_gpus, visible_gpus)
+                                                                replica_cpu_threads, replica_gpus, visible_gpus)
 
     size = args.data_parallel_size
     check_replica_device(build.device, size)
     one = argparse.Namespace(**{**vars(args), "data_parallel_size": 1})
-    placements: list[str | None] = [None] * size
     if resolve_device(build.device).type == "cuda":
         import torch
 
         gpus = visible_gpus(os.environ.get(VISIBLE_DEVICES_VAR), torch.cuda.device_count())
-        placements = replica_gpus(size, tensor_parallel_size(args, build), gpus)
-    return [functools.partial(load_engine, one, visible) for visible in placements]
+        return [functools.partial(load_engine, one, visible_devices=visible)
+                for visible in replica_gpus(size, tensor_parallel_size(args, build), gpus)]
+    threads = replica_cpu_threads(size, len(os.sched_getaffinity(0)))
+    return [functools.partial(load_engine, one, cpu_threads=threads) for _ in range(size)]
 
 
 def run(args) -> int:

@@ -1,13 +1,15 @@
 """Where each data-parallel replica runs: on CUDA, replica i owns the GPUs [i*TP, (i+1)*TP) of
 those this process sees, handed to its engine process as ``CUDA_VISIBLE_DEVICES`` (so inside it
-the replica's tensor-parallel ranks are cuda:0..TP-1 as without replicas); on a CPU every
-replica shares the CPU. Plain Python: the caller counts the GPUs."""
+the replica's tensor-parallel ranks are cuda:0..TP-1 as without replicas); on a CPU the replicas
+share the CPU, each with its share of the cores as torch's thread count. Plain Python: the
+caller counts the GPUs and the cores."""
 
 from __future__ import annotations
 
 from compiled_llm.errors import InvalidOptionError
 
 VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
+CPU_THREADS_VAR = "OMP_NUM_THREADS"  # what a replica's own children (tensor-parallel ranks) take
 
 
 def visible_gpus(visible_devices: str | None, device_count: int) -> list[str]:
@@ -35,3 +37,10 @@ def check_replica_device(device: str, data_parallel_size: int) -> None:
         raise InvalidOptionError(
             f"--device {device} names one GPU, but data_parallel_size {data_parallel_size} gives each replica GPUs "
             "of its own; pass --device cuda (or auto) and choose the GPUs with CUDA_VISIBLE_DEVICES")
+
+
+def replica_cpu_threads(data_parallel_size: int, cpus: int) -> int:
+    """Each CPU replica's torch threads: its share of the ``cpus`` cores. Left at torch's default
+    every replica would run one thread per core, and the replicas' spinning thread pools would
+    fight over the cores (on 2 cores, two replicas decoded 7x slower than one)."""
+    return max(1, cpus // data_parallel_size)

@@ -111,7 +111,10 @@ class PrefixAwareRouter:
         return [i for i, up in enumerate(self.alive) if up]
 
     def least_loaded(self) -> int:
-        return min(self.live_replicas, key=lambda i: (self.loads[i], i))
+        """The live replica with the fewest tokens in flight; of equals, the one remembering the
+        fewest prefixes, so that new prefixes spread over the replicas' caches even when the
+        requests come one at a time (each finds every replica idle)."""
+        return min(self.live_replicas, key=lambda i: (self.loads[i], len(self._memories[i]), i))
 
     def choose(self, prompt_ids: Sequence[int]) -> int:
         """The replica for a prompt (nothing booked): see the module docstring."""

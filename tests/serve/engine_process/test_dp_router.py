@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from compiled_llm.errors import InvalidOptionError
-from compiled_llm.serve.engine_process.dp_placement import check_replica_device, replica_gpus, visible_gpus
+from compiled_llm.serve.engine_process.dp_placement import (check_replica_device, replica_cpu_threads, replica_gpus,
+                                                            visible_gpus)
 from compiled_llm.serve.engine_process.dp_router import (PrefixAwareRouter, PrefixMemory, RoundRobinRouter,
                                                          RouterConfig, overloaded, prefix_block_hashes)
 
@@ -64,6 +65,16 @@ def test_without_a_match_the_least_loaded_replica_is_chosen_and_finishing_frees_
     assert router.choose(prompt(5, 0)) == 1
     router.finished(0, 50)
     assert router.loads[0] == 0 and router.choose(prompt(5, 0)) == 0
+
+
+def test_new_prefixes_spread_over_idle_replicas_to_the_one_remembering_least():
+    router = PrefixAwareRouter(2, RouterConfig(block_size=BS))
+    homes = []
+    for system in range(4):  # one request at a time: every replica idle when each comes
+        homes.append(router.route(prompt(system, 0), 10))
+        router.finished(homes[-1], 10)
+    assert homes == [0, 1, 0, 1]
+    assert [router.choose(prompt(system, 1)) for system in range(4)] == homes
 
 
 def test_a_short_shared_preamble_does_not_pull_every_request_to_one_replica():
@@ -129,3 +140,8 @@ def test_replicas_cannot_share_one_named_gpu():
     check_replica_device("cuda:1", 1)
     with pytest.raises(InvalidOptionError, match="cuda:1 names one GPU"):
         check_replica_device("cuda:1", 2)
+
+
+def test_cpu_replicas_split_the_cores_between_them():
+    assert [replica_cpu_threads(2, cpus) for cpus in (1, 2, 3, 16)] == [1, 1, 1, 8]
+    assert replica_cpu_threads(1, 16) == 16
