@@ -51,6 +51,11 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def engine_pids(server_pid: int) -> list[int]:
+    """A server's engine processes (multiprocessing's spawned children), one per replica."""
+    return [c for c in child_pids(server_pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+
+
 def process_exists(pid: int) -> bool:
     """Running, or exited but not yet reaped (a zombie counts as gone)."""
     try:
