@@ -21,8 +21,8 @@ import time
 
 from compiled_llm.cli.engine_args import (add_build_arguments, add_dataclass_arguments, add_engine_arguments,
                                           build_config, dataclass_options, engine_options)
-from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.cli.run import BUILD_GROUP
+from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.serve.server_config import API_KEY_VAR, ServerConfig
 
 logger = logging.getLogger("compiled_llm.serve")
@@ -97,7 +97,8 @@ def tensor_parallel_size(args, build: BuildConfig) -> int:
 
 def replica_loads(args, build: BuildConfig) -> list:
     """The loader of each data-parallel replica's engine process: the same engine, each replica
-    an engine of its own (data_parallel_size 1) on its own GPUs (``dp_placement``)."""
+    an engine of its own (data_parallel_size 1) on its own GPUs, or on a CPU with its share of
+    the cores (``dp_placement``)."""
     from compiled_llm.model.placement import resolve_device
     from compiled_llm.serve.engine_process.dp_placement import (VISIBLE_DEVICES_VAR, check_replica_device,
                                                                 replica_cpu_threads, replica_gpus, visible_gpus)

@@ -9,7 +9,8 @@ several servers. Two kinds of updates, each where it is cheap:
   tokens and accepted tokens, in all and by position) come with each message of the engine core
   (an ``EngineSnapshot``): the gauges show the latest, the counters advance by the differences.
   Each carries vLLM's ``engine`` label, the index of the data-parallel replica it counts ("0"
-  when there is one engine), and each replica has its own stats line;
+  when there is one engine), and each replica has its own stats line; the histograms below are
+  the server's, over every replica (no engine label);
 - the histograms and the finished-request counter take one observation per finished request,
   from the server's timestamps (HTTP arrival, first token handed to the client, finish) and the
   engine's (scheduled, first token, finished), with its token counts and parameters;

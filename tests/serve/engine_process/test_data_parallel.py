@@ -63,9 +63,32 @@ async def stream_text(aclient, prompt: str, max_tokens: int) -> str:
     return "".join([c.choices[0].text async for c in stream])
 
 
-def test_two_replicas_start_and_health_reports_both_live(server):
+def test_two_replicas_start_and_health_reports_both_live_as_documented(server):
     assert len(engine_pids(server.process.pid)) == 2
     assert health(server.url) == (200, {"data_parallel_size": 2, "live_replicas": 2, "dead_replicas": []})
+    with urllib.request.urlopen(server.url + "/openapi.json", timeout=10) as r:
+        documented = json.loads(r.read())["paths"]["/health"]["get"]["responses"]["200"]["content"]
+    assert list(documented) == ["application/json"]
+
+
+def test_a_replica_that_cannot_load_stops_the_others_and_names_itself(lively_bpe_engine, tmp_path):
+    import functools
+    import multiprocessing
+
+    from compiled_llm.cli.main import make_parser
+    from compiled_llm.cli.serve import load_engine
+    from compiled_llm.errors import CompiledLLMError
+    from compiled_llm.serve.engine_process.dp_client import DataParallelClient
+
+    def loader(source):
+        return functools.partial(load_engine, make_parser().parse_args(["serve", str(source), "--device", "cpu"]))
+
+    missing = tmp_path / "not-an-engine"
+    missing.mkdir()
+    before = set(multiprocessing.active_children())
+    with pytest.raises(CompiledLLMError, match="data-parallel replica 1 of 2: the engine could not start: .*not-an-engine"):
+        DataParallelClient.start_processes([loader(lively_bpe_engine), loader(missing)])
+    assert set(multiprocessing.active_children()) <= before  # the replica that loaded was stopped
 
 
 def test_32_concurrent_requests_equal_transformers_greedy_and_both_replicas_serve(server, hf_tokenizer, oracle):
