@@ -112,7 +112,8 @@ def replica_loads(args, build: BuildConfig) -> list:
         gpus = visible_gpus(os.environ.get(VISIBLE_DEVICES_VAR), torch.cuda.device_count())
         return [functools.partial(load_engine, one, visible_devices=visible)
                 for visible in replica_gpus(size, tensor_parallel_size(args, build), gpus)]
-    threads = replica_cpu_threads(size, len(os.sched_getaffinity(0)))
+    # every tensor-parallel rank of every replica is a process with its own thread pool
+    threads = replica_cpu_threads(size * tensor_parallel_size(args, build), len(os.sched_getaffinity(0)))
     return [functools.partial(load_engine, one, cpu_threads=threads) for _ in range(size)]
 
 

@@ -9,8 +9,11 @@ over either. vLLM's DP load-balancing client plays this part.
   label of the metrics), after the router has booked the requests that finished.
 
 A replica that dies takes only its own requests down: those that have sent nothing back yet
-start again on a live replica (no client has seen a token of them), the others fail with an
-``EngineError`` naming the replica, and the router stops sending to it. Only when the last
+start again on a live replica (no client has seen a token of them), once (a request that took
+a second replica down with it may be what kills them), the others fail with an ``EngineError``
+naming the replica, and the router stops sending to it. Requests are checked against the most
+restrictive replica's limits (replicas size their KV caches from their own free memory), so a
+request one replica accepts is one every replica can take. Only when the last
 replica has died does the front end hear ``("lost", reason)``, as from a single engine core,
 and the server stop.
 """
@@ -18,15 +21,15 @@ and the server stop.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import logging
+import select
 from typing import Callable, Sequence
 
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.serve.engine_process.dp_router import PrefixAwareRouter, RouterConfig
-from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
+from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient, StartingEngine
 from compiled_llm.serve.engine_process.engine_messages import EngineSnapshot
 from compiled_llm.serve.llm_engine import LLMEngine
 
@@ -42,6 +45,8 @@ class _Routed:
     stream: bool
     load: int  # tokens booked on the replica's load
     answered: bool = False  # an output has come back: a client may have seen it, so it is not retried
+    aborted: bool = False  # the caller has gone: never started again elsewhere
+    attempts: int = 1  # replicas it was sent to: one that died with it may have been killed by it
 
 
 def request_load(prompt_ids: Sequence[int], params) -> int:
@@ -57,9 +62,9 @@ class DataParallelClient:
         if not replicas:
             raise ValueError("a data-parallel client needs at least one replica")
         self.replicas = list(replicas)
-        first = self.replicas[0]
-        self.info, self.tokenizer, self.validator = first.info, first.tokenizer, first.validator
-        self.router = router or PrefixAwareRouter(len(self.replicas), RouterConfig(block_size=first.info.block_size))
+        smallest = min(self.replicas, key=lambda r: (r.info.num_blocks, r.info.max_num_seqs, r.info.max_step_tokens))
+        self.info, self.tokenizer, self.validator = smallest.info, smallest.tokenizer, smallest.validator
+        self.router = router or PrefixAwareRouter(len(self.replicas), RouterConfig(block_size=smallest.info.block_size))
         self.failures: dict[int, str] = {}  # replica -> why it stopped
         self._snapshots = [r.start_snapshot for r in self.replicas]  # each replica's latest
         self._requests: dict[str, _Routed] = {}
@@ -67,21 +72,30 @@ class DataParallelClient:
 
     @classmethod
     def start_processes(cls, loads: Sequence[Callable[[], LLMEngine]]) -> "DataParallelClient":
-        """One engine process per ``loads[i]`` (``EngineCoreClient.start_process``), loading at
-        the same time; once all are ready, the client over them. If one cannot start, the others
-        are stopped and its reason raised."""
-        with concurrent.futures.ThreadPoolExecutor(len(loads), thread_name_prefix="compiled_llm-dp-start") as pool:
-            futures = [pool.submit(EngineCoreClient.start_process, load) for load in loads]
-            concurrent.futures.wait(futures)
-        started = [f.result() for f in futures if f.exception() is None]
-        failed = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
-        if failed:
-            asyncio.run(_close_all(started))
-            i, error = failed[0]
-            if not isinstance(error, CompiledLLMError):
-                raise error
-            raise type(error)(f"data-parallel replica {i} of {len(loads)}: {error}") from error
-        return cls(started)
+        """One engine process per ``loads[i]``, loading at the same time; once all are ready, the
+        client over them. The first that cannot start, or an interrupt, stops all the others at
+        once (loading may take minutes), and its reason is raised, naming the replica."""
+        starting = [StartingEngine(load) for load in loads]
+        ready: dict[int, EngineCoreClient] = {}
+        try:
+            while len(ready) < len(starting):
+                for i, engine in enumerate(starting):
+                    if i in ready:
+                        continue
+                    try:
+                        client = engine.poll()
+                    except CompiledLLMError as error:
+                        raise type(error)(f"data-parallel replica {i} of {len(loads)}: {error}") from error
+                    if client is not None:
+                        ready[i] = client
+                pending = [e.channel.read_fd for i, e in enumerate(starting) if i not in ready]
+                if pending:
+                    select.select(pending, [], [], 1.0)
+        except BaseException:
+            for engine in starting:
+                engine.stop()
+            raise
+        return cls([ready[i] for i in range(len(starting))])
 
     @classmethod
     def in_threads(cls, engines: Sequence[LLMEngine], router: PrefixAwareRouter | None = None) -> "DataParallelClient":
@@ -131,6 +145,7 @@ class DataParallelClient:
             for rid in message[1]:
                 routed = self._requests.get(rid)
                 if routed is not None:
+                    routed.aborted = True
                     by_replica.setdefault(routed.replica, []).append(rid)
             for replica, ids in by_replica.items():
                 self.replicas[replica].send(("abort", ids))
@@ -175,8 +190,8 @@ class DataParallelClient:
             self._on_message(("lost", reason if self.num_replicas == 1 else
                               f"every data-parallel replica stopped (the last, replica {replica}: {reason})"))
             return
-        retried = [r for r in orphans if not r.answered]
-        failed = [r for r in orphans if r.answered]
+        retried = [r for r in orphans if not (r.answered or r.aborted or r.attempts > 1)]
+        failed = [r for r in orphans if r not in retried]
         logger.error("data-parallel replica %d: %s; %d replicas left, %d of its requests failed, %d started again "
                      "elsewhere", replica, reason, len(live), len(failed), len(retried))
         message = f"data-parallel replica {replica} stopped: {reason}"
@@ -187,6 +202,7 @@ class DataParallelClient:
         for r in retried:
             del self._requests[r.entry[0]]
             self.send(("add", [r.entry], r.stream))
+            self._requests[r.entry[0]].attempts = r.attempts + 1
         # its gauges drop to nothing; its counters keep what it counted
         gone = self._snapshots[replica]._replace(running=0, waiting=0, kv_cache_usage=0.0)
         self._on_message(("step", [], errors, [], gone, replica))

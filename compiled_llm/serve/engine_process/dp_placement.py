@@ -40,7 +40,8 @@ def check_replica_device(device: str, data_parallel_size: int) -> None:
 
 
 def replica_cpu_threads(data_parallel_size: int, cpus: int) -> int:
-    """Each CPU replica's torch threads: its share of the ``cpus`` cores. Left at torch's default
+    """Each CPU replica's torch threads: its share of the ``cpus`` cores (``data_parallel_size``
+    counts every process that steps: replicas times their tensor-parallel ranks). Left at torch's default
     every replica would run one thread per core, and the replicas' spinning thread pools would
-    fight over the cores (on 2 cores, two replicas decoded 7x slower than one)."""
+    fight over the cores (benchmarks/NOTES.md has what that cost)."""
     return max(1, cpus // data_parallel_size)

@@ -9,11 +9,13 @@ replica in a bounded LRU. The engines evict blocks the router does not hear abou
 only costs one prefill that a perfect guess would have saved.
 
 A request goes to the replica with the longest remembered prefix when that prefix covers at
-least ``cache_threshold`` of its prompt (a short shared preamble, a chat template's, must not
-pull every request onto one replica) and that replica is not overloaded: its load over the
-least loaded replica's by more than ``balance_abs_tokens`` and by a factor ``balance_rel``.
-Otherwise it goes to the least loaded. A load is the tokens of the requests in flight there
-(prompt + max_tokens x n): what the front end sent and has not seen finish.
+least ``cache_threshold`` of its routed prompt (the part the hashes cover, its first
+MAX_ROUTED_BLOCKS blocks: a short shared preamble, a chat template's, must not pull every
+request onto one replica) and that replica is not overloaded: more requests in flight than the
+least loaded replica by more than ``balance_abs_requests`` and by a factor ``balance_rel`` (as
+SGLang counts them: a request's max_tokens, often the whole context left, says little of its
+load). Otherwise it goes to the least loaded: the fewest tokens in flight (prompt + max_tokens x
+n), what the front end sent and has not seen finish.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ class PrefixMemory:
         return n
 
     def remember(self, hashes: Sequence[int]) -> None:
-        for h in hashes:
+        # deepest first, so that a chain's head is its most recent entry and the last evicted:
+        # without its head a chain's deeper hashes can never match again
+        for h in reversed(hashes):
             self._hashes[h] = None
             self._hashes.move_to_end(h)
         while len(self._hashes) > self.capacity:
@@ -77,9 +81,10 @@ class RouterConfig:
     # blocks remembered per replica: 2^16 blocks of 16 tokens is 1M tokens, more KV than one
     # replica holds on most GPUs
     capacity_blocks: int = 1 << 16
-    cache_threshold: float = 0.5  # the share of the prompt a prefix match must cover to count
-    balance_abs_tokens: int = 32768  # a match's replica may carry this many tokens more ...
+    cache_threshold: float = 0.5  # the share of the routed prompt a prefix match must cover to count
+    balance_abs_requests: int = 32  # a match's replica may run this many requests more ...
     balance_rel: float = 1.5  # ... or this times the least loaded's, before the match is passed over
+    max_blocks: int = MAX_ROUTED_BLOCKS  # a prompt's first blocks that decide its route
 
     def __post_init__(self):
         if self.block_size < 1 or self.capacity_blocks < 1:
@@ -88,21 +93,23 @@ class RouterConfig:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
 
 
-def overloaded(load: int, least: int, config: RouterConfig) -> bool:
-    """A replica carrying ``load`` tokens is too busy to take a request for its cache, next to
-    one carrying ``least``: SGLang's rule, both thresholds passed."""
-    return load - least > config.balance_abs_tokens and load > least * config.balance_rel
+def overloaded(requests: int, least: int, config: RouterConfig) -> bool:
+    """A replica running ``requests`` is too busy to take a request for its cache, next to one
+    running ``least``: SGLang's rule, both thresholds passed."""
+    return requests - least > config.balance_abs_requests and requests > least * config.balance_rel
 
 
 class PrefixAwareRouter:
-    """See the module docstring. ``route`` picks a live replica and books the request's load
-    there; ``finished`` takes it off; ``mark_dead`` stops routing to a replica."""
+    """See the module docstring. ``route`` picks a live replica and books the request there;
+    ``finished`` takes it off; ``mark_dead`` stops routing to a replica. ``choose`` is the pick
+    alone, which a subclass may replace (another policy, measured against this one)."""
 
     def __init__(self, num_replicas: int, config: RouterConfig):
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         self.config = config
         self.loads = [0] * num_replicas  # tokens in flight per replica
+        self.requests = [0] * num_replicas  # requests in flight per replica
         self.alive = [True] * num_replicas
         self._memories = [PrefixMemory(config.capacity_blocks) for _ in range(num_replicas)]
 
@@ -116,51 +123,45 @@ class PrefixAwareRouter:
         requests come one at a time (each finds every replica idle)."""
         return min(self.live_replicas, key=lambda i: (self.loads[i], len(self._memories[i]), i))
 
-    def choose(self, prompt_ids: Sequence[int]) -> int:
-        """The replica for a prompt (nothing booked): see the module docstring."""
+    def hashes(self, prompt_ids: Sequence[int]) -> tuple[int, ...]:
+        return prefix_block_hashes(prompt_ids, self.config.block_size, self.config.max_blocks)
+
+    def choose(self, prompt_ids: Sequence[int], hashes: Sequence[int] | None = None) -> int:
+        """The replica for a prompt (nothing booked; ``hashes``: its block hashes, when the
+        caller has them): see the module docstring."""
+        hashes = self.hashes(prompt_ids) if hashes is None else hashes
         live = self.live_replicas
         if not live:
             raise RuntimeError("no live replica to route to")
         least = self.least_loaded()
-        hashes = prefix_block_hashes(prompt_ids, self.config.block_size)
         if not hashes:
             return least
+        matched = {i: self._memories[i].matched_blocks(hashes) for i in live}
         # the longest match, the less loaded of equal matches
-        best = max(live, key=lambda i: (self._memories[i].matched_blocks(hashes), -self.loads[i], -i))
-        matched_tokens = self._memories[best].matched_blocks(hashes) * self.config.block_size
-        if matched_tokens == 0 or matched_tokens < self.config.cache_threshold * len(prompt_ids):
+        best = max(live, key=lambda i: (matched[i], -self.loads[i], -i))
+        routed_tokens = min(len(prompt_ids), self.config.max_blocks * self.config.block_size)
+        matched_tokens = matched[best] * self.config.block_size
+        if matched_tokens == 0 or matched_tokens < self.config.cache_threshold * routed_tokens:
             return least
-        if overloaded(self.loads[best], self.loads[least], self.config):
+        if overloaded(self.requests[best], self.requests[least], self.config):
             return least
         return best
 
     def route(self, prompt_ids: Sequence[int], load: int) -> int:
-        """``choose``, then book ``load`` tokens and the prompt's prefix on the replica chosen."""
-        replica = self.choose(prompt_ids)
+        """``choose``, then book the request (``load`` tokens) and the prompt's prefix on the
+        replica chosen."""
+        hashes = self.hashes(prompt_ids)
+        replica = self.choose(prompt_ids, hashes)
         self.loads[replica] += load
-        self._memories[replica].remember(prefix_block_hashes(prompt_ids, self.config.block_size))
+        self.requests[replica] += 1
+        self._memories[replica].remember(hashes)
         return replica
 
     def finished(self, replica: int, load: int) -> None:
         self.loads[replica] = max(self.loads[replica] - load, 0)
+        self.requests[replica] = max(self.requests[replica] - 1, 0)
 
     def mark_dead(self, replica: int) -> None:
         self.alive[replica] = False
-        self.loads[replica] = 0
+        self.loads[replica] = self.requests[replica] = 0
         self._memories[replica].clear()
-
-
-class RoundRobinRouter(PrefixAwareRouter):
-    """Live replicas in turn, blind to prefixes: what prefix-aware routing is measured against."""
-
-    def __init__(self, num_replicas: int, config: RouterConfig):
-        super().__init__(num_replicas, config)
-        self._next = 0
-
-    def choose(self, prompt_ids: Sequence[int]) -> int:
-        live = self.live_replicas
-        if not live:
-            raise RuntimeError("no live replica to route to")
-        replica = next((i for i in live if i >= self._next), live[0])
-        self._next = replica + 1
-        return replica

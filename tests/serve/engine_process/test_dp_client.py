@@ -6,6 +6,7 @@ elsewhere when no output of theirs has been sent."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from compiled_llm.serve.engine_process.dp_client import DataParallelClient, request_load
 from compiled_llm.serve.engine_process.engine_messages import EngineInfo, EngineSnapshot
@@ -109,3 +110,38 @@ def test_only_the_last_replicas_death_is_heard_as_the_engine_lost():
                                  "the engine process exited (exit code -9))")
     asyncio.run(client.close())
     assert all(r.closed for r in replicas)
+
+
+def test_an_aborted_request_whose_replica_dies_ends_there_and_is_not_started_again():
+    client, replicas, heard = started()
+    client.send(("add", [entry("a0", 0, 0)], True))
+    doomed = 0 if replicas[0].added() else 1
+    client.send(("abort", ["a0"]))
+    replicas[doomed].on_message(("lost", "the engine process exited (exit code -9)"))
+    assert not replicas[1 - doomed].added()
+    assert [rid for rid, _, _ in heard[-1][2]] == ["a0"]  # its consumer is told, so nothing waits on it
+    assert client.router.requests == [0, 0]
+
+
+def test_a_request_is_started_again_once_and_fails_if_its_second_replica_dies_too():
+    """A request whose prefill kills its engine (the OOM killer, a crash) must not take every
+    replica down in turn."""
+    client, replicas, heard = started(3)
+    client.send(("add", [entry("a0", 0, 0)], True))
+    first = next(i for i, r in enumerate(replicas) if r.added())
+    replicas[first].on_message(("lost", "the engine process exited (exit code -9)"))
+    second = next(i for i, r in enumerate(replicas) if i != first and r.added())
+    replicas[second].on_message(("lost", "the engine process exited (exit code -9)"))
+    third = next(i for i in range(3) if i not in (first, second))
+    assert not replicas[third].added()
+    assert [rid for rid, kind, _ in heard[-1][2]] == ["a0"]
+
+
+def test_requests_are_checked_against_the_smallest_replica():
+    """Replicas size their KV caches from their own free memory: the front end accepts only what
+    every replica can hold."""
+    replicas = [StandInReplica() for _ in range(2)]
+    replicas[1].info = dataclasses.replace(INFO, num_blocks=16)
+    replicas[1].validator = "the smaller replica's validator"
+    client = DataParallelClient(replicas)
+    assert client.info.num_blocks == 16 and client.validator == "the smaller replica's validator"

@@ -20,7 +20,8 @@ import pytest
 
 from compiled_llm.serve.engine_process.async_engine import AsyncEngine
 from compiled_llm.serve.engine_process.dp_client import DataParallelClient
-from compiled_llm.serve.engine_process.dp_router import PrefixAwareRouter, RoundRobinRouter, RouterConfig
+from compiled_llm.serve.engine_process.dp_router import PrefixAwareRouter, RouterConfig
+from helpers.dp_routers import RoundRobinRouter
 from compiled_llm.serve.metrics import ServerMetrics
 from compiled_llm.serve.sampling_params import SamplingParams
 

@@ -8,8 +8,9 @@ import pytest
 from compiled_llm.errors import InvalidOptionError
 from compiled_llm.serve.engine_process.dp_placement import (check_replica_device, replica_cpu_threads, replica_gpus,
                                                             visible_gpus)
-from compiled_llm.serve.engine_process.dp_router import (PrefixAwareRouter, PrefixMemory, RoundRobinRouter,
-                                                         RouterConfig, overloaded, prefix_block_hashes)
+from compiled_llm.serve.engine_process.dp_router import (PrefixAwareRouter, PrefixMemory, RouterConfig, overloaded,
+                                                         prefix_block_hashes)
+from helpers.dp_routers import RoundRobinRouter
 
 BS = 4
 
@@ -39,10 +40,11 @@ def test_memory_matches_leading_hashes_only_and_forgets_the_least_recently_used(
     memory.remember([1, 2, 3])
     assert memory.matched_blocks([1, 2, 3, 4]) == 3
     assert memory.matched_blocks([9, 2, 3]) == 0  # a chain that starts elsewhere matches nothing
-    memory.remember([1])  # 1 used again: 2 is now the oldest
-    memory.remember([5, 6])
+    memory.remember([5, 6])  # one over: the oldest chain loses its deepest hash, not its head
     assert len(memory) == 4
-    assert memory.matched_blocks([1]) == 1 and memory.matched_blocks([2]) == 0
+    assert memory.matched_blocks([1, 2, 3]) == 2 and memory.matched_blocks([5, 6]) == 2
+    memory.remember([7, 8])  # [5, 6] is now the newest chain; [1, 2] loses 2, then 1
+    assert memory.matched_blocks([1, 2, 3]) == 0 and memory.matched_blocks([5, 6]) == 2
 
 
 # ---- the choice -------------------------------------------------------------------------------------------
@@ -85,15 +87,33 @@ def test_a_short_shared_preamble_does_not_pull_every_request_to_one_replica():
     assert chosen == [0, 1, 0, 1, 0, 1]
 
 
-def test_a_match_on_a_much_busier_replica_goes_to_the_least_loaded_instead():
-    config = RouterConfig(block_size=BS, balance_abs_tokens=100, balance_rel=1.5)
+def test_a_match_on_a_replica_running_many_more_requests_goes_to_the_least_loaded_instead():
+    config = RouterConfig(block_size=BS, balance_abs_requests=4, balance_rel=1.5)
     router = PrefixAwareRouter(2, config)
     cached = router.route(prompt(0, 0), 10)
-    router.loads[cached] = 90  # 90 more than the other: under the absolute threshold
+    router.requests[cached] = 4  # 4 more than the other: not over the absolute threshold
     assert router.choose(prompt(0, 1)) == cached
-    router.loads[cached] = 500  # 500 > 0 + 100 and 500 > 1.5 x 0: overloaded
+    router.requests[cached] = 5  # 5 > 0 + 4 and 5 > 1.5 x 0: overloaded
     assert router.choose(prompt(0, 1)) == 1 - cached
-    assert overloaded(500, 0, config) and not overloaded(140, 100, config) and not overloaded(1000, 900, config)
+    assert overloaded(50, 0, config) and not overloaded(14, 10, config) and not overloaded(100, 90, config)
+
+
+def test_requests_that_book_the_whole_context_each_still_follow_their_prefix():
+    """A chat request without max_tokens books the context left (tens of thousands of tokens):
+    a few of them in flight must not count as an overload; the request count decides."""
+    router = PrefixAwareRouter(2, RouterConfig(block_size=BS))
+    homes = {router.route(prompt(0, user), 40_000) for user in range(6)}
+    assert len(homes) == 1
+
+
+def test_a_prompt_longer_than_the_routed_blocks_follows_its_shared_prefix():
+    """Only the first max_blocks blocks are hashed: a match of all of them counts as the whole
+    routed prompt, however long the rest (long system prompts, retrieved documents)."""
+    config = RouterConfig(block_size=BS, max_blocks=8)
+    router = PrefixAwareRouter(2, config)
+    shared = list(range(20 * BS))  # 20 blocks shared, 8 of them routed
+    homes = [router.route(shared + [10 ** 6 + 100 * user + k for k in range(30 * BS)], 10) for user in range(6)]
+    assert len(set(homes)) == 1
 
 
 def test_a_dead_replica_gets_nothing_and_forgets_its_prefixes():

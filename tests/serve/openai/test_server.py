@@ -20,7 +20,6 @@ import urllib.request
 import openai
 import pytest
 
-from helpers.lively import greedy_text_oracle
 from helpers.server_fixtures import child_pids, http_status, process_exists, scrape, serve_process, wait_until
 
 API_KEY = "test-key"
@@ -41,16 +40,13 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(lively_bpe_checkpoint):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(lively_bpe_checkpoint[0])
+def hf_tokenizer(lively_hf_tokenizer):
+    return lively_hf_tokenizer
 
 
 @pytest.fixture(scope="module")
-def oracle(lively_bpe_checkpoint, hf_tokenizer):
-    """expected(prompt ids, n) -> (greedy token ids, their text) from transformers, run to n tokens."""
-    return greedy_text_oracle(lively_bpe_checkpoint[1], hf_tokenizer)
+def oracle(lively_oracle):
+    return lively_oracle
 
 
 @pytest.fixture(scope="module")
