@@ -29,16 +29,6 @@ PROMPTS = ["The quick brown fox", "A compiler lowers", "Once upon a time", "Page
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(lively_hf_tokenizer):
-    return lively_hf_tokenizer
-
-
-@pytest.fixture(scope="module")
-def oracle(lively_oracle):
-    return lively_oracle
-
-
-@pytest.fixture(scope="module")
 def server(lively_bpe_engine, tmp_path_factory):
     log = tmp_path_factory.mktemp("dp_server") / "serve.log"
     with serve_process(lively_bpe_engine, "--data-parallel-size", "2", "--served-model-name", MODEL,
@@ -46,8 +36,8 @@ def server(lively_bpe_engine, tmp_path_factory):
         yield s
 
 
-def expected_text(oracle, hf_tokenizer, prompt: str, max_tokens: int) -> str:
-    return oracle(hf_tokenizer(prompt)["input_ids"], max_tokens)[1]
+def expected_text(lively_oracle, lively_hf_tokenizer, prompt: str, max_tokens: int) -> str:
+    return lively_oracle(lively_hf_tokenizer(prompt)["input_ids"], max_tokens)[1]
 
 
 def health(url: str) -> tuple[int, dict]:
@@ -88,10 +78,11 @@ def test_a_replica_that_cannot_load_stops_the_others_and_names_itself(lively_bpe
     assert set(multiprocessing.active_children()) <= before  # the replica that loaded was stopped
 
 
-def test_32_concurrent_requests_equal_transformers_greedy_and_both_replicas_serve(server, hf_tokenizer, oracle):
+def test_32_concurrent_requests_equal_transformers_greedy_and_both_replicas_serve(server, lively_hf_tokenizer,
+                                                                                  lively_oracle):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
     max_tokens = [16 + i % 8 for i in range(32)]
-    expected = [expected_text(oracle, hf_tokenizer, p, n) for p, n in zip(prompts, max_tokens)]
+    expected = [expected_text(lively_oracle, lively_hf_tokenizer, p, n) for p, n in zip(prompts, max_tokens)]
     before = scrape(server.url, by_engine=True)
 
     async def one(aclient, i: int) -> str:
@@ -113,7 +104,7 @@ def test_32_concurrent_requests_equal_transformers_greedy_and_both_replicas_serv
 
 
 def test_killing_a_replica_mid_load_fails_its_running_requests_restarts_its_waiting_ones_and_the_other_serves_on(
-        server, hf_tokenizer, oracle):
+        server, lively_hf_tokenizer, lively_oracle):
     pids = engine_pids(server.process.pid)
     everything = child_pids(server.process.pid)  # the engines and multiprocessing's resource tracker
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} again {i}" for i in range(4 * MAX_NUM_SEQS)]
@@ -153,12 +144,12 @@ def test_killing_a_replica_mid_load_fails_its_running_requests_restarts_its_wait
     # its waiting ones had streamed nothing: they ran on the other replica, as did that one's own
     for (kind, text, _), prompt in zip(results, prompts):
         if kind == "ok":
-            assert text == expected_text(oracle, hf_tokenizer, prompt, max_tokens)
+            assert text == expected_text(lively_oracle, lively_hf_tokenizer, prompt, max_tokens)
 
     client = openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0)
     for prompt in PROMPTS[:3]:  # later requests go to the live replica
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
-        assert out.choices[0].text == expected_text(oracle, hf_tokenizer, prompt, 12)
+        assert out.choices[0].text == expected_text(lively_oracle, lively_hf_tokenizer, prompt, 12)
 
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(30) == 0  # one replica left was still a server
