@@ -52,6 +52,21 @@ def lively_bpe_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def lively_hf_tokenizer(lively_bpe_checkpoint):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(lively_bpe_checkpoint[0])
+
+
+@pytest.fixture(scope="session")
+def lively_oracle(lively_bpe_checkpoint, lively_hf_tokenizer):
+    """expected(prompt ids, n) -> (greedy token ids, their text) from transformers, run to n tokens."""
+    from helpers.lively import greedy_text_oracle
+
+    return greedy_text_oracle(lively_bpe_checkpoint[1], lively_hf_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def lively_bpe_engine(lively_bpe_checkpoint, tmp_path_factory):
     """The lively checkpoint built into a CPU float32 engine."""
     from compiled_llm.engine.build import build_engine

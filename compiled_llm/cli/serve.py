@@ -13,14 +13,16 @@ meanwhile, and a server's start-up is paid once.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 import os
 import time
 
 from compiled_llm.cli.engine_args import (add_build_arguments, add_dataclass_arguments, add_engine_arguments,
-                                          build_config, dataclass_options)
+                                          build_config, dataclass_options, engine_options)
 from compiled_llm.cli.run import BUILD_GROUP
+from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.serve.server_config import API_KEY_VAR, ServerConfig
 
 logger = logging.getLogger("compiled_llm.serve")
@@ -36,7 +38,8 @@ def add_parser(subparsers):
             "/metrics (Prometheus), GET /version, POST /tokenize and /detokenize. Listens on "
             "127.0.0.1 unless --host says otherwise. SIGTERM stops accepting requests, lets running "
             "ones finish for up to --shutdown-timeout seconds, and exits 0; if the engine process "
-            "dies, running requests fail and the server exits 1."
+            "dies, running requests fail and the server exits 1 (with --data-parallel-size N, a dead "
+            "replica's requests fail or start again elsewhere, and the server exits 1 when none is left)."
         ),
     )
     p.add_argument("source", metavar="ENGINE|SOURCE",
@@ -56,9 +59,21 @@ def server_config(args) -> ServerConfig:
     return ServerConfig(**options)
 
 
-def load_engine(args):
-    """The engine process's loader: the model as ``run`` loads it, logging as this command does."""
+def load_engine(args, visible_devices: str | None = None, cpu_threads: int | None = None):
+    """The engine process's loader: the model as ``run`` loads it, logging as this command does.
+    A data-parallel replica's share of the machine: ``visible_devices``, its GPUs
+    (``CUDA_VISIBLE_DEVICES``, set before anything touches CUDA here or in the tensor-parallel
+    ranks it starts), or on a CPU ``cpu_threads``, its torch threads."""
     from compiled_llm.cli.main import configure_logging
+    from compiled_llm.serve.engine_process.dp_placement import CPU_THREADS_VAR, VISIBLE_DEVICES_VAR
+
+    if visible_devices is not None:
+        os.environ[VISIBLE_DEVICES_VAR] = visible_devices
+    if cpu_threads is not None:
+        import torch
+
+        os.environ[CPU_THREADS_VAR] = str(cpu_threads)
+        torch.set_num_threads(cpu_threads)
     from compiled_llm.cli.run import build_llm
 
     configure_logging()
@@ -69,17 +84,58 @@ def load_engine(args):
     return engine
 
 
+def tensor_parallel_size(args, build: BuildConfig) -> int:
+    """The TP size the engine will run at: the flag's, else an engine directory's, else 1."""
+    from compiled_llm.engine.loader import is_engine_dir
+
+    if args.tensor_parallel_size is None and is_engine_dir(args.source):
+        from compiled_llm.engine.artifact import build_config as built_with, read_manifest
+
+        return built_with(read_manifest(args.source)).tensor_parallel_size
+    return build.tensor_parallel_size
+
+
+def replica_loads(args, build: BuildConfig) -> list:
+    """The loader of each data-parallel replica's engine process: the same engine, each replica
+    an engine of its own (data_parallel_size 1) on its own GPUs, or on a CPU with its share of
+    the cores (``dp_placement``)."""
+    from compiled_llm.model.placement import resolve_device
+    from compiled_llm.serve.engine_process.dp_placement import (VISIBLE_DEVICES_VAR, check_replica_device,
+                                                                replica_cpu_threads, replica_gpus, visible_gpus)
+
+    size = args.data_parallel_size
+    check_replica_device(build.device, size)
+    one = argparse.Namespace(**{**vars(args), "data_parallel_size": 1})
+    if resolve_device(build.device).type == "cuda":
+        import torch
+
+        gpus = visible_gpus(os.environ.get(VISIBLE_DEVICES_VAR), torch.cuda.device_count())
+        return [functools.partial(load_engine, one, visible_devices=visible)
+                for visible in replica_gpus(size, tensor_parallel_size(args, build), gpus)]
+    # every tensor-parallel rank of every replica is a process with its own thread pool
+    threads = replica_cpu_threads(size * tensor_parallel_size(args, build), len(os.sched_getaffinity(0)))
+    return [functools.partial(load_engine, one, cpu_threads=threads) for _ in range(size)]
+
+
 def run(args) -> int:
     from compiled_llm.cli.main import LOGGING_LEVEL_VAR
+    from compiled_llm.serve.engine_config import EngineConfig
+    from compiled_llm.serve.engine_process.dp_client import DataParallelClient
     from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
     from compiled_llm.serve.openai.api_server import serve
 
     config = server_config(args)  # bad values fail before anything loads
-    build_config(args, for_source=True)
+    build = build_config(args, for_source=True)
+    EngineConfig.from_options(engine_options(args))
+    loads = replica_loads(args, build) if args.data_parallel_size > 1 else None
     if not os.environ.get(LOGGING_LEVEL_VAR):
         # a server's log is its output: the ready line and the stats lines show without a
         # terminal too, in the engine process as well (it reads the variable)
         os.environ[LOGGING_LEVEL_VAR] = "INFO"
         logging.getLogger("compiled_llm").setLevel(logging.INFO)
-    core = EngineCoreClient.start_process(functools.partial(load_engine, args))
+    if loads is None:
+        core = EngineCoreClient.start_process(functools.partial(load_engine, args))
+    else:
+        logger.info("starting %d data-parallel engine replicas", len(loads))
+        core = DataParallelClient.start_processes(loads)
     return serve(core, config, model_name=args.source)

@@ -42,6 +42,12 @@ class EngineConfig:
         4096, "one-sequence prefills of up to this many tokens replay CUDA graphs (0: none)")
     disable_custom_all_reduce: bool = _option(
         False, "tensor parallelism on GPUs: every all-reduce through NCCL, none through the custom kernel over NVLink")
+    # vLLM's name. Each replica is a whole engine (and TP group); one LLMEngine knows nothing of
+    # the others, so only the server, which routes between them, runs more than one.
+    data_parallel_size: int = _option(
+        1, "serve: run N engine replicas behind one endpoint, each on its own GPU or tensor-parallel group "
+           "(replica i on GPUs i*TP..(i+1)*TP-1; all on the CPU), each request sent to the replica likely to "
+           "hold its prefix in cache, else the least loaded; LLM, run and bench's offline workloads run one")
     speculative_config: str | None = _option(
         None, 'speculative decoding, as a JSON object (vLLM\'s): {"method": "ngram", "num_speculative_tokens": K, '
               '"prompt_lookup_max": N[, "prompt_lookup_min": M][, "disable_by_batch_size": B]}; unset: off')
@@ -60,7 +66,7 @@ class EngineConfig:
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidOptionError(f"{f.name} must be a number, got {value!r}")
         whole = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size", "num_blocks",
-                 "max_model_len", "prefill_graph_max_tokens")
+                 "max_model_len", "prefill_graph_max_tokens", "data_parallel_size")
         for name in whole:
             value = getattr(self, name)
             low = 0 if name == "prefill_graph_max_tokens" else 1

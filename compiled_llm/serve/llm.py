@@ -155,6 +155,16 @@ def check_built_with(engine_dir, asked: BuildConfig, given: Iterable[str]) -> No
             f"'compiled-llm build SOURCE {' '.join(option_flags(name, want))}', or pass its source instead")
 
 
+def one_engine(config: EngineConfig) -> EngineConfig:
+    """``config``, refused when it asks for data-parallel replicas: an LLM is one engine in this
+    process, and replicas are the server's (it routes requests between them)."""
+    if config.data_parallel_size != 1:
+        raise InvalidOptionError(
+            f"data_parallel_size {config.data_parallel_size}: LLM runs one engine in this process; serve "
+            f"replicas with 'compiled-llm serve MODEL --data-parallel-size {config.data_parallel_size}'")
+    return config
+
+
 class LLM:
     """Load a model and serve batches of requests with continuous batching.
 
@@ -182,12 +192,13 @@ class LLM:
 
     The other keyword arguments are the engine's options, ``EngineConfig``'s fields
     (``max_num_seqs``, ``max_num_batched_tokens``, ``gpu_memory_utilization``, ...), with its
-    defaults; an unknown name is refused.
+    defaults; an unknown name is refused, and so is ``data_parallel_size`` > 1 (replicas are
+    ``compiled-llm serve``'s).
     """
 
     def __init__(self, model: str, **options):
         given = build_keywords(options)
-        config = EngineConfig.from_options(options)
+        config = one_engine(EngineConfig.from_options(options))
         build = BuildConfig.from_options(given)  # bad values fail before anything loads
         if is_engine_dir(model):
             check_built_with(model, build, given)
@@ -204,7 +215,7 @@ class LLM:
     def from_loaded(cls, loaded: LoadedModel, **engine_options) -> "LLM":
         """An LLM over an already loaded model (tests, benchmarks: a config + params + program)."""
         self = cls.__new__(cls)
-        self._init_engine(loaded, EngineConfig.from_options(engine_options))
+        self._init_engine(loaded, one_engine(EngineConfig.from_options(engine_options)))
         return self
 
     def _init_engine(self, loaded: LoadedModel, config: EngineConfig) -> None:

@@ -7,7 +7,10 @@ several servers. Two kinds of updates, each where it is cheap:
 - the engine's gauges (running, waiting, KV-cache usage) and counters (prompt and generation
   tokens, preemptions, prefix-cache queries and hits; with speculative decoding, drafts, draft
   tokens and accepted tokens, in all and by position) come with each message of the engine core
-  (an ``EngineSnapshot``): the gauges show the latest, the counters advance by the differences;
+  (an ``EngineSnapshot``): the gauges show the latest, the counters advance by the differences.
+  Each carries vLLM's ``engine`` label, the index of the data-parallel replica it counts ("0"
+  when there is one engine), and each replica has its own stats line; the histograms below are
+  the server's, over every replica (no engine label);
 - the histograms and the finished-request counter take one observation per finished request,
   from the server's timestamps (HTTP arrival, first token handed to the client, finish) and the
   engine's (scheduled, first token, finished), with its token counts and parameters;
@@ -22,8 +25,10 @@ are exact).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from typing import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
@@ -120,52 +125,72 @@ def _per_position(snapshot: EngineSnapshot, positions: int) -> tuple[int, ...]:
     return (*counts, *(0,) * (positions - len(counts)))
 
 
+class _EngineSeries:
+    """One engine's counters (the samples of one ``engine`` label), and the snapshot it sent
+    last: what the gauges read and what the next snapshot's counts are told from."""
+
+    def __init__(self, start: EngineSnapshot):
+        self.snapshot = start
+        self.counters: tuple = ()
+        self.spec_counters: tuple = ()
+        self.accepted_by_position: tuple = ()
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, start: EngineSnapshot, log_stats_interval: float = 10.0,
+    def __init__(self, model_name: str, start: EngineSnapshot | Sequence[EngineSnapshot], log_stats_interval: float = 10.0,
                  num_speculative_tokens: int = 0, engine_info=None):
         """``start``: the engine's snapshot when the server starts (what it counted loading and
-        warming up is not the server's). ``num_speculative_tokens``: the engine's draft length,
-        0 when it does not speculate (no speculation counters then, as in vLLM). ``engine_info``
-        (an EngineInfo): the model length the token histograms reach, and the cache settings
-        of cache_config_info."""
+        warming up is not the server's), or one per data-parallel replica. ``num_speculative_tokens``:
+        the engine's draft length, 0 when it does not speculate (no speculation counters then, as in
+        vLLM). ``engine_info`` (an EngineInfo): the model length the token histograms reach, and the
+        cache settings of cache_config_info."""
+        starts = [start] if isinstance(start, EngineSnapshot) else list(start)
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.snapshot = start  # the engine's latest
-        reg, labels = self.registry, ["model_name"]
+        self.engines = [_EngineSeries(s) for s in starts]
+        reg, labels, engine_labels = self.registry, ["model_name"], ["model_name", "engine"]
 
-        def gauge(name: str, doc: str, read) -> None:
-            Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name).set_function(read)
+        def engine_gauge(name: str, doc: str, read) -> None:
+            family = Gauge(PREFIX + name, doc, engine_labels, registry=reg)
+            for i, series in enumerate(self.engines):
+                family.labels(model_name, str(i)).set_function(functools.partial(read, series))
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+        def engine_counter(name: str, doc: str) -> list[Counter]:
+            family = Counter(PREFIX + name, doc, engine_labels, registry=reg)
+            return [family.labels(model_name, str(i)) for i in range(len(self.engines))]
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
 
-        gauge("num_requests_running", "Number of requests (sequences) in the running batch.", lambda: self.snapshot.running)
-        gauge("num_requests_waiting", "Number of requests (sequences) waiting to be scheduled.",
-              lambda: self.snapshot.waiting)
-        gauge("kv_cache_usage_perc", "KV-cache usage: 1 means all blocks are held.", lambda: self.snapshot.kv_cache_usage)
-        self._counters = (
-            counter("prompt_tokens_total", "Number of prefill tokens processed."),
-            counter("generation_tokens_total", "Number of generation tokens processed."),
-            counter("num_preemptions_total", "Cumulative number of preemptions."),
-            counter("prefix_cache_queries_total", "Prefix-cache queries, in prompt tokens."),
-            counter("prefix_cache_hits_total", "Prefix-cache hits, in prompt tokens."),
-        )
+        engine_gauge("num_requests_running", "Number of requests (sequences) in the running batch.",
+                     lambda e: e.snapshot.running)
+        engine_gauge("num_requests_waiting", "Number of requests (sequences) waiting to be scheduled.",
+                     lambda e: e.snapshot.waiting)
+        engine_gauge("kv_cache_usage_perc", "KV-cache usage: 1 means all blocks are held.",
+                     lambda e: e.snapshot.kv_cache_usage)
+        by_engine = list(zip(
+            engine_counter("prompt_tokens_total", "Number of prefill tokens processed."),
+            engine_counter("generation_tokens_total", "Number of generation tokens processed."),
+            engine_counter("num_preemptions_total", "Cumulative number of preemptions."),
+            engine_counter("prefix_cache_queries_total", "Prefix-cache queries, in prompt tokens."),
+            engine_counter("prefix_cache_hits_total", "Prefix-cache hits, in prompt tokens."),
+        ))
+        for series, counters in zip(self.engines, by_engine):
+            series.counters = counters
         self._positions = num_speculative_tokens
-        self._spec_counters = self._accepted_by_position = ()
         if num_speculative_tokens:
-            self._spec_counters = (
-                counter("spec_decode_num_drafts_total", "Sequence-steps that verified draft tokens."),
-                counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed."),
-                counter("spec_decode_num_accepted_tokens_total", "Draft tokens accepted."),
-            )
+            spec = list(zip(
+                engine_counter("spec_decode_num_drafts_total", "Sequence-steps that verified draft tokens."),
+                engine_counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed."),
+                engine_counter("spec_decode_num_accepted_tokens_total", "Draft tokens accepted."),
+            ))
             by_position = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
                                   "Accepted draft tokens by their position in the draft.",
-                                  ["model_name", "position"], registry=reg)
-            self._accepted_by_position = tuple(by_position.labels(model_name, str(i))
-                                               for i in range(num_speculative_tokens))
+                                  ["model_name", "engine", "position"], registry=reg)
+            for i, series in enumerate(self.engines):
+                series.spec_counters = spec[i]
+                series.accepted_by_position = tuple(by_position.labels(model_name, str(i), str(k))
+                                                    for k in range(num_speculative_tokens))
         self._success = Counter(PREFIX + "request_success_total", "Count of finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=reg)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token sent.",
@@ -204,32 +229,41 @@ class ServerMetrics:
             CacheConfigInfo(PREFIX + "cache_config_info", {
                 "block_size": str(engine_info.block_size), "num_gpu_blocks": str(engine_info.num_blocks),
                 "max_model_len": str(engine_info.max_model_len), "model_name": model_name}, reg)
-        self._seen = start
-        self._log = StatsLog(log_stats_interval, start, num_speculative_tokens)
+        many = len(self.engines) > 1
+        self._logs = [StatsLog(log_stats_interval, s.snapshot, num_speculative_tokens,
+                               f"Engine {i:03d}: " if many else "") for i, s in enumerate(self.engines)]
 
-    def on_snapshot(self, snapshot: EngineSnapshot) -> None:
-        """The engine's state after a step: gauges now, counters advanced by what it counted
-        since the previous snapshot."""
-        pairs = [*zip(self._counters, _counts(snapshot), _counts(self._seen)),
-                 *zip(self._spec_counters, _counts(snapshot, _SPEC_COUNTERS), _counts(self._seen, _SPEC_COUNTERS)),
-                 *zip(self._accepted_by_position, _per_position(snapshot, self._positions),
-                      _per_position(self._seen, self._positions))]
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The first engine's latest snapshot (the only one's, without data parallelism)."""
+        return self.engines[0].snapshot
+
+    def on_snapshot(self, snapshot: EngineSnapshot, engine: int = 0) -> None:
+        """Engine ``engine``'s state after a step: gauges now, counters advanced by what it
+        counted since its previous snapshot."""
+        series = self.engines[engine]
+        seen = series.snapshot
+        pairs = [*zip(series.counters, _counts(snapshot), _counts(seen)),
+                 *zip(series.spec_counters, _counts(snapshot, _SPEC_COUNTERS), _counts(seen, _SPEC_COUNTERS)),
+                 *zip(series.accepted_by_position, _per_position(snapshot, self._positions),
+                      _per_position(seen, self._positions))]
         for counter, now, before in pairs:
             if now > before:
                 counter.inc(now - before)
-        steps = snapshot.steps - self._seen.steps
+        steps = snapshot.steps - seen.steps
         if steps > 0:  # one snapshot per step; should several come as one, their mean
-            tokens = (snapshot.prompt_tokens - self._seen.prompt_tokens
-                      + snapshot.generation_tokens - self._seen.generation_tokens)
+            tokens = (snapshot.prompt_tokens - seen.prompt_tokens
+                      + snapshot.generation_tokens - seen.generation_tokens)
             self.iteration_tokens.observe(tokens / steps, steps)
-        self._seen = self.snapshot = snapshot
-        self._log.after_step(snapshot)
+        series.snapshot = snapshot
+        self._logs[engine].after_step(snapshot)
 
     def seconds_to_next_log(self) -> float:
-        return self._log.seconds_to_next()
+        return min(log.seconds_to_next() for log in self._logs)
 
     def log_if_due(self) -> None:
-        self._log.emit_if_due(self.snapshot)
+        for log, series in zip(self._logs, self.engines):
+            log.emit_if_due(series.snapshot)
 
     # ---- finished requests ---------------------------------------------------------------------
 
@@ -277,8 +311,9 @@ class StatsLog:
     second line for intervals that verified drafts: mean acceptance length, tokens drafted and
     accepted, and the acceptance rate by position."""
 
-    def __init__(self, interval: float, start: EngineSnapshot, num_speculative_tokens: int = 0):
+    def __init__(self, interval: float, start: EngineSnapshot, num_speculative_tokens: int = 0, prefix: str = ""):
         self.interval = interval
+        self.prefix = prefix  # "Engine 001: " (vLLM's) when there are several
         self._positions = num_speculative_tokens
         self._last_time = time.monotonic()
         self._last = start
@@ -301,9 +336,9 @@ class StatsLog:
             d = dict(zip(_COUNTERS, (a - b for a, b in zip(_counts(now), _counts(self._last)))))
             hit_rate = d["prefix_hits"] / d["prefix_queries"] if d["prefix_queries"] else 0.0
             logger.info(
-                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "%sAvg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                d["prompt_tokens"] / elapsed, d["generation_tokens"] / elapsed, now.running, now.waiting,
+                self.prefix, d["prompt_tokens"] / elapsed, d["generation_tokens"] / elapsed, now.running, now.waiting,
                 100.0 * now.kv_cache_usage, 100.0 * hit_rate,
             )
         drafts, drafted, accepted = (a - b for a, b in zip(_counts(now, _SPEC_COUNTERS),
@@ -312,9 +347,9 @@ class StatsLog:
             by_position = [a - b for a, b in zip(_per_position(now, self._positions),
                                                   _per_position(self._last, self._positions))]
             logger.info(
-                "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
+                "%sSpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
                 "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
-                1.0 + accepted / drafts, accepted, drafted, ", ".join(f"{n / drafts:.3f}" for n in by_position),
+                self.prefix, 1.0 + accepted / drafts, accepted, drafted, ", ".join(f"{n / drafts:.3f}" for n in by_position),
                 100.0 * accepted / drafted if drafted else 0.0,
             )
         self._last_time, self._last = t, now

@@ -71,3 +71,19 @@ def greedy_continuation(model, prompt: list[int], max_new_tokens: int) -> Contin
     assert len(tokens) == max_new_tokens, "transformers stopped early"
     gaps = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
     return Continuation(tuple(prompt), tuple(tokens), min(gaps))
+
+
+def greedy_text_oracle(model, tokenizer):
+    """``expected(prompt ids, n) -> (greedy token ids, their text)``: transformers' greedy
+    continuation of n tokens (``greedy_continuation``) and its decoded text, each (prompt, n)
+    computed once. What a server's answers are checked against."""
+    cache: dict[tuple, tuple[list[int], str]] = {}
+
+    def expected(ids: list[int], n: int) -> tuple[list[int], str]:
+        key = (tuple(ids), n)
+        if key not in cache:
+            tokens = list(greedy_continuation(model, list(ids), n).token_ids)
+            cache[key] = tokens, tokenizer.decode(tokens, skip_special_tokens=True)
+        return cache[key]
+
+    return expected

@@ -24,6 +24,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 
 @dataclasses.dataclass(frozen=True)
 class RunningServer:
@@ -47,6 +49,11 @@ def child_pids(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(c) for c in (task / "children").read_text().split()]
     return children
+
+
+def engine_pids(server_pid: int) -> list[int]:
+    """A server's engine processes (multiprocessing's spawned children), one per replica."""
+    return [c for c in child_pids(server_pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
 
 
 def process_exists(pid: int) -> bool:
@@ -104,3 +111,31 @@ def serve_process(source, *flags: str, log_path: Path | None = None, startup_tim
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def scrape(url: str, by_engine: bool = False) -> dict[str, float]:
+    """/metrics as {sample name + sorted labels: value}, the model_name label left out, and the
+    engine label too unless ``by_engine`` (its samples then add up: the server's total over its
+    data-parallel replicas)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    dropped = {"model_name"} if by_engine else {"model_name", "engine"}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in dropped)
+            key = s.name + (f"{{{labels}}}" if labels else "")
+            values[key] = values.get(key, 0.0) + s.value
+    return values
+
+
+def wait_until(check, timeout: float = 20.0, what: str = "condition"):
+    """``check()``'s first true value, polled every 50 ms; AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

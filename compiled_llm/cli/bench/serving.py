@@ -117,14 +117,16 @@ def completion_body(model: str, prompt: Sequence[int], max_tokens: int) -> bytes
 
 def offline_reference(engine: str, device, engine_options: dict, options: ServingOptions) -> Result:
     """``LLM.generate`` on the workload in this process (the throughput workload's measurement),
-    then the LLM freed, CUDA's cached blocks included."""
+    then the LLM freed, CUDA's cached blocks included. It is one engine whatever
+    ``data_parallel_size`` the server runs: ``vs_offline`` of a server of N replicas is their
+    speed-up over one."""
     import gc
 
     import torch
 
     from compiled_llm.serve.llm import LLM
 
-    llm = LLM(engine, device=device, **engine_options)
+    llm = LLM(engine, device=device, **{**engine_options, "data_parallel_size": 1})
     try:
         result = compiled_throughput(llm, options.num_requests, options.max_input_len, options.max_output_len)
         dtype = str(llm.model.dtype).removeprefix("torch.")

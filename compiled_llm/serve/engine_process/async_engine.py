@@ -31,7 +31,10 @@ request's blocks before its next step.
 If the engine core dies, every running call fails with ``EngineError`` (a stream ends with an
 error event), new calls are refused, the stats log stops, and ``on_failure`` (the server's
 shutdown) is called once: with no engine there is nothing left to serve, and a supervisor can
-only restart a server that exits.
+only restart a server that exits. Over data-parallel replicas (``DataParallelClient``, the same
+messages, each step's tagged with its replica) that happens only when the last replica dies;
+before that a dead replica's requests fail one by one (or start again on another replica), as
+requests that failed in the engine do.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import time
 from typing import Callable
 
 from compiled_llm.errors import CompiledLLMError, EngineError, InvalidRequestError
+from compiled_llm.serve.engine_process.dp_client import DataParallelClient
 from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
 from compiled_llm.serve.engine_process.engine_messages import OutputAssembler, request_error
 from compiled_llm.serve.llm_engine import LLMEngine
@@ -203,7 +207,7 @@ class RequestGroup:
 class AsyncEngine:
     """See the module docstring. ``start()`` from the event loop that will read the outputs."""
 
-    def __init__(self, core: EngineCoreClient, *, max_waiting_requests: int = 1024,
+    def __init__(self, core: EngineCoreClient | DataParallelClient, *, max_waiting_requests: int = 1024,
                  max_waiting_prompt_tokens: int = 1 << 20, request_timeout: float | None = None, metrics=None,
                  on_failure: Callable[[str], None] | None = None):
         self.core = core
@@ -376,7 +380,8 @@ class AsyncEngine:
     def _on_message(self, message: tuple) -> None:
         kind = message[0]
         if kind == "step":
-            _, outputs, errors, scheduled, snapshot = message
+            # a DataParallelClient appends the replica that stepped
+            _, outputs, errors, scheduled, snapshot, *replica = message
             # request id -> whether its group may be paced (the request has delivered before),
             # in output order
             woken: dict[str, bool] = {}
@@ -401,7 +406,7 @@ class AsyncEngine:
             for rid in scheduled:
                 self._scheduled(rid)
             if self.metrics is not None:
-                self.metrics.on_snapshot(snapshot)
+                self.metrics.on_snapshot(snapshot, replica[0] if replica else 0)
             for rid, paced in woken.items():
                 group = self._groups.get(rid)
                 if group is None:

@@ -60,25 +60,7 @@ class EngineCoreClient:
     def start_process(cls, load: Callable[[], LLMEngine]) -> "EngineCoreClient":
         """Spawn the engine process and wait until it has loaded ``load()``; CompiledLLMError
         with its reason if it could not."""
-        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-        commands_r, commands_w = ctx.Pipe(duplex=False)
-        outputs_r, outputs_w = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_engine_process_main, args=(load, commands_r, outputs_w),
-                              name="compiled_llm-engine", daemon=True)
-        process.start()
-        commands_r.close()  # the child's ends: closed here, so either side sees the other go
-        outputs_w.close()
-        channel = MessageChannel(_take_fd(outputs_r), _take_fd(commands_w))
-        try:
-            message = _wait_for_first_message(channel, process)
-        except BaseException:
-            _stop_process(process, channel)
-            raise
-        if message[0] == "failed":
-            _stop_process(process, channel)
-            raise CompiledLLMError(f"the engine could not start: {message[1]}")
-        _, info, tokenizer, snapshot = message
-        return cls(channel, info, tokenizer, snapshot, process=process)
+        return StartingEngine(load).wait()
 
     @classmethod
     def in_thread(cls, engine: LLMEngine) -> "EngineCoreClient":
@@ -103,6 +85,20 @@ class EngineCoreClient:
         if self._process is not None:
             return self._process.is_alive()
         return self._thread is not None and self._thread.is_alive()
+
+    # what the server asks of its engines, as of ``DataParallelClient``'s: one replica here
+
+    @property
+    def start_snapshots(self) -> list[EngineSnapshot]:
+        return [self.start_snapshot]
+
+    @property
+    def num_replicas(self) -> int:
+        return 1
+
+    @property
+    def live_replicas(self) -> list[int]:
+        return [] if self._lost else [0]
 
     # ---- the event loop ------------------------------------------------------------------------
 
@@ -165,6 +161,52 @@ class EngineCoreClient:
         self.channel.close()
 
 
+class StartingEngine:
+    """An engine process spawned and loading: ``poll`` (never blocks) or ``wait`` for it to say
+    ready, ``stop`` it. Several start at once this way (data-parallel replicas), and one that
+    fails, or an interrupt, stops the others without waiting for them to load."""
+
+    def __init__(self, load: Callable[[], LLMEngine]):
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        commands_r, commands_w = ctx.Pipe(duplex=False)
+        outputs_r, outputs_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_engine_process_main, args=(load, commands_r, outputs_w),
+                                   name="compiled_llm-engine", daemon=True)
+        self.process.start()
+        commands_r.close()  # the child's ends: closed here, so either side sees the other go
+        outputs_w.close()
+        self.channel = MessageChannel(_take_fd(outputs_r), _take_fd(commands_w))
+
+    def poll(self) -> EngineCoreClient | None:
+        """The client once the engine is ready, None while it loads; CompiledLLMError (it could
+        not load) or EngineError (its process died), the process stopped, if it cannot be."""
+        messages = self.channel.receive()
+        if not messages:
+            if self.channel.closed or not self.process.is_alive():
+                self.stop()
+                raise EngineError(f"the engine process exited while loading (exit code {self.process.exitcode})")
+            return None
+        message = messages[0]
+        if message[0] == "failed":
+            self.stop()
+            raise CompiledLLMError(f"the engine could not start: {message[1]}")
+        _, info, tokenizer, snapshot = message
+        return EngineCoreClient(self.channel, info, tokenizer, snapshot, process=self.process)
+
+    def wait(self) -> EngineCoreClient:
+        """Block until ``poll`` has the client (loading may build the engine: minutes)."""
+        try:
+            while (client := self.poll()) is None:
+                select.select([self.channel.read_fd], [], [], 1.0)
+        except BaseException:
+            self.stop()
+            raise
+        return client
+
+    def stop(self) -> None:
+        _stop_process(self.process, self.channel)
+
+
 def _take_fd(connection) -> int:
     """The connection's pipe end as a file descriptor of our own (the connection is closed)."""
     fd = os.dup(connection.fileno())
@@ -174,19 +216,6 @@ def _take_fd(connection) -> int:
 
 def _engine_process_main(load, commands, outputs) -> None:
     run_engine_process(load, _take_fd(commands), _take_fd(outputs))
-
-
-def _wait_for_first_message(channel: MessageChannel, process) -> tuple:
-    """Block until the engine process says ready or failed (loading may build the engine:
-    minutes), or dies."""
-    while True:
-        messages = channel.receive()
-        if messages:
-            return messages[0]
-        if channel.closed or not process.is_alive():
-            process.join(5.0)
-            raise EngineError(f"the engine process exited while loading (exit code {process.exitcode})")
-        select.select([channel.read_fd], [], [], 1.0)
 
 
 def _stop_process(process, channel: MessageChannel | None) -> None:

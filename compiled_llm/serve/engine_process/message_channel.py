@@ -44,6 +44,7 @@ class MessageChannel:
         self._in = bytearray()
         self._out = bytearray()
         self.closed = False
+        self._fds_closed = False
 
     @property
     def pending(self) -> bool:
@@ -102,6 +103,11 @@ class MessageChannel:
         return messages
 
     def close(self) -> None:
+        """Close both ends once (a second call must not close a descriptor number that the
+        process has since given to another file)."""
+        if self._fds_closed:
+            return
+        self._fds_closed = True
         for fd in (self.read_fd, self.write_fd):
             try:
                 os.close(fd)

@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP server: ``build_app`` makes the FastAPI app over one engine core (the
-engine's own process, ``EngineCoreClient``), ``serve`` runs it under uvicorn until SIGTERM
-(drain, then exit 0), Ctrl-C, or the engine process's death (fail what runs, exit 1).
+engine's own process, ``EngineCoreClient``) or several data-parallel replicas of it
+(``DataParallelClient``), ``serve`` runs it under uvicorn until SIGTERM (drain, then exit 0),
+Ctrl-C, or the engine process's death (fail what runs, exit 1; with replicas, the last one's).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST
 /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /tokenizer_info`` (with
 ``--enable-tokenizer-info-endpoint``), and the open ones: ``GET /health`` (200 with an empty
-body, as vLLM's), ``GET /metrics`` (Prometheus text), ``GET /version``. With an API key, every
+body, as vLLM's; over replicas, 200 with how many are alive while any is), ``GET /metrics``
+(Prometheus text), ``GET /version``. With an API key, every
 route but the open ones needs it, checked before the body is read (``middleware``). Every error
 is OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters
 (a pydantic type error included), 401 without the key, 404 for an unknown model, 405 (with
@@ -33,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from compiled_llm.errors import CompiledLLMError, EngineError
 from compiled_llm.serve.engine_process.async_engine import AsyncEngine, ServiceUnavailableError
+from compiled_llm.serve.engine_process.dp_client import DataParallelClient
 from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import CONTENT_TYPE, ServerMetrics
 from compiled_llm.serve.openai.middleware import ApiKeyMiddleware, RequestIdMiddleware, RootPathMiddleware
@@ -108,6 +111,14 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class HealthResponse(BaseModel):
+    """/health of a server over data-parallel replicas: how many there are and which are alive."""
+
+    data_parallel_size: int
+    live_replicas: int
+    dead_replicas: list[int]
+
+
 class TokenizerInfoResponse(BaseModel):
     """vLLM's: the tokenizer's settings (transformers' init_kwargs), its class and chat template."""
 
@@ -122,13 +133,14 @@ def package_version() -> str:
         return "unknown"
 
 
-def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), model_name: str | None = None) -> FastAPI:
-    """The app serving ``core``'s engine; its lifespan starts reading the core and stops it.
-    Clients name the model ``config.served_model_name``, else ``model_name``, else the engine's
-    name."""
+def build_app(core: EngineCoreClient | DataParallelClient, config: ServerConfig = ServerConfig(),
+              model_name: str | None = None) -> FastAPI:
+    """The app serving ``core``'s engine (or its replicas); its lifespan starts reading the core
+    and stops it. Clients name the model ``config.served_model_name``, else ``model_name``, else
+    the engine's name."""
     info = core.info
     name = config.served_model_name or model_name or info.name
-    metrics = ServerMetrics(name, core.start_snapshot, config.log_stats_interval, info.num_speculative_tokens,
+    metrics = ServerMetrics(name, core.start_snapshots, config.log_stats_interval, info.num_speculative_tokens,
                             engine_info=info)
     async_engine = AsyncEngine(core, max_waiting_requests=config.max_waiting_requests,
                                max_waiting_prompt_tokens=config.max_waiting_prompt_tokens,
@@ -178,14 +190,25 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
 
     app.include_router(v1)
 
-    @app.get("/health", response_class=Response,
-             responses={200: {"description": "The server and its engine are up (an empty body, as vLLM's)"},
-                        **errors(503)})
+    replicated = core.num_replicas > 1
+    # one engine: vLLM's empty 200; replicas: 200 with the live ones while any is (the server
+    # serves on with the others), so a probe can tell a degraded server from a healthy one
+    health_ok = ({"description": "The server and at least one of its engine replicas are up",
+                  "model": HealthResponse} if replicated else
+                 {"description": "The server and its engine are up (an empty body, as vLLM's)"})
+
+    @app.get("/health", response_class=JSONResponse if replicated else Response,
+             responses={200: health_ok, **errors(503)})
     async def health() -> Response:
         if async_engine.failure is not None:
             return error_response(503, f"the engine stopped: {async_engine.failure}", "ServiceUnavailableError")
         if not async_engine.accepting:
             return error_response(503, "the server is shutting down", "ServiceUnavailableError")
+        if replicated:
+            live = core.live_replicas
+            return JSONResponse(HealthResponse(
+                data_parallel_size=core.num_replicas, live_replicas=len(live),
+                dead_replicas=[i for i in range(core.num_replicas) if i not in live]).model_dump())
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PrometheusResponse,
@@ -241,7 +264,7 @@ def build_app(core: EngineCoreClient, config: ServerConfig = ServerConfig(), mod
 # ---- running it ---------------------------------------------------------------------------------
 
 
-def serve(core: EngineCoreClient, config: ServerConfig, model_name: str | None = None) -> int:
+def serve(core: EngineCoreClient | DataParallelClient, config: ServerConfig, model_name: str | None = None) -> int:
     """Serve until SIGTERM (refuse new requests with 503, let running ones finish for up to
     ``config.shutdown_timeout`` seconds, abort the rest, stop the engine core, return 0),
     Ctrl-C (abort all, and uvicorn re-raises the interrupt), or the engine process's death

@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.serve.engine_process.async_engine import AsyncEngine, RequestGroup, ServiceUnavailableError
+from compiled_llm.serve.engine_process.dp_client import DataParallelClient
 from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
 from compiled_llm.serve.metrics import ServerMetrics
 from compiled_llm.serve.openai.middleware import request_id
@@ -40,7 +41,7 @@ class ApiError(Exception):
 
 @dataclasses.dataclass
 class ServerState:
-    core: EngineCoreClient
+    core: EngineCoreClient | DataParallelClient
     async_engine: AsyncEngine
     metrics: ServerMetrics
     config: ServerConfig

@@ -335,7 +335,7 @@ def test_the_servers_metrics_count_drafts_and_acceptance_under_vllms_names(famil
     st = engine.speculator.stats
 
     def value(name, **labels):
-        return metrics.registry.get_sample_value("compiled_llm:" + name, {"model_name": "m", **labels})
+        return metrics.registry.get_sample_value("compiled_llm:" + name, {"model_name": "m", "engine": "0", **labels})
 
     assert 0 < st.accepted_tokens < st.draft_tokens
     assert value("spec_decode_num_drafts_total") == st.drafting_seqs

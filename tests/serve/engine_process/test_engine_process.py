@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from compiled_llm.errors import CompiledLLMError, EngineError
-from helpers.server_fixtures import child_pids, serve_process
+from helpers.server_fixtures import engine_pids, serve_process
 
 
 def serve_args(source, *flags):
@@ -103,7 +103,7 @@ def test_a_dead_engine_process_fails_its_requests_with_one_clear_error(lively_bp
 
 
 def engine_process_of(server_pid: int) -> int:
-    (pid,) = [c for c in child_pids(server_pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+    (pid,) = engine_pids(server_pid)
     return pid
 
 

@@ -19,10 +19,8 @@ import urllib.request
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.lively import greedy_continuation
-from helpers.server_fixtures import child_pids, http_status, process_exists, serve_process
+from helpers.server_fixtures import child_pids, http_status, process_exists, scrape, serve_process, wait_until
 
 API_KEY = "test-key"
 MODEL = "lively"
@@ -39,29 +37,6 @@ PROMPTS = [
 
 
 # ---- fixtures ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(lively_bpe_checkpoint):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(lively_bpe_checkpoint[0])
-
-
-@pytest.fixture(scope="module")
-def oracle(lively_bpe_checkpoint, hf_tokenizer):
-    """expected(prompt ids, n) -> (greedy token ids, their text) from transformers, run to n tokens."""
-    model = lively_bpe_checkpoint[1]
-    cache = {}
-
-    def expected(ids: list[int], n: int) -> tuple[list[int], str]:
-        key = (tuple(ids), n)
-        if key not in cache:
-            tokens = list(greedy_continuation(model, list(ids), n).token_ids)
-            cache[key] = tokens, hf_tokenizer.decode(tokens, skip_special_tokens=True)
-        return cache[key]
-
-    return expected
 
 
 @pytest.fixture(scope="module")
@@ -86,31 +61,8 @@ def client(server):
 
 
 def greedy(**extra):
-    """Greedy sampling that ignores EOS, so every request runs to max_tokens like the oracle."""
+    """Greedy sampling that ignores EOS, so every request runs to max_tokens like the lively_oracle."""
     return {"temperature": 0.0, "extra_body": {"ignore_eos": True, **extra}}
-
-
-def scrape(url: str) -> dict[str, float]:
-    """/metrics as {sample name + sorted labels: value}, the model_name label left out."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            values[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return values
-
-
-def wait_until(check, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def idle(url: str) -> bool:
@@ -126,47 +78,47 @@ def test_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
-def test_completion_equals_transformers_greedy(client, hf_tokenizer, oracle):
+def test_completion_equals_transformers_greedy(client, lively_hf_tokenizer, lively_oracle):
     prompt = PROMPTS[0]
-    ids, text = oracle(hf_tokenizer(prompt)["input_ids"], 24)
+    ids, text = lively_oracle(lively_hf_tokenizer(prompt)["input_ids"], 24)
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **greedy())
     assert out.id.startswith("cmpl-") and out.object == "text_completion"
     assert out.choices[0].text == text
     assert out.choices[0].finish_reason == "length"
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(hf_tokenizer(prompt)["input_ids"]), 24)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(lively_hf_tokenizer(prompt)["input_ids"]), 24)
     assert out.usage.total_tokens == out.usage.prompt_tokens + 24
 
 
-def test_completion_stops_at_eos_like_transformers(client, hf_tokenizer, oracle):
-    # without ignore_eos the output is the oracle's run cut after its first end token (the
+def test_completion_stops_at_eos_like_transformers(client, lively_hf_tokenizer, lively_oracle):
+    # without ignore_eos the output is the lively_oracle's run cut after its first end token (the
     # checkpoint's EOS and the tokenizer's, as in vLLM), or at max_tokens
-    ends = {hf_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    ends = {lively_hf_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     stops = 0
     for prompt in PROMPTS:
-        ids, _ = oracle(hf_tokenizer(prompt)["input_ids"], 40)
+        ids, _ = lively_oracle(lively_hf_tokenizer(prompt)["input_ids"], 40)
         end = next((i for i, t in enumerate(ids) if t in ends), None)
         cut = ids if end is None else ids[:end + 1]
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0.0)
-        assert out.choices[0].text == hf_tokenizer.decode(cut, skip_special_tokens=True)
+        assert out.choices[0].text == lively_hf_tokenizer.decode(cut, skip_special_tokens=True)
         assert out.choices[0].finish_reason == ("length" if end is None else "stop")
         assert out.usage.completion_tokens == len(cut)
         stops += end is not None
     assert stops > 0  # the prompts exercise a stop
 
 
-def test_token_id_prompts_give_one_choice_each_in_order(client, hf_tokenizer, oracle):
-    prompts = [hf_tokenizer(p)["input_ids"] for p in PROMPTS[1:4]]
+def test_token_id_prompts_give_one_choice_each_in_order(client, lively_hf_tokenizer, lively_oracle):
+    prompts = [lively_hf_tokenizer(p)["input_ids"] for p in PROMPTS[1:4]]
     out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, echo=True, **greedy())
     assert [c.index for c in out.choices] == [0, 1, 2]
     for choice, ids in zip(out.choices, prompts):
-        assert choice.text == hf_tokenizer.decode(ids) + oracle(ids, 12)[1]
+        assert choice.text == lively_hf_tokenizer.decode(ids) + lively_oracle(ids, 12)[1]
     assert out.usage.prompt_tokens == sum(map(len, prompts))
     assert out.usage.completion_tokens == 3 * 12
 
 
-def test_streamed_completion_equals_transformers_greedy(client, hf_tokenizer, oracle):
+def test_streamed_completion_equals_transformers_greedy(client, lively_hf_tokenizer, lively_oracle):
     prompt = PROMPTS[2]
-    _, text = oracle(hf_tokenizer(prompt)["input_ids"], 32)
+    _, text = lively_oracle(lively_hf_tokenizer(prompt)["input_ids"], 32)
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, stream=True,
                                             stream_options={"include_usage": True}, **greedy()))
     pieces = [c for c in chunks if c.choices]
@@ -180,15 +132,15 @@ def chat_messages(text: str) -> list[dict]:
     return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]
 
 
-def chat_prompt_ids(hf_tokenizer, messages) -> list[int]:
-    out = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_prompt_ids(lively_hf_tokenizer, messages) -> list[int]:
+    out = lively_hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def test_chat_completion_equals_transformers_greedy(client, hf_tokenizer, oracle):
+def test_chat_completion_equals_transformers_greedy(client, lively_hf_tokenizer, lively_oracle):
     messages = chat_messages(PROMPTS[3])
-    ids = chat_prompt_ids(hf_tokenizer, messages)
-    _, text = oracle(ids, 20)
+    ids = chat_prompt_ids(lively_hf_tokenizer, messages)
+    _, text = lively_oracle(ids, 20)
     out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20, **greedy())
     assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant"
@@ -202,9 +154,9 @@ def test_chat_completion_equals_transformers_greedy(client, hf_tokenizer, oracle
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_32_concurrent_streams_are_each_correct(server, hf_tokenizer, oracle):
+def test_32_concurrent_streams_are_each_correct(server, lively_hf_tokenizer, lively_oracle):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
-    expected = [oracle(hf_tokenizer(p)["input_ids"], 16 + i % 8)[1] for i, p in enumerate(prompts)]
+    expected = [lively_oracle(lively_hf_tokenizer(p)["input_ids"], 16 + i % 8)[1] for i, p in enumerate(prompts)]
 
     async def one(aclient, i: int) -> str:
         stream = await aclient.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16 + i % 8,
@@ -232,8 +184,8 @@ def test_a_stream_closed_midway_is_aborted_and_frees_its_blocks(client, server):
     assert after[generated] - before[generated] < 480  # it stopped before its max_tokens
 
 
-def test_n_completions_are_indexed_prompt_major(client, hf_tokenizer, oracle):
-    expected = [oracle(hf_tokenizer(p)["input_ids"], 6)[1] for p in PROMPTS[:2]]
+def test_n_completions_are_indexed_prompt_major(client, lively_hf_tokenizer, lively_oracle):
+    expected = [lively_oracle(lively_hf_tokenizer(p)["input_ids"], 6)[1] for p in PROMPTS[:2]]
     out = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=6, **greedy())
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert [c.text for c in out.choices] == [expected[0]] * 2 + [expected[1]] * 2
@@ -255,8 +207,8 @@ def test_a_seed_makes_sampling_reproducible(client):
     assert sample() == sample()
 
 
-def test_stop_strings_end_the_text(client, hf_tokenizer, oracle):
-    _, text = oracle(hf_tokenizer(PROMPTS[0])["input_ids"], 24)
+def test_stop_strings_end_the_text(client, lively_hf_tokenizer, lively_oracle):
+    _, text = lively_oracle(lively_hf_tokenizer(PROMPTS[0])["input_ids"], 24)
     stop = text[6:9]
     cut = text[:text.index(stop)]
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, stop=[stop], **greedy())
@@ -282,13 +234,13 @@ def reference_logprobs(lively_bpe_checkpoint):
     return reference
 
 
-def test_completion_logprobs_are_the_models_log_softmax(client, hf_tokenizer, oracle, reference_logprobs):
-    prompt = hf_tokenizer(PROMPTS[5])["input_ids"]
-    ids, _ = oracle(prompt, 8)
+def test_completion_logprobs_are_the_models_log_softmax(client, lively_hf_tokenizer, lively_oracle, reference_logprobs):
+    prompt = lively_hf_tokenizer(PROMPTS[5])["input_ids"]
+    ids, _ = lively_oracle(prompt, 8)
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logprobs=3, **greedy())
     lp = out.choices[0].logprobs
     ref = reference_logprobs(prompt + ids, len(prompt))
-    assert "".join(lp.tokens) == hf_tokenizer.decode(ids, skip_special_tokens=False)
+    assert "".join(lp.tokens) == lively_hf_tokenizer.decode(ids, skip_special_tokens=False)
     assert lp.text_offset == [len("".join(lp.tokens[:j])) for j in range(8)]
     for j, token in enumerate(ids):
         assert lp.token_logprobs[j] == pytest.approx(float(ref[j, token]), abs=1e-4)
@@ -296,10 +248,10 @@ def test_completion_logprobs_are_the_models_log_softmax(client, hf_tokenizer, or
         assert best == pytest.approx(ref[j].topk(3).values.tolist(), abs=1e-4)
 
 
-def test_chat_logprobs_list_the_top_tokens_in_order(client, hf_tokenizer, oracle, reference_logprobs):
+def test_chat_logprobs_list_the_top_tokens_in_order(client, lively_hf_tokenizer, lively_oracle, reference_logprobs):
     messages = chat_messages(PROMPTS[6])
-    prompt = chat_prompt_ids(hf_tokenizer, messages)
-    ids, _ = oracle(prompt, 6)
+    prompt = chat_prompt_ids(lively_hf_tokenizer, messages)
+    ids, _ = lively_oracle(prompt, 6)
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logprobs=True,
                                          top_logprobs=2, **greedy())
     content = out.choices[0].logprobs.content
@@ -379,7 +331,7 @@ def test_an_unknown_model_is_404(client):
     assert "no-such-model" in e.value.body["message"]
 
 
-def test_tokenize_and_detokenize(server, hf_tokenizer):
+def test_tokenize_and_detokenize(server, lively_hf_tokenizer):
     def post(path, body):
         request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json", **KEY})
@@ -387,10 +339,10 @@ def test_tokenize_and_detokenize(server, hf_tokenizer):
             return json.loads(r.read())
 
     ids = post("/tokenize", {"prompt": PROMPTS[5]})
-    assert ids["tokens"] == hf_tokenizer(PROMPTS[5])["input_ids"] and ids["count"] == len(ids["tokens"])
+    assert ids["tokens"] == lively_hf_tokenizer(PROMPTS[5])["input_ids"] and ids["count"] == len(ids["tokens"])
     assert post("/detokenize", {"tokens": ids["tokens"]})["prompt"] == PROMPTS[5]
     chat = post("/tokenize", {"messages": chat_messages("hi")})
-    assert chat["tokens"] == chat_prompt_ids(hf_tokenizer, chat_messages("hi"))
+    assert chat["tokens"] == chat_prompt_ids(lively_hf_tokenizer, chat_messages("hi"))
 
 
 def test_metrics_show_the_histograms_and_counters(client, server):
@@ -467,9 +419,9 @@ def test_chat_prompt_logprobs_are_at_the_top_level_and_null_unless_asked(server)
     assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) == out["usage"]["prompt_tokens"]
 
 
-def test_echoed_special_tokens_keep_their_text_and_offsets_run_on(server, hf_tokenizer):
+def test_echoed_special_tokens_keep_their_text_and_offsets_run_on(server, lively_hf_tokenizer):
     prompt = [0, 0, 0, 0, 0]
-    echo = hf_tokenizer.decode(prompt, skip_special_tokens=False)
+    echo = lively_hf_tokenizer.decode(prompt, skip_special_tokens=False)
     assert echo  # token 0 is a special token whose text vLLM echoes
     status, out = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1,
                                                    "temperature": 0.0, "ignore_eos": True})
@@ -481,14 +433,14 @@ def test_echoed_special_tokens_keep_their_text_and_offsets_run_on(server, hf_tok
     assert lp["text_offset"] == [len("".join(lp["tokens"][:j])) for j in range(8)]
 
 
-def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, hf_tokenizer, reference_logprobs):
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, lively_hf_tokenizer, reference_logprobs):
     # lm-eval's loglikelihood requests: the prompt's own logprobs, nothing generated shown
-    prompt = hf_tokenizer(PROMPTS[1])["input_ids"]
+    prompt = lively_hf_tokenizer(PROMPTS[1])["input_ids"]
     status, out = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1,
                                                    "temperature": 0.0})
     assert status == 200, out
     choice = out["choices"][0]
-    assert choice["text"] == hf_tokenizer.decode(prompt)
+    assert choice["text"] == lively_hf_tokenizer.decode(prompt)
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None
     ref = reference_logprobs(prompt, 1)
@@ -497,13 +449,13 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, hf_tokenizer, re
     assert post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0})[0] == 400  # without echo: nothing
 
 
-def test_tokenize_returns_the_token_strings_when_asked(server, hf_tokenizer):
+def test_tokenize_returns_the_token_strings_when_asked(server, lively_hf_tokenizer):
     status, out = post(server, "/tokenize", {"prompt": PROMPTS[5], "return_token_strs": True})
     assert status == 200
-    assert out["token_strs"] == hf_tokenizer.convert_ids_to_tokens(out["tokens"])
+    assert out["token_strs"] == lively_hf_tokenizer.convert_ids_to_tokens(out["tokens"])
     assert post(server, "/tokenize", {"prompt": PROMPTS[5]})[1]["token_strs"] is None
     plain = post(server, "/tokenize", {"prompt": PROMPTS[5], "add_special_tokens": False})[1]
-    assert plain["tokens"] == hf_tokenizer(PROMPTS[5], add_special_tokens=False)["input_ids"]
+    assert plain["tokens"] == lively_hf_tokenizer(PROMPTS[5], add_special_tokens=False)["input_ids"]
     # what it cannot do is refused by name, not ignored
     status, out = post(server, "/tokenize", {"messages": chat_messages("hi"), "chat_template": "{{ messages }}"})
     assert status == 400 and out["error"]["param"] == "chat_template"
@@ -522,9 +474,9 @@ def test_completion_top_logprobs_list_the_chosen_token_first(server):
     assert unlikely > 0  # some sampled tokens were not the most likely: the order is not the ranks'
 
 
-def test_min_tokens_holds_back_the_stop_tokens(server, hf_tokenizer, oracle):
-    prompt = hf_tokenizer(PROMPTS[0])["input_ids"]
-    ids, _ = oracle(prompt, 12)
+def test_min_tokens_holds_back_the_stop_tokens(server, lively_hf_tokenizer, lively_oracle):
+    prompt = lively_hf_tokenizer(PROMPTS[0])["input_ids"]
+    ids, _ = lively_oracle(prompt, 12)
     first = ids[0]
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop_token_ids": [first],
             "return_token_ids": True}
@@ -534,9 +486,9 @@ def test_min_tokens_holds_back_the_stop_tokens(server, hf_tokenizer, oracle):
     assert out["finish_reason"] == ("stop" if out["token_ids"][-1] == first else "length")
 
 
-def test_truncate_prompt_tokens_keeps_the_last_ones(server, hf_tokenizer, oracle):
-    prompt = hf_tokenizer(" ".join(PROMPTS))["input_ids"]
-    ids, text = oracle(prompt[-6:], 5)
+def test_truncate_prompt_tokens_keeps_the_last_ones(server, lively_hf_tokenizer, lively_oracle):
+    prompt = lively_hf_tokenizer(" ".join(PROMPTS))["input_ids"]
+    ids, text = lively_oracle(prompt[-6:], 5)
     status, out = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0.0,
                                                    "ignore_eos": True, "truncate_prompt_tokens": 6,
                                                    "return_token_ids": True})
@@ -619,9 +571,9 @@ def test_chat_echo_starts_the_reply_with_the_last_message(server):
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"]) == echoed
 
 
-def test_return_token_ids_gives_the_prompt_and_output_ids(server, hf_tokenizer, oracle):
-    prompt = hf_tokenizer(PROMPTS[2])["input_ids"]
-    ids, _ = oracle(prompt, 6)
+def test_return_token_ids_gives_the_prompt_and_output_ids(server, lively_hf_tokenizer, lively_oracle):
+    prompt = lively_hf_tokenizer(PROMPTS[2])["input_ids"]
+    ids, _ = lively_oracle(prompt, 6)
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
     choice = post(server, "/v1/completions", body)[1]["choices"][0]
     assert (choice["prompt_token_ids"], choice["token_ids"]) == (prompt, ids)
@@ -632,13 +584,13 @@ def test_return_token_ids_gives_the_prompt_and_output_ids(server, hf_tokenizer, 
     messages = chat_messages(PROMPTS[2])
     out = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 3, "temperature": 0.0,
                                                 "ignore_eos": True, "return_token_ids": True})[1]
-    assert out["prompt_token_ids"] == chat_prompt_ids(hf_tokenizer, messages)
-    assert out["choices"][0]["token_ids"] == oracle(out["prompt_token_ids"], 3)[0]
+    assert out["prompt_token_ids"] == chat_prompt_ids(lively_hf_tokenizer, messages)
+    assert out["choices"][0]["token_ids"] == lively_oracle(out["prompt_token_ids"], 3)[0]
 
 
-def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, hf_tokenizer, oracle):
-    prompt = hf_tokenizer(PROMPTS[3])["input_ids"]
-    ids, _ = oracle(prompt, 4)
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, lively_hf_tokenizer, lively_oracle):
+    prompt = lively_hf_tokenizer(PROMPTS[3])["input_ids"]
+    ids, _ = lively_oracle(prompt, 4)
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "logprobs": 2,
             "return_tokens_as_token_ids": True}
     lp = post(server, "/v1/completions", body)[1]["choices"][0]["logprobs"]
@@ -649,8 +601,8 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, hf_tokeni
     assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
 
 
-def test_continuous_usage_stats_put_the_usage_on_every_chunk(server, hf_tokenizer):
-    prompt = hf_tokenizer(PROMPTS[6])["input_ids"]
+def test_continuous_usage_stats_put_the_usage_on_every_chunk(server, lively_hf_tokenizer):
+    prompt = lively_hf_tokenizer(PROMPTS[6])["input_ids"]
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     events = sse_events(server, "/v1/completions", body)
@@ -678,9 +630,9 @@ VLLM_METRIC_NAMES = [
 ]
 
 
-def test_metrics_have_vllms_names_and_meanings(client, server, hf_tokenizer):
+def test_metrics_have_vllms_names_and_meanings(client, server, lively_hf_tokenizer):
     # different prompts, shorter than a block: the prefix cache serves none of their tokens
-    prompts = [hf_tokenizer(f"{PROMPTS[7]} {i}")["input_ids"] for i in range(3)]
+    prompts = [lively_hf_tokenizer(f"{PROMPTS[7]} {i}")["input_ids"] for i in range(3)]
     wait_until(lambda: idle(server.url), what="an idle server")
     before = scrape(server.url)
     for prompt in prompts:
@@ -745,7 +697,7 @@ def test_past_the_waiting_limit_requests_get_503_with_retry_after(small_server):
     wait_until(lambda: idle(small_server.url), what="an idle engine")
 
 
-def test_sigterm_lets_the_running_request_finish_and_exits_0(small_server, hf_tokenizer, oracle):
+def test_sigterm_lets_the_running_request_finish_and_exits_0(small_server, lively_hf_tokenizer, lively_oracle):
     client = openai.OpenAI(base_url=small_server.api_url, api_key="unused", max_retries=0)
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=400, stream=True, **greedy())
     chunks = iter(stream)
@@ -763,7 +715,7 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(small_server, hf_to
         text += chunk.choices[0].text
         last = chunk
     assert last.choices[0].finish_reason == "length"
-    assert text == oracle(hf_tokenizer(PROMPTS[7])["input_ids"], 400)[1]
+    assert text == lively_oracle(lively_hf_tokenizer(PROMPTS[7])["input_ids"], 400)[1]
     assert small_server.process.wait(60) == 0
     wait_until(lambda: not any(map(process_exists, children)), timeout=10, what="the server's children to end")
     assert "Traceback" not in small_server.log()
@@ -993,11 +945,12 @@ def test_metrics_count_the_engine_and_log_a_stats_line_while_busy(engine, caplog
     asyncio.run(main())
     value = metrics.registry.get_sample_value
     labels = {"model_name": "m"}
-    assert value("compiled_llm:generation_tokens_total", labels) == engine.stats.generated_tokens - generated_before
+    engine_0 = {**labels, "engine": "0"}  # the engine's own series carry vLLM's engine label
+    assert value("compiled_llm:generation_tokens_total", engine_0) == engine.stats.generated_tokens - generated_before
     assert value("compiled_llm:request_success_total", {**labels, "finished_reason": "length"}) == 2
     assert value("compiled_llm:e2e_request_latency_seconds_count", labels) == 2
-    assert value("compiled_llm:num_requests_running", labels) == 0
-    assert value("compiled_llm:spec_decode_num_drafts_total", labels) is None  # no speculation, no counters
+    assert value("compiled_llm:num_requests_running", engine_0) == 0
+    assert value("compiled_llm:spec_decode_num_drafts_total", engine_0) is None  # no speculation, no counters
     lines = [r.getMessage() for r in caplog.records if r.name == "compiled_llm.serve.metrics"]
     assert any("Avg generation throughput" in line and "KV cache usage" in line for line in lines)
 
@@ -1129,14 +1082,14 @@ def test_version_names_the_package_version(engine):
         assert c.get("/version").json() == {"version": importlib.metadata.version("compiled_llm")}
 
 
-def test_tokenizer_info_gives_the_tokenizers_class_tokens_and_chat_template(engine, hf_tokenizer):
+def test_tokenizer_info_gives_the_tokenizers_class_tokens_and_chat_template(engine, lively_hf_tokenizer):
     with app_client(engine, enable_tokenizer_info_endpoint=True) as c:
         info = c.get("/tokenizer_info").json()
     with app_client(engine) as c:
         assert c.get("/tokenizer_info").status_code == 404  # off by default, as vLLM's
     assert info["tokenizer_class"]
-    assert info["eos_token"] == hf_tokenizer.eos_token
-    assert info["chat_template"] == hf_tokenizer.chat_template
+    assert info["eos_token"] == lively_hf_tokenizer.eos_token
+    assert info["chat_template"] == lively_hf_tokenizer.chat_template
 
 
 def test_x_request_id_is_sent_back_and_names_the_completion(engine):
