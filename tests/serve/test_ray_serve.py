@@ -1,0 +1,168 @@
+"""The Ray Serve application (``compiled_llm.serve.ray_serve.app``) on a local Ray cluster, one
+cluster and one application of two engine replicas for the module, spoken to by the real
+``openai`` client.
+
+- Two replicas answer completions (token ids and text, streamed or not) and chats with
+  transformers' greedy tokens; other routes (``/v1/models``) are the server's own.
+- Requests that share a prompt prefix go to the replica that was sent it; prompts with nothing
+  in common spread over both.
+- Killing one replica under load ends or retries each of its requests within 30 s (a retried
+  one answers correctly), and the other replica keeps serving.
+- Shutting Serve down leaves no replica, controller or proxy actor behind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import openai  # noqa: E402
+import transformers  # noqa: E402
+from helpers.lively import greedy_continuation  # noqa: E402
+from helpers.ray_cluster import alive_actors, local_ray_cluster  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.util.state import list_actors  # noqa: E402
+
+from compiled_llm.serve.ray_serve.app import (ENGINE_DEPLOYMENT, REPLICA_HEADER, RayServeConfig,  # noqa: E402
+                                              build_app)
+
+APP = "llm"
+REPLICA_ACTOR = f"ServeReplica:{APP}:{ENGINE_DEPLOYMENT}"
+MAX_TOKENS = 8
+# three full blocks of 16 tokens that several prompts share
+SHARED = [(7 * i + 3) % 140 + 1 for i in range(48)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(lively_bpe_checkpoint):
+    path, hf = lively_bpe_checkpoint
+    return path, hf, transformers.AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def server(lively_bpe_engine):
+    """The application's base URL (two replicas); Serve is shut down by the last test."""
+    with local_ray_cluster(num_cpus=4):
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = RayServeConfig(model=str(lively_bpe_engine), num_replicas=2, replica_num_cpus=1,
+                                engine_options={"device": "cpu", "max_num_seqs": 16})
+        serve.run(build_app(config), name=APP, route_prefix="/")
+        yield f"http://127.0.0.1:{port}", str(lively_bpe_engine)
+        serve.shutdown()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def greedy(hf, prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
+    return list(greedy_continuation(hf, prompt, n).token_ids)
+
+
+def complete(server, prompt, max_tokens: int = MAX_TOKENS):
+    """(token ids, the replica that answered) of a greedy completion."""
+    raw = client(server).completions.with_raw_response.create(
+        model=server[1], prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    return raw.parse().choices[0].token_ids, raw.headers[REPLICA_HEADER]
+
+
+def test_two_replicas_answer_openai_requests_with_transformers_greedy_tokens(server, checkpoint):
+    _, hf, tok = checkpoint
+    status = serve.status().applications[APP].deployments[ENGINE_DEPLOYMENT]
+    assert status.replica_states == {"RUNNING": 2}
+    c = client(server)
+    replicas = set()
+    for prompt in ([5, 17, 33], [100, 2, 9, 41, 7, 7, 12, 60], list(range(20, 42))):
+        ids, replica = complete(server, prompt)
+        assert ids == greedy(hf, prompt)
+        replicas.add(replica)
+    assert len(replicas) == 2  # unrelated prompts spread over both
+    text = "the quick brown fox"
+    ids, _ = complete(server, text)
+    assert ids == greedy(hf, tok(text)["input_ids"])
+    streamed = c.completions.create(model=server[1], prompt=text, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == \
+        c.completions.create(model=server[1], prompt=text, max_tokens=MAX_TOKENS, temperature=0,
+                             extra_body={"ignore_eos": True}).choices[0].text
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = c.chat.completions.create(model=server[1], messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert chat.choices[0].token_ids == greedy(hf, list(prompt_ids))
+    assert [m.id for m in c.models.list().data] == [server[1]]
+
+
+def test_requests_sharing_a_prefix_go_to_the_replica_that_was_sent_it(server, checkpoint):
+    _, first = complete(server, SHARED + [9], max_tokens=1)
+    for tail in ([1], [2, 3], [4, 5, 6], [77]):
+        assert complete(server, SHARED + tail, max_tokens=1)[1] == first
+    # a new prefix goes to the least loaded replica and, all idle, to the one sent fewer prompts:
+    # the other one, which the shared prefix's five left four or more behind
+    others = {complete(server, [(11 * i + j) % 140 + 1 for i in range(32)], max_tokens=1)[1] for j in range(3)}
+    assert len(others) == 1 and first not in others
+
+
+def test_killing_one_replica_under_load_ends_or_retries_its_requests_within_30_s_and_the_other_serves(
+        server, checkpoint):
+    _, hf, _ = checkpoint
+    prompts = [[(5 * i + j) % 140 + 1 for i in range(6 + j)] for j in range(8)]
+    long = 400
+
+    def request(prompt):
+        t0 = time.monotonic()
+        try:
+            ids, replica = complete(server, prompt, max_tokens=long)
+            return "ok", ids, replica, time.monotonic() - t0
+        except openai.APIError as e:
+            return "error", str(e), None, time.monotonic() - t0
+
+    pool = concurrent.futures.ThreadPoolExecutor(len(prompts))
+    try:
+        futures = [pool.submit(request, p) for p in prompts]
+        time.sleep(0.5)  # the requests are generating on both replicas
+        victim = alive_actors(REPLICA_ACTOR)[0]
+        ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
+        killed = time.monotonic()
+        assert not any(f.done() for f in futures), "the load ended before the kill: the test would prove nothing"
+        done, late = concurrent.futures.wait(futures, timeout=30)
+        assert not late, "requests still running 30 s after their replica was killed"
+        assert time.monotonic() - killed < 30
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    results = [f.result() for f in futures]
+    print([(outcome, replica, round(took, 1)) for outcome, _, replica, took in results])
+    victim_id = victim.name.rsplit("#", 1)[-1]  # the replica's id ends its actor's name
+    assert all(replica != victim_id for outcome, _, replica, _ in results if outcome == "ok")
+    for prompt, (outcome, value, _, _) in zip(prompts, results):
+        if outcome == "ok":  # served, or retried on the other replica: the right tokens either way
+            assert value == greedy(hf, prompt, long)
+        else:
+            assert "the engine replica serving this request failed" in value and "\n" not in value
+    assert any(outcome == "ok" for outcome, *_ in results)
+    # the other replica keeps serving (Serve also starts a replacement for the killed one)
+    for prompt in prompts[:3]:
+        ids, replica = complete(server, prompt)
+        assert ids == greedy(hf, prompt)
+
+
+def test_shutting_serve_down_leaves_no_actor_behind(server):
+    serve.shutdown()
+    deadline = time.monotonic() + 30
+    while [a for a in list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)]:
+        assert time.monotonic() < deadline, list_actors(filters=[("state", "=", "ALIVE")])
+        time.sleep(0.2)
+    assert alive_actors(REPLICA_ACTOR) == []
