@@ -8,6 +8,8 @@ cluster and one application of two engine replicas for the module, spoken to by 
   in common spread over both.
 - Killing one replica under load ends or retries each of its requests within 30 s (a retried
   one answers correctly), and the other replica keeps serving.
+- Bad options (replicas and autoscaling bounds both, an unknown engine option) are refused before
+  any replica starts; ``serve run``'s ``key=value`` strings become typed options.
 - Shutting Serve down leaves no replica, controller or proxy actor behind.
 """
 
@@ -28,6 +30,7 @@ from helpers.ray_cluster import alive_actors, local_ray_cluster  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
+from compiled_llm.errors import InvalidOptionError  # noqa: E402
 from compiled_llm.serve.ray_serve.app import (ENGINE_DEPLOYMENT, REPLICA_HEADER, RayServeConfig,  # noqa: E402
                                               build_app)
 
@@ -118,24 +121,45 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_was_sent_it(server, ch
 
 def test_killing_one_replica_under_load_ends_or_retries_its_requests_within_30_s_and_the_other_serves(
         server, checkpoint):
+    """Streams show which replica serves them as soon as they start (the replica header): the
+    one killed is serving some. Its streams end with an error event; its other requests, whose
+    responses had not started, are retried on the other replica and answer correctly."""
     _, hf, _ = checkpoint
     prompts = [[(5 * i + j) % 140 + 1 for i in range(6 + j)] for j in range(8)]
     long = 400
+    c = client(server)
+    started: dict[int, str] = {}  # stream number -> its replica
 
-    def request(prompt):
+    def stream(j):
         t0 = time.monotonic()
         try:
-            ids, replica = complete(server, prompt, max_tokens=long)
+            with c.completions.with_streaming_response.create(
+                    model=server[1], prompt=prompts[j], max_tokens=long, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True}) as response:
+                started[j] = response.headers[REPLICA_HEADER]
+                chunks = [chunk for chunk in response.parse() if chunk.choices]
+                return "ok", chunks[-1].choices[0].finish_reason, started[j], time.monotonic() - t0
+        except openai.APIError as e:
+            return "error", str(e), started.get(j), time.monotonic() - t0
+
+    def request(j):
+        t0 = time.monotonic()
+        try:
+            ids, replica = complete(server, prompts[j], max_tokens=long)
             return "ok", ids, replica, time.monotonic() - t0
         except openai.APIError as e:
             return "error", str(e), None, time.monotonic() - t0
 
     pool = concurrent.futures.ThreadPoolExecutor(len(prompts))
     try:
-        futures = [pool.submit(request, p) for p in prompts]
-        time.sleep(0.5)  # the requests are generating on both replicas
-        victim = alive_actors(REPLICA_ACTOR)[0]
-        ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
+        futures = [pool.submit(stream if j % 2 else request, j) for j in range(len(prompts))]
+        deadline = time.monotonic() + 30
+        while len(started) < 4 or len(set(started.values())) < 2:  # streams running on both replicas
+            assert time.monotonic() < deadline and not any(f.done() for f in futures), started
+            time.sleep(0.05)
+        victim = started[1]
+        (actor,) = [a for a in alive_actors(REPLICA_ACTOR) if a.name.endswith("#" + victim)]
+        ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
         killed = time.monotonic()
         assert not any(f.done() for f in futures), "the load ended before the kill: the test would prove nothing"
         done, late = concurrent.futures.wait(futures, timeout=30)
@@ -144,19 +168,36 @@ def test_killing_one_replica_under_load_ends_or_retries_its_requests_within_30_s
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     results = [f.result() for f in futures]
-    print([(outcome, replica, round(took, 1)) for outcome, _, replica, took in results])
-    victim_id = victim.name.rsplit("#", 1)[-1]  # the replica's id ends its actor's name
-    assert all(replica != victim_id for outcome, _, replica, _ in results if outcome == "ok")
-    for prompt, (outcome, value, _, _) in zip(prompts, results):
-        if outcome == "ok":  # served, or retried on the other replica: the right tokens either way
-            assert value == greedy(hf, prompt, long)
+    for j, (outcome, value, replica, _) in enumerate(results):
+        if j % 2 and replica == victim:  # a stream of the killed replica: an error event ends it
+            assert outcome == "error" and "the engine replica serving this request failed" in value, value
+        elif j % 2:
+            assert (outcome, value) == ("ok", "length")
+        elif outcome == "ok":  # served by the other replica, first or on the retry: the right tokens
+            assert replica != victim and value == greedy(hf, prompts[j], long)
         else:
             assert "the engine replica serving this request failed" in value and "\n" not in value
-    assert any(outcome == "ok" for outcome, *_ in results)
     # the other replica keeps serving (Serve also starts a replacement for the killed one)
     for prompt in prompts[:3]:
         ids, replica = complete(server, prompt)
         assert ids == greedy(hf, prompt)
+
+
+def test_options_are_checked_before_any_replica_starts():
+    with pytest.raises(InvalidOptionError, match="either num_replicas or min_replicas/max_replicas"):
+        RayServeConfig(model="m", num_replicas=2, min_replicas=1, max_replicas=3)
+    with pytest.raises(InvalidOptionError, match=r"min_replicas \(4\) is above max_replicas \(3\)"):
+        RayServeConfig(model="m", min_replicas=4, max_replicas=3)
+    with pytest.raises(InvalidOptionError, match="unknown engine option 'max_num_seq'"):
+        RayServeConfig(model="m", engine_options={"max_num_seq": 3})
+    # `serve run ...:build_app key=value`: strings, typed by the option they name
+    config = RayServeConfig.from_args({"model": "m", "min_replicas": "1", "max_replicas": "4", "max_num_seqs": "8",
+                                       "enable_prefix_caching": "false", "device": "cpu", "api_key": "k"})
+    assert (config.min_replicas, config.max_replicas) == (1, 4)
+    assert config.engine_options == {"max_num_seqs": 8, "enable_prefix_caching": False, "device": "cpu"}
+    assert config.server_options == {"api_key": "k"}
+    options = config.engine_deployment_options()
+    assert options["autoscaling_config"].max_replicas == 4 and "num_replicas" not in options
 
 
 def test_shutting_serve_down_leaves_no_actor_behind(server):
