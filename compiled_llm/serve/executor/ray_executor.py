@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import socket
 import sys
 import threading
@@ -86,6 +87,11 @@ class RankActor:
             torch.cuda.set_device(self.device)
         self.rank = rank
         self.worker = RankWorker(load_engine(engine_dir, device=self.device, rank=rank))
+
+    def gpu_ids(self) -> list:
+        import ray
+
+        return list(ray.get_gpu_ids())
 
     def join(self, size: int, init_method: str, timeout_s: float, custom_all_reduce: bool) -> bool:
         return init_group(self.device, self.rank, size, init_method, timeout_s, custom_all_reduce)
@@ -147,6 +153,8 @@ class RayExecutor:
             # before any rank waits in the group
             for rank, actor in enumerate(self._actors, start=1):
                 self._await(actor.call.remote("synchronize", ()), rank, LOAD_TIMEOUT_S, "load")
+            if device.type == "cuda":
+                self._check_gpus_apart(device)
             init_method = f"tcp://{_bracketed(node_ip)}:{_free_port(node_ip)}"
             joins = [a.join.remote(size, init_method, timeout_s, custom_all_reduce) for a in self._actors]
             self.custom_all_reduce = init_group(device, 0, size, init_method, timeout_s, custom_all_reduce)
@@ -159,6 +167,18 @@ class RayExecutor:
         self._monitor = threading.Thread(target=self._watch, name="tp-ray-monitor", daemon=True)
         self._monitor.start()
         atexit.register(_shutdown_ref, weakref.ref(self))
+
+    def _check_gpus_apart(self, device: torch.device) -> None:
+        """Rank 0 runs on the GPU it was loaded on, outside Ray; bundle 0 holds one GPU back for
+        it, and Ray hands the actors others, which should leave rank 0's alone. Refuse, rather
+        than share a GPU between two ranks, where they do not."""
+        ours = physical_gpu(device)
+        for rank, actor in enumerate(self._actors, start=1):
+            theirs = [str(g) for g in self._ray.get(actor.gpu_ids.remote())]
+            if ours in theirs:
+                raise EngineError(f"Ray placed tensor-parallel rank {rank} on GPU {ours}, which rank 0 (this process) "
+                                  f"runs on; give this process a GPU Ray does not hand out (CUDA_VISIBLE_DEVICES), "
+                                  f"or use --distributed-executor-backend mp")
 
     # ---- the interface (see the package docstring) ----------------------------------------------
 
@@ -311,6 +331,13 @@ def _ready(ray, refs: list, timeout_s: float) -> bool:
     """Whether every one of ``refs`` is done within ``timeout_s``."""
     done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     return len(done) == len(refs)
+
+
+def physical_gpu(device: torch.device) -> str:
+    """The id the host (and Ray) knows ``device`` by: its index among CUDA_VISIBLE_DEVICES."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[index] if index < len(visible) else str(index)
 
 
 def _free_port(ip: str) -> int:

@@ -1,6 +1,8 @@
 """``distributed_executor_backend`` (``--distributed-executor-backend``), vLLM's option: ``mp``
 (the default) or ``ray``. A name that is neither, or ``ray`` where Ray is not installed, is
-refused in one line before any rank starts. Runs without Ray: that is what it checks."""
+refused in one line before any rank starts. The Ray backend's placement (one bundle per rank,
+rank 0's pinned to this node) and its naming of rank 0's GPU are plain functions. Runs without
+Ray: that is what it checks."""
 
 from __future__ import annotations
 
@@ -46,3 +48,21 @@ def test_the_ray_backend_without_ray_is_refused_in_one_line_before_any_rank_star
                  "--distributed-executor-backend", "ray"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: distributed_executor_backend 'ray' needs Ray")
+
+
+def test_the_ray_placement_is_one_bundle_per_rank_with_rank_0s_pinned_to_this_node():
+    from compiled_llm.serve.executor.ray_executor import rank_bundles  # imports without Ray
+
+    assert rank_bundles(2, torch.device("cpu"), "10.0.0.7") == [{"CPU": 1.0, "node:10.0.0.7": 0.001}, {"CPU": 1.0}]
+    assert rank_bundles(3, torch.device("cuda"), "10.0.0.7") == [{"GPU": 1.0, "node:10.0.0.7": 0.001},
+                                                                 {"GPU": 1.0}, {"GPU": 1.0}]
+
+
+def test_rank_0s_gpu_is_named_as_ray_names_gpus(monkeypatch):
+    """What the Ray backend compares with the GPUs Ray gave the actors, so that no two ranks share one."""
+    from compiled_llm.serve.executor.ray_executor import physical_gpu
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert physical_gpu(torch.device("cuda", 1)) == "5"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert physical_gpu(torch.device("cuda", 2)) == "2"
