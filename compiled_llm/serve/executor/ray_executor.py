@@ -131,7 +131,10 @@ class RayExecutor:
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             # the cluster `ray start` made on this machine, or $RAY_ADDRESS's; else a local one
-            ray.init(logging_level=logging.WARNING)
+            try:
+                ray.init(logging_level=logging.WARNING)
+            except Exception as e:  # noqa: BLE001 - a bad $RAY_ADDRESS, a cluster that is gone: one line
+                raise EngineError(f"could not join the Ray cluster for the tensor-parallel ranks: {first_line(e)}") from None
         try:
             node_ip = ray.util.get_node_ip_address()
             bundles = rank_bundles(size, device, node_ip)
