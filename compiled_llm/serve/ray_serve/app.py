@@ -235,6 +235,10 @@ class OpenAiIngress:
             if event_stream:
                 yield sse({"error": {"message": why, "type": "ServiceUnavailableError", "param": None,
                                      "code": None}}) + SSE_DONE
+        finally:
+            # a client that went away: its replica's app sees a disconnect and aborts the request
+            # (Serve cancels a dropped stream too; a finished one ignores this)
+            stream.cancel()
 
 
 def build_app(config: RayServeConfig | dict) -> serve.Application:
