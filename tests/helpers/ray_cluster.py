@@ -47,3 +47,19 @@ def live_placement_groups() -> list:
     from ray.util.state import list_placement_groups
 
     return [g for g in list_placement_groups(raise_on_missing_output=False) if g.state != "REMOVED"]
+
+
+def process_gone(pid: int, within_s: float = 15.0) -> bool:
+    """Whether process ``pid`` has exited (or is a zombie) within ``within_s`` seconds."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False

@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray")
 
 import openai  # noqa: E402
 from helpers.lively import greedy_continuation  # noqa: E402
-from helpers.ray_cluster import alive_actors, live_placement_groups, local_ray_cluster  # noqa: E402
+from helpers.ray_cluster import alive_actors, live_placement_groups, local_ray_cluster, process_gone  # noqa: E402
 from helpers.server_fixtures import serve_process  # noqa: E402
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
@@ -82,9 +82,11 @@ def test_tp2_over_a_ray_actor_generates_what_transformers_does_and_leaves_nothin
         assert actor.node_id == ray.get_runtime_context().get_node_id()  # beside rank 0
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outs] == wants
+        ((_, pid),) = executor.run_on_ranks(rank_and_pid)
     finally:
         llm.shutdown()
     assert_nothing_left()
+    assert process_gone(pid)  # the actor's process, not only the actor
 
 
 # sent to the actor's rank by name (run_on_ranks)

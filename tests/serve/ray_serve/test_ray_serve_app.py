@@ -10,7 +10,7 @@ cluster and one application of two engine replicas for the module, spoken to by 
   one answers correctly), and the other replica keeps serving.
 - Bad options (replicas and autoscaling bounds both, an unknown engine option) are refused before
   any replica starts; ``serve run``'s ``key=value`` strings become typed options.
-- Shutting Serve down leaves no replica, controller or proxy actor behind.
+- Shutting Serve down leaves no replica, controller or proxy actor behind, nor their processes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray")
 import openai  # noqa: E402
 import transformers  # noqa: E402
 from helpers.lively import greedy_continuation  # noqa: E402
-from helpers.ray_cluster import alive_actors, local_ray_cluster  # noqa: E402
+from helpers.ray_cluster import alive_actors, local_ray_cluster, process_gone  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
@@ -200,10 +200,13 @@ def test_options_are_checked_before_any_replica_starts():
     assert options["autoscaling_config"].max_replicas == 4 and "num_replicas" not in options
 
 
-def test_shutting_serve_down_leaves_no_actor_behind(server):
+def test_shutting_serve_down_leaves_no_actor_or_process_behind(server):
+    pids = [a.pid for a in list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)]
+    assert len(pids) >= 4  # Serve's controller and proxy, the ingress, the engine replicas
     serve.shutdown()
     deadline = time.monotonic() + 30
     while [a for a in list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)]:
         assert time.monotonic() < deadline, list_actors(filters=[("state", "=", "ALIVE")])
         time.sleep(0.2)
     assert alive_actors(REPLICA_ACTOR) == []
+    assert all(process_gone(pid) for pid in pids)
