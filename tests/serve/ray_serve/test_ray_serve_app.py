@@ -198,6 +198,8 @@ def test_options_are_checked_before_any_replica_starts():
     assert config.server_options == {"api_key": "k"}
     options = config.engine_deployment_options()
     assert options["autoscaling_config"].max_replicas == 4 and "num_replicas" not in options
+    assert options["request_router_config"].request_router_class.endswith("PrefixAwareRequestRouter")
+    assert isinstance(build_app({"model": "m", "num_replicas": "2", "device": "cpu"}), serve.Application)
 
 
 def test_shutting_serve_down_leaves_no_actor_or_process_behind(server):
