@@ -19,6 +19,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
@@ -111,6 +112,7 @@ def test_a_function_runs_on_the_actors_rank_and_one_that_raises_fails_naming_the
     finally:
         executor.shutdown()
     assert_nothing_left()
+    assert not torch.distributed.is_initialized()  # the failed ranks' gloo group ended with them
 
 
 def test_serve_with_the_ray_backend_answers_openai_requests_as_transformers(cluster, tp2, wants):
@@ -162,6 +164,8 @@ def test_a_killed_rank_actor_fails_generate_naming_the_rank_within_30_s_and_leav
     finally:
         llm.shutdown()
     assert_nothing_left()
+    assert process_gone(pid)
+    assert not torch.distributed.is_initialized()
     # the cluster, and this process, run a tensor-parallel engine again
     again = LLM(str(tp2[0]), device="cpu", distributed_executor_backend="ray")
     try:
