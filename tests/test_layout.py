@@ -38,6 +38,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("serve.metrics",),
     ("serve.openai",),
     ("serve.llm",),
+    # Ray Serve's application: engine replicas under the OpenAI server's app (an optional extra)
+    ("serve.ray_serve",),
     ("serve",),
     ("cli",),
     ("",),  # compiled_llm/__init__.py: the public API's names, loaded lazily
@@ -141,3 +143,49 @@ def test_every_module_has_a_layer_and_the_walk_sees_function_level_imports():
 def test_the_runtime_top_level_holds_at_most_twelve_modules():
     top = [p.name for p in (PACKAGE / "serve").glob("*.py") if p.name != "__init__.py"]
     assert len(top) <= 12, sorted(top)
+
+
+# Ray is an optional extra (compiled_llm[ray]): these modules alone import it, and the rest of
+# the package imports them only inside a function, so nothing loads Ray until it is asked for
+RAY_MODULES = ("compiled_llm.serve.executor.ray_executor", "compiled_llm.serve.ray_serve")
+
+
+def _is_ray_module(name: str) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in RAY_MODULES)
+
+
+def _imports(tree: ast.AST, top_level_only: bool) -> set[str]:
+    """The dotted names ``tree`` imports (absolute imports), those run at import time only when
+    ``top_level_only`` (a function's body runs later; a class's runs at import)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if top_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                found.add(child.module)
+                found.update(f"{child.module}.{a.name}" for a in child.names)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_only_the_ray_modules_import_ray_and_nothing_else_loads_them_at_import():
+    importers, eager = [], []
+    for name, path in known_modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        if any(n == "ray" or n.startswith("ray.") for n in _imports(tree, top_level_only=False)):
+            importers.append(name)
+        if not _is_ray_module(name) and any(_is_ray_module(n) for n in _imports(tree, top_level_only=True)):
+            eager.append(name)
+    assert importers and all(_is_ray_module(m) for m in importers), importers
+    assert eager == []
+    # the executor's module and the package's __init__ import without Ray (LLMEngine names the
+    # executor's module inside a function; Ray itself is imported when an executor starts)
+    for name in ("compiled_llm.serve.executor.ray_executor", "compiled_llm.serve.ray_serve"):
+        tree = ast.parse(known_modules()[name].read_text())
+        assert not any(n == "ray" or n.startswith("ray.") for n in _imports(tree, top_level_only=True)), name

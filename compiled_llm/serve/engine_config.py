@@ -13,6 +13,10 @@ from typing import Any, Mapping
 from compiled_llm.errors import InvalidOptionError
 from compiled_llm.serve.core.spec_decode.config import SpeculativeConfig
 
+# how the other tensor-parallel ranks run (vLLM's names): processes of this host (serve/executor/
+# multiproc.py), or Ray actors on a Ray cluster, placed on one node (serve/executor/ray_executor.py)
+EXECUTOR_BACKENDS = ("mp", "ray")
+
 
 def _option(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
@@ -48,6 +52,9 @@ class EngineConfig:
         1, "serve: run N engine replicas behind one endpoint, each on its own GPU or tensor-parallel group "
            "(replica i on GPUs i*TP..(i+1)*TP-1; all on the CPU), each request sent to the replica likely to "
            "hold its prefix in cache, else the least loaded; LLM, run and bench's offline workloads run one")
+    distributed_executor_backend: str = dataclasses.field(default="mp", metadata={"choices": EXECUTOR_BACKENDS, "help": (
+        "how the other tensor-parallel ranks run, as vLLM's flag: mp (processes of this host) or ray (actors "
+        "on the Ray cluster this process joins, kept on this process's node; pip install compiled_llm[ray])")})
     speculative_config: str | None = _option(
         None, 'speculative decoding, as a JSON object (vLLM\'s): {"method": "ngram", "num_speculative_tokens": K, '
               '"prompt_lookup_max": N[, "prompt_lookup_min": M][, "disable_by_batch_size": B]}; unset: off')
@@ -58,7 +65,7 @@ class EngineConfig:
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative_config))
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), type(f.default) if f.default is not None else None
-            if value is None and f.default is None or f.name == "speculative_config":
+            if value is None and f.default is None or f.name in ("speculative_config", "distributed_executor_backend"):
                 continue
             if kind is bool:
                 if not isinstance(value, bool):
@@ -74,6 +81,9 @@ class EngineConfig:
                 raise InvalidOptionError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidOptionError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise InvalidOptionError(f"unknown distributed_executor_backend {self.distributed_executor_backend!r}; "
+                                     f"choose one of: {', '.join(EXECUTOR_BACKENDS)}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise InvalidOptionError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
 

@@ -49,6 +49,17 @@ GRAMMAR_WAIT_S = 0.02
 FAILED_RANK_WAIT_S = 3.0
 
 
+def start_executor(model: LoadedModel, config: EngineConfig):
+    """The other tensor-parallel ranks of ``model``, run by the backend ``config`` names."""
+    options = dict(custom_all_reduce=not config.disable_custom_all_reduce)
+    if config.distributed_executor_backend == "ray":
+        # imported here: the Ray backend is an optional extra, and its module imports Ray only when started
+        from compiled_llm.serve.executor.ray_executor import RayExecutor
+
+        return RayExecutor(model.engine_dir, model.tp_size, model.device, **options)
+    return MultiprocExecutor(model.engine_dir, model.tp_size, model.device, **options)
+
+
 @dataclasses.dataclass
 class EngineStats:
     steps: int = 0
@@ -110,9 +121,7 @@ class LLMEngine:
             )
         self._stats = EngineStats()
         # the other tensor-parallel ranks: every device operation below is sent to them first
-        self.executor = (MultiprocExecutor(model.engine_dir, model.tp_size, self.device,
-                                           custom_all_reduce=not config.disable_custom_all_reduce)
-                         if model.tp_size > 1 else None)
+        self.executor = start_executor(model, config) if model.tp_size > 1 else None
         try:
             self._init_on_device(model, config)
         except BaseException:

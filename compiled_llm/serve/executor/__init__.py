@@ -19,9 +19,14 @@ themselves (``compiled-llm compare`` rebuilds a rank's program and runs steps in
 scratch KV cache), with functions of their own: ``fn`` must be picklable by name (a module-level
 function), and raising in it fails the ranks as a dying rank does, named.
 
-``multiproc.MultiprocExecutor`` runs the ranks as processes of this host (torch.multiprocessing,
-torch.distributed over NCCL on CUDA and gloo on CPU). A multi-node backend is one more file:
-start a ``RankWorker`` per GPU of the other nodes (as Ray actors, say), rendezvous
-torch.distributed through a TCP store that rank 0 hosts, and carry ``send`` and ``run_on_ranks``
-over the actors' calls; nothing in the engine or the runner changes.
+The engine option ``distributed_executor_backend`` (vLLM's name) picks one:
+
+- ``mp``: ``multiproc.MultiprocExecutor`` runs the ranks as processes of this host
+  (torch.distributed over NCCL on CUDA and gloo on CPU, through a file store).
+- ``ray``: ``ray_executor.RayExecutor`` runs them as Ray actors of the cluster this process
+  joins, in a placement group kept on this process's node; torch.distributed meets through a TCP
+  store that rank 0 hosts. Ray is an optional extra, imported by that module alone, and only
+  once such an executor starts.
+
+Nothing in the engine or the runner tells them apart.
 """

@@ -75,15 +75,16 @@ def check_devices(device: torch.device, size: int) -> None:
         )
 
 
-def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_s: float,
+def init_group(device: torch.device, rank: int, size: int, init_method: str, timeout_s: float,
                custom_all_reduce: bool) -> bool:
-    """Join the group; on GPUs also open the custom all-reduce's workspace (a collective too),
-    unless ``custom_all_reduce`` is off. True when it opened, which it does on every rank or on
-    none (ranks that disagreed would wait in different collectives)."""
+    """Join the group through ``init_method`` (a ``file://`` store on one host, a ``tcp://``
+    store that rank 0 hosts across hosts); on GPUs also open the custom all-reduce's workspace
+    (a collective too), unless ``custom_all_reduce`` is off. True when it opened, which it does
+    on every rank or on none (ranks that disagreed would wait in different collectives)."""
     if dist.is_initialized():
         raise EngineError("torch.distributed is already initialized in this process; a tensor-parallel engine starts its own group")
     dist.init_process_group(
-        backend_for(device), init_method=f"file://{store}", rank=rank, world_size=size,
+        backend_for(device), init_method=init_method, rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     if device.type != "cuda" or not custom_all_reduce:
@@ -151,7 +152,7 @@ class MultiprocExecutor:
                 theirs.close()
                 self._conns.append(Connection(ours.detach()))
             self._wait_ready()
-            self.custom_all_reduce = init_group(device, 0, size, store, timeout_s, custom_all_reduce)
+            self.custom_all_reduce = init_group(device, 0, size, f"file://{store}", timeout_s, custom_all_reduce)
         except BaseException:
             self._kill_workers()
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -370,7 +371,7 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
             torch.cuda.set_device(device)
         worker = RankWorker(load_engine(engine_dir, device=device, rank=rank))
         conn.send(("ready", None))
-        init_group(device, rank, size, Path(store), timeout_s, custom_all_reduce)
+        init_group(device, rank, size, f"file://{store}", timeout_s, custom_all_reduce)
         while True:
             message = conn.recv()
             if message is None:

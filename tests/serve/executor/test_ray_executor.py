@@ -1,0 +1,176 @@
+"""Tensor parallelism with ``--distributed-executor-backend ray`` on a local Ray cluster (CPU,
+gloo, two ranks: this process and one Ray actor), one cluster for the module.
+
+- A TP=2 engine whose other rank is a Ray actor generates what transformers generates, through
+  ``LLM`` and through ``compiled-llm serve``; its ranks sit in one strictly packed placement
+  group, one bundle per rank, on this node, and shutdown leaves no actor and no group behind.
+- ``run_on_ranks`` reaches the actor's rank, and a function that raises there fails the engine
+  naming the rank.
+- A rank actor killed mid-generation fails the running generate, and every later one, with an
+  ``EngineError`` naming the rank within 30 s; nothing is left behind, and the cluster runs a
+  new engine afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+import openai  # noqa: E402
+from helpers.lively import greedy_continuation  # noqa: E402
+from helpers.ray_cluster import alive_actors, live_placement_groups, local_ray_cluster, process_gone  # noqa: E402
+from helpers.server_fixtures import serve_process  # noqa: E402
+
+from compiled_llm import LLM, SamplingParams  # noqa: E402
+from compiled_llm.engine.artifact import load_engine  # noqa: E402
+from compiled_llm.engine.build import build_engine  # noqa: E402
+from compiled_llm.errors import EngineError  # noqa: E402
+from compiled_llm.serve.executor.ray_executor import RayExecutor  # noqa: E402
+
+PROMPTS = [[5, 17, 33], [100, 2, 9, 41, 7, 7, 12, 60], list(range(20, 42))]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_ray_cluster(num_cpus=4) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def tp2(lively_bpe_checkpoint, tmp_path_factory):
+    """(engine directory, transformers model): the lively checkpoint sharded over two ranks."""
+    checkpoint, hf = lively_bpe_checkpoint
+    out = tmp_path_factory.mktemp("ray-tp2") / "engine"
+    build_engine(str(checkpoint), out, dtype="float32", device="cpu", progress=False, tensor_parallel_size=2)
+    return out, hf
+
+
+@pytest.fixture(scope="module")
+def wants(tp2):
+    _, hf = tp2
+    out = [greedy_continuation(hf, p, MAX_TOKENS) for p in PROMPTS]
+    assert min(w.min_margin for w in out) > 1e-4, "the oracle's greedy choices must not be near ties"
+    return [list(w.token_ids) for w in out]
+
+
+def assert_nothing_left():
+    assert alive_actors("RankActor") == []
+    assert live_placement_groups() == []
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+def test_tp2_over_a_ray_actor_generates_what_transformers_does_and_leaves_nothing_behind(cluster, tp2, wants):
+    llm = LLM(str(tp2[0]), device="cpu", distributed_executor_backend="ray", max_num_batched_tokens=16)
+    try:
+        executor = llm.engine.executor
+        assert isinstance(executor, RayExecutor)
+        (group,) = live_placement_groups()
+        table = ray.util.placement_group_table(executor._pg)
+        assert table["placement_group_id"] == group.placement_group_id
+        assert table["strategy"] == "STRICT_PACK"
+        assert [b["CPU"] for b in table["bundles"].values()] == [1, 1]  # one bundle per rank
+        (actor,) = alive_actors("RankActor")
+        assert actor.node_id == ray.get_runtime_context().get_node_id()  # beside rank 0
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == wants
+        ((_, pid),) = executor.run_on_ranks(rank_and_pid)
+    finally:
+        llm.shutdown()
+    assert_nothing_left()
+    assert process_gone(pid)  # the actor's process, not only the actor
+
+
+# sent to the actor's rank by name (run_on_ranks)
+def rank_and_pid(model, state):
+    return model.tp_rank, os.getpid()
+
+
+def refuse(model, state):
+    raise ValueError(f"rank {model.tp_rank} refuses")
+
+
+def test_a_function_runs_on_the_actors_rank_and_one_that_raises_fails_naming_the_rank(cluster, tp2):
+    engine = load_engine(tp2[0])
+    executor = RayExecutor(engine.engine_dir, engine.tp_size, engine.device)
+    try:
+        ((rank, pid),) = executor.run_on_ranks(rank_and_pid)
+        assert rank == 1 and pid != os.getpid()
+        with pytest.raises(EngineError, match=r"^tensor-parallel rank 1 failed: ValueError: rank 1 refuses$"):
+            executor.run_on_ranks(refuse)
+        with pytest.raises(EngineError, match=r"^tensor-parallel rank 1 failed"):
+            executor.send("synchronize")  # and every later call
+    finally:
+        executor.shutdown()
+    assert_nothing_left()
+    assert not torch.distributed.is_initialized()  # the failed ranks' gloo group ended with them
+
+
+def test_serve_with_the_ray_backend_answers_openai_requests_as_transformers(cluster, tp2, wants):
+    with serve_process(tp2[0], "--distributed-executor-backend", "ray", env={"RAY_ADDRESS": cluster}) as server:
+        client = openai.OpenAI(base_url=server.api_url, api_key="none", max_retries=0)
+        for prompt, want in zip(PROMPTS, wants):
+            out = client.completions.create(model=str(tp2[0]), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert out.choices[0].token_ids == want, server.log()[-3000:]
+        assert "Ray actors" in server.log()
+    deadline = time.monotonic() + 30  # the engine process's actor goes with it
+    while alive_actors("RankActor") or live_placement_groups():
+        assert time.monotonic() < deadline, (alive_actors("RankActor"), live_placement_groups())
+        time.sleep(0.2)
+
+
+def test_a_killed_rank_actor_fails_generate_naming_the_rank_within_30_s_and_leaves_nothing_behind(cluster, tp2):
+    llm = LLM(str(tp2[0]), device="cpu", distributed_executor_backend="ray", max_num_seqs=4)
+    try:
+        ((_, pid),) = llm.engine.executor.run_on_ranks(rank_and_pid)
+        result: dict = {}
+
+        def generate():
+            prompts = [{"prompt_token_ids": [i + 1] * (5 + i)} for i in range(3)]
+            try:
+                result["outs"] = llm.generate(prompts, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
+                                              use_tqdm=False)
+            except BaseException as e:  # noqa: BLE001 - the test inspects it
+                result["error"] = e
+
+        thread = threading.Thread(target=generate, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while llm.engine.stats.steps < 3:
+            assert thread.is_alive() and time.monotonic() < deadline, result
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)  # the actor's process dies, as on a crash
+        killed = time.monotonic()
+        thread.join(30)
+        assert not thread.is_alive(), "generate still running 30 s after its rank's actor was killed"
+        assert time.monotonic() - killed < 30
+        error = result.get("error")
+        assert isinstance(error, EngineError), repr(error)
+        assert str(error).startswith("tensor-parallel rank 1 (a Ray actor) died") and "\n" not in str(error)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="tensor-parallel rank 1"):
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 5
+    finally:
+        llm.shutdown()
+    assert_nothing_left()
+    assert process_gone(pid)
+    assert not torch.distributed.is_initialized()
+    # the cluster, and this process, run a tensor-parallel engine again
+    again = LLM(str(tp2[0]), device="cpu", distributed_executor_backend="ray")
+    try:
+        (out,) = again.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    finally:
+        again.shutdown()
+    assert_nothing_left()
