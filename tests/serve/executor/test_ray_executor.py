@@ -14,8 +14,6 @@ gloo, two ranks: this process and one Ray actor), one cluster for the module.
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 
 import pytest
@@ -24,6 +22,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 import openai  # noqa: E402
+from helpers.rank_kill import kill_mid_generate  # noqa: E402
 from helpers.lively import greedy_continuation  # noqa: E402
 from helpers.ray_cluster import alive_actors, live_placement_groups, local_ray_cluster, process_gone  # noqa: E402
 from helpers.server_fixtures import serve_process  # noqa: E402
@@ -133,34 +132,8 @@ def test_a_killed_rank_actor_fails_generate_naming_the_rank_within_30_s_and_leav
     llm = LLM(str(tp2[0]), device="cpu", distributed_executor_backend="ray", max_num_seqs=4)
     try:
         ((_, pid),) = llm.engine.executor.run_on_ranks(rank_and_pid)
-        result: dict = {}
-
-        def generate():
-            prompts = [{"prompt_token_ids": [i + 1] * (5 + i)} for i in range(3)]
-            try:
-                result["outs"] = llm.generate(prompts, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
-                                              use_tqdm=False)
-            except BaseException as e:  # noqa: BLE001 - the test inspects it
-                result["error"] = e
-
-        thread = threading.Thread(target=generate, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while llm.engine.stats.steps < 3:
-            assert thread.is_alive() and time.monotonic() < deadline, result
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGKILL)  # the actor's process dies, as on a crash
-        killed = time.monotonic()
-        thread.join(30)
-        assert not thread.is_alive(), "generate still running 30 s after its rank's actor was killed"
-        assert time.monotonic() - killed < 30
-        error = result.get("error")
-        assert isinstance(error, EngineError), repr(error)
+        error = kill_mid_generate(llm, pid, max_tokens=400)
         assert str(error).startswith("tensor-parallel rank 1 (a Ray actor) died") and "\n" not in str(error)
-        t0 = time.monotonic()
-        with pytest.raises(EngineError, match="tensor-parallel rank 1"):
-            llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)
-        assert time.monotonic() - t0 < 5
     finally:
         llm.shutdown()
     assert_nothing_left()
