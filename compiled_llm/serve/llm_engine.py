@@ -110,9 +110,12 @@ class LLMEngine:
             )
         self._stats = EngineStats()
         # the other tensor-parallel ranks: every device operation below is sent to them first
-        self.executor = (MultiprocExecutor(model.engine_dir, model.tp_size, self.device,
-                                           custom_all_reduce=not config.disable_custom_all_reduce)
-                         if model.tp_size > 1 else None)
+        # (and the other pipeline stages: the custom all-reduce's workspace spans every rank, so
+        # a pipelined engine's stages all-reduce through NCCL over their own groups)
+        self.executor = (MultiprocExecutor(model.engine_dir, model.world_size, self.device,
+                                           custom_all_reduce=not config.disable_custom_all_reduce and model.pp_size == 1,
+                                           tp_size=model.tp_size)
+                         if model.world_size > 1 else None)
         try:
             self._init_on_device(model, config)
         except BaseException:
@@ -144,7 +147,7 @@ class LLMEngine:
             self._profile_step(2, 1)
         self._stats.kv_num_blocks = num_blocks
         t1 = time.perf_counter()
-        kv_cache = kvc.allocate(mc, num_blocks, bs, model.dtype, self.device)
+        kv_cache = kvc.allocate(mc, num_blocks, bs, model.dtype, self.device, model.kv_layers)
         self._stats.init_s = {"kv_sizing": t1 - t0, "kv_alloc": time.perf_counter() - t1}
 
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, sliding_window=mc.kv_window)
@@ -166,17 +169,21 @@ class LLMEngine:
                               max_model_len=self.max_model_len)
         # captured bucket by bucket on first use, so none stands before the first token
         graph_tokens = None
-        if not config.enforce_eager and self.device.type == "cuda":
+        # a pipeline stage reads its inputs' shapes on the host: it runs eagerly
+        pipelined = model.pp_size > 1
+        if not config.enforce_eager and self.device.type == "cuda" and not pipelined:
             graph_tokens = min(config.prefill_graph_max_tokens, self.max_model_len)
         if self.executor is not None:
-            self.executor.send("make_runner", num_blocks, bs, runner_options, config.max_graph_batch_size, graph_tokens)
+            self.executor.send("make_runner", num_blocks, bs, runner_options,
+                               None if pipelined else config.max_graph_batch_size, graph_tokens)
         self.runner = ModelRunner(mc, model.params, model.program, kv_cache, block_size=bs, device=self.device,
-                                  tp_size=model.tp_size, **runner_options)
+                                  tp_size=model.world_size, **runner_options)
         self.runner.peers = self.executor
         self.runner.eos_token_ids = tuple(model.eos_token_ids)
         if self.executor is not None:
             self.executor.before_teardown.append(self.runner.release_graphs)
-        self.runner.set_decode_buckets(config.max_graph_batch_size)
+        if not pipelined:
+            self.runner.set_decode_buckets(config.max_graph_batch_size)
         if graph_tokens is not None:
             self.runner.prepare_graphs(graph_tokens)
 
@@ -222,7 +229,8 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.send("profile_step", *size)
         profile_step(self.model.config, self.model.params, self.model.program, num_tokens=size[0],
-                     num_seqs=size[1], block_size=size[2], dtype=self.model.dtype, device=self.device)
+                     num_seqs=size[1], block_size=size[2], dtype=self.model.dtype, device=self.device,
+                     kv_layers=self.model.kv_layers)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (the engine cannot step afterwards), and

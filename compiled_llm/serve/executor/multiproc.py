@@ -67,8 +67,13 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
 
 
-def check_devices(device: torch.device, size: int) -> None:
+def check_devices(device: torch.device, size: int, tp_size: int | None = None) -> None:
     if device.type == "cuda" and torch.cuda.device_count() < size:
+        if tp_size is not None and tp_size != size:
+            raise EngineError(
+                f"the engine runs {size // tp_size} pipeline stages x {tp_size} tensor-parallel ranks = {size} GPUs "
+                f"but {torch.cuda.device_count()} are visible; rebuild it with a smaller --pipeline-parallel-size "
+                f"or --tensor-parallel-size")
         raise EngineError(
             f"the engine is sharded over {size} GPUs but {torch.cuda.device_count()} are visible; "
             f"rebuild it with a smaller --tensor-parallel-size"
@@ -76,16 +81,26 @@ def check_devices(device: torch.device, size: int) -> None:
 
 
 def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_s: float,
-               custom_all_reduce: bool) -> bool:
+               custom_all_reduce: bool, tp_size: int | None = None) -> bool:
     """Join the group; on GPUs also open the custom all-reduce's workspace (a collective too),
     unless ``custom_all_reduce`` is off. True when it opened, which it does on every rank or on
-    none (ranks that disagreed would wait in different collectives)."""
+    none (ranks that disagreed would wait in different collectives). With ``tp_size`` below
+    ``size`` the ranks are pipeline stages of ``tp_size`` ranks each (stage-major): each stage's
+    collectives run over a group of its own."""
     if dist.is_initialized():
         raise EngineError("torch.distributed is already initialized in this process; a tensor-parallel engine starts its own group")
     dist.init_process_group(
         backend_for(device), init_method=f"file://{store}", rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    if tp_size is not None and tp_size < size:
+        from compiled_llm.graph import collective_ops
+
+        # every rank makes every stage's group, in the same order (new_group is collective)
+        for first in range(0, size, tp_size):
+            group = dist.new_group(list(range(first, first + tp_size)))
+            if first <= rank < first + tp_size:
+                collective_ops.set_group(group)
     if device.type != "cuda" or not custom_all_reduce:
         return False
     from compiled_llm.kernels import triton_all_reduce
@@ -96,6 +111,9 @@ def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_
 
 def end_group(device: torch.device) -> None:
     """Leave the group, every rank together (NCCL's teardown waits for the others)."""
+    from compiled_llm.graph import collective_ops
+
+    collective_ops.set_group(None)
     if device.type == "cuda":
         from compiled_llm.kernels import triton_all_reduce
 
@@ -106,10 +124,12 @@ def end_group(device: torch.device) -> None:
 
 class MultiprocExecutor:
     def __init__(self, engine_dir: Path, size: int, device: torch.device, timeout_s: float | None = None,
-                 custom_all_reduce: bool = True):
+                 custom_all_reduce: bool = True, tp_size: int | None = None):
+        """``size`` ranks in all; ``tp_size`` per pipeline stage (None: one stage of ``size``)."""
         device = torch.device(device)
         timeout_s = timeout_s or COLLECTIVE_TIMEOUT_S[backend_for(device)]
-        check_devices(device, size)
+        tp_size = tp_size or size
+        check_devices(device, size, tp_size)
         self.size = size
         self._device = device
         if custom_all_reduce and device.type == "cuda" and not _symmetric_memory_fresh():
@@ -144,14 +164,14 @@ class MultiprocExecutor:
                 ours, theirs = socket.socketpair()
                 cmd = [sys.executable, "-m", __name__, str(engine_dir), str(rank), str(size), device.type, str(store),
                        str(theirs.fileno()), str(os.getpid()), str(timeout_s), str(int(custom_all_reduce)),
-                       json.dumps([str(p) for p in sys.path])]
+                       str(tp_size), json.dumps([str(p) for p in sys.path])]
                 # a fresh interpreter, not multiprocessing: nothing of the caller's __main__ is
                 # re-run, and a daemonic engine process may start it too
                 self._procs.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL))
                 theirs.close()
                 self._conns.append(Connection(ours.detach()))
             self._wait_ready()
-            self.custom_all_reduce = init_group(device, 0, size, store, timeout_s, custom_all_reduce)
+            self.custom_all_reduce = init_group(device, 0, size, store, timeout_s, custom_all_reduce, tp_size)
         except BaseException:
             self._kill_workers()
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -360,7 +380,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store: str, conn: Connection,
-                 timeout_s: float, custom_all_reduce: bool) -> None:
+                 timeout_s: float, custom_all_reduce: bool, tp_size: int) -> None:
     try:
         from compiled_llm.engine.artifact import load_engine
         from compiled_llm.serve.executor.rank_worker import RankWorker
@@ -370,7 +390,7 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
             torch.cuda.set_device(device)
         worker = RankWorker(load_engine(engine_dir, device=device, rank=rank))
         conn.send(("ready", None))
-        init_group(device, rank, size, Path(store), timeout_s, custom_all_reduce)
+        init_group(device, rank, size, Path(store), timeout_s, custom_all_reduce, tp_size)
         while True:
             message = conn.recv()
             if message is None:
@@ -395,12 +415,12 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
 def start_ranks(engine) -> MultiprocExecutor:
     """The other ranks of a loaded tensor-parallel engine (a ``LoadedModel``), started as the
     runtime starts them: what ``engine.compare.compare_engine`` is handed to drive them."""
-    return MultiprocExecutor(engine.engine_dir, engine.tp_size, engine.device)
+    return MultiprocExecutor(engine.engine_dir, engine.world_size, engine.device, tp_size=engine.tp_size)
 
 
 if __name__ == "__main__":
-    _engine_dir, _rank, _size, _device_type, _store, _fd, _parent, _timeout, _custom, _sys_path = sys.argv[1:]
+    _engine_dir, _rank, _size, _device_type, _store, _fd, _parent, _timeout, _custom, _tp, _sys_path = sys.argv[1:]
     sys.path[:] = json.loads(_sys_path)  # rank 0's, as multiprocessing's spawn gives its children
     threading.Thread(target=_exit_with_parent, args=(int(_parent),), daemon=True).start()
     _worker_main(_engine_dir, int(_rank), int(_size), _device_type, _store, Connection(int(_fd)), float(_timeout),
-                 _custom == "1")
+                 _custom == "1", int(_tp))

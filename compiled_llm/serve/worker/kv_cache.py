@@ -73,6 +73,11 @@ def gpu_num_blocks(
     return n, info
 
 
-def allocate(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> torch.Tensor:
+def allocate(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+             layers: int | None = None) -> torch.Tensor:
+    """The cache of ``layers`` layers (a pipeline stage's; None: all of the model's)."""
+    shape = kv_cache_shape(config, num_blocks, block_size)
+    if layers is not None:
+        shape = (layers, *shape[1:])
     # zeros, not empty: padded decode rows may read a block before anything was written there
-    return torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
