@@ -11,8 +11,14 @@ scheduler and the sampler), is stage 0's first tensor-parallel rank. Every rank 
     last stage        its tp rank 0 sends the logits to rank 0
     rank 0            returns those logits (the other ranks' return values are dropped)
 
-Each tensor goes as a small header (dtype, shape), then its data: the receiver learns a step's
-token count without another message. Every TP rank of a stage holds the same activations (the
+Micro-batches: every rank cuts the step into up to ``micro_batches`` groups of whole sequences
+(``micro_batches.py``; by default as many as there are stages) and runs them in order, sending
+each one's outputs without waiting for them to arrive: stage k starts micro-batch j+1 while stage
+k+1 runs micro-batch j, so the stages overlap within a step; rank 0 collects the logits of every
+micro-batch at the end and puts them back in order.
+
+Each tensor goes as a small header (dtype, shape), then its data: the receiver learns a
+micro-batch's token count without another message. Every TP rank of a stage holds the same activations (the
 stage ends in an all-reduce), so each sends to its peer of the next stage.
 The header is read on the host, so a stage cannot run inside a CUDA graph: a pipelined engine
 runs eagerly (``serve/llm_engine.py``).
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from compiled_llm.engine import micro_batches
 from compiled_llm.engine.program import with_direct_calls
 from compiled_llm.graph.logits_rows import with_logits_rows
 from compiled_llm.model.spec import PackedBatch
@@ -32,13 +39,19 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int3
 _HEADER = 6  # dtype code, rank, up to 4 dims
 
 
-def send_tensors(tensors: list[Tensor], dst: int) -> None:
+def send_tensors(tensors: list[Tensor], dst: int) -> list:
+    """Queue the sends of ``tensors`` to rank ``dst`` (isend: the caller goes on to its next
+    micro-batch); returns what to ``wait()`` on before the step ends, which also keeps the
+    tensors alive until they are sent."""
+    works = []
     for t in tensors:
         if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
             raise ValueError(f"cannot send a {t.dim()}-D {t.dtype} activation between pipeline stages")
-        header = [_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim())
-        dist.send(torch.tensor(header, dtype=torch.int64, device=t.device), dst)
-        dist.send(t.contiguous(), dst)
+        header = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim()),
+                              dtype=torch.int64, device=t.device)
+        data = t.contiguous()
+        works += [(dist.isend(header, dst), header), (dist.isend(data, dst), data)]
+    return works
 
 
 def receive_tensors(count: int, src: int, device: torch.device) -> list[Tensor]:
@@ -58,11 +71,13 @@ class PipelineStage:
     ``kv_cache``, the stage's layers only), as tensor-parallel rank ``tp_rank`` of ``tp_size``."""
 
     def __init__(self, gm: torch.fx.GraphModule, param_names: list[str], *, stage: int, stages: int,
-                 tp_rank: int, tp_size: int, num_inputs: int, num_outputs: int, yields_chosen_rows: bool):
+                 tp_rank: int, tp_size: int, num_inputs: int, num_outputs: int, yields_chosen_rows: bool,
+                 micro_batches: int | None = None):
         self.param_names = list(param_names)
         self.stage, self.stages = stage, stages
         self.num_inputs, self.num_outputs = num_inputs, num_outputs
         self.is_last = stage == stages - 1
+        self.micro_batches = micro_batches or stages
         self._previous = (stage - 1) * tp_size + tp_rank
         self._next = (stage + 1) * tp_size + tp_rank
         self._last_rank = (stages - 1) * tp_size  # the last stage's tp rank 0 hands the logits back
@@ -81,19 +96,26 @@ class PipelineStage:
 
     def _step(self, params, batch, kv_cache: Tensor, rows: Tensor | None) -> Tensor:
         device = kv_cache.device
-        inputs = receive_tensors(self.num_inputs, self._previous, device) if self.stage > 0 else []
-        args = [*(params[n] for n in self.param_names), *batch, kv_cache, *inputs]
-        if self.is_last and rows is not None:
-            if self._rows_gm is None:
-                self._rows_gm = with_logits_rows(self._run)
-            out = self._rows_gm(*args, rows)
-        else:
-            out = self._run(*args)
-        out = list(out) if isinstance(out, (tuple, list)) else [out]
-        if not self.is_last:
-            send_tensors(out, self._next)
-        elif self._sends_logits:
-            send_tensors(out[:1], 0)
+        weights = [params[n] for n in self.param_names]
+        parts = micro_batches.split(batch, self.micro_batches)
+        sending, results = [], []
+        for mb in parts:
+            inputs = receive_tensors(self.num_inputs, self._previous, device) if self.stage > 0 else []
+            args = [*weights, *mb.batch, kv_cache, *inputs]
+            if self.is_last and rows is not None:
+                if self._rows_gm is None:
+                    self._rows_gm = with_logits_rows(self._run)
+                out = self._rows_gm(*args, micro_batches.rows_within(rows, mb))
+            else:
+                out = self._run(*args)
+            out = list(out) if isinstance(out, (tuple, list)) else [out]
+            if not self.is_last:
+                sending += send_tensors(out, self._next)
+            elif self._sends_logits:
+                sending += send_tensors(out[:1], 0)
+            results.append(out[0])
         if self._is_driver:
-            return receive_tensors(1, self._last_rank, device)[0]
-        return out[0]
+            results = [receive_tensors(1, self._last_rank, device)[0] for _ in parts]
+        for work, _ in sending:
+            work.wait()
+        return results[0] if len(results) == 1 else torch.cat(results)
