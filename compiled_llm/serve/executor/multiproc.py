@@ -131,6 +131,7 @@ class MultiprocExecutor:
         tp_size = tp_size or size
         check_devices(device, size, tp_size)
         self.size = size
+        self.tp_size = tp_size
         self._device = device
         if custom_all_reduce and device.type == "cuda" and not _symmetric_memory_fresh():
             log.info("this process opened a custom all-reduce workspace before; this tensor-parallel engine's "
@@ -264,7 +265,7 @@ class MultiprocExecutor:
             try:
                 conn.send_bytes(message)
             except OSError:
-                self._fail(f"tensor-parallel rank {rank} is gone (its pipe closed)")
+                self._fail(f"{self._name(rank)} is gone (its pipe closed)")
                 self.check()
 
     def _result(self, rank: int, call: int) -> Any:
@@ -301,15 +302,22 @@ class MultiprocExecutor:
         except (EOFError, OSError):  # the process is gone
             return None
 
+    def _name(self, rank: int) -> str:
+        """How an error names a rank: with its pipeline stage when the engine has several."""
+        if self.tp_size == self.size:
+            return f"tensor-parallel rank {rank}"
+        stage, tp_rank = divmod(rank, self.tp_size)
+        return f"rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+
     def _describe(self, rank: int, message) -> str:
         if message is not None and message[0] == "error":
-            return f"tensor-parallel rank {rank} failed: {message[1]}"
+            return f"{self._name(rank)} failed: {message[1]}"
         proc = self._procs[rank - 1]
         try:
             status = proc.wait(2.0)
         except subprocess.TimeoutExpired:
             status = "unknown"
-        return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {status}"
+        return f"{self._name(rank)} (pid {proc.pid}) exited with status {status}"
 
     def _watch(self) -> None:
         """After start-up a worker sends only its results (``run_on_ranks``), which go to its
@@ -327,7 +335,7 @@ class MultiprocExecutor:
                     try:
                         message = self._receive(rank)
                     except Exception as e:  # noqa: BLE001 - a result this process cannot unpickle
-                        self._fail(f"tensor-parallel rank {rank} sent a result rank 0 cannot read: {first_line(e)}")
+                        self._fail(f"{self._name(rank)} sent a result rank 0 cannot read: {first_line(e)}")
                         return
                     if message is None or message[0] != "result":
                         self._fail(self._describe(rank, message))

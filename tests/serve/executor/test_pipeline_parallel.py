@@ -3,10 +3,12 @@
 - A PP=2 engine (built with the CLI, three layers split 2 + 1) generates, batched, chunked and
   preempted, exactly what transformers generates for each request alone, through ``LLM`` and
   through ``compiled-llm run``; its prompt log-probabilities are transformers' too.
-- A PP=2 x TP=2 engine (four processes, each stage a TP group of its own) does the same.
+- ``LLM(SOURCE, pipeline_parallel_size=2, tensor_parallel_size=2)`` builds a PP=2 x TP=2 engine
+  (four processes, each stage a TP group of its own), which does the same.
 - The engine directory holds one program per stage and one weights file per (stage, TP rank),
   each with its stage's layers only; the manifest and ``inspect`` record the pipeline size and
   each stage's layers, and an engine asked for at another pipeline size is refused.
+- A stage that dies fails the generation with an error naming its rank and stage.
 - Bad input is one line naming the problem: more stages than layers, more ranks than the
   devices, a program that does not cut at layer boundaries.
 """
@@ -32,7 +34,7 @@ from compiled_llm.passes.base import Pass
 from compiled_llm.serve.executor import multiproc
 
 LAYERS = 3  # split 2 + 1: the stages differ
-MAX_TOKENS = 10
+MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +67,16 @@ def pp2_engine(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pp2_tp2_engine(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp2tp2") / "engine"
-    build_engine(str(checkpoint[0]), out, dtype="float32", device="cpu", progress=False,
-                 pipeline_parallel_size=2, tensor_parallel_size=2)
-    return out
+def pp2_tp2_run(checkpoint, wants):
+    """``LLM(SOURCE, pipeline_parallel_size=2, tensor_parallel_size=2)`` (built into the engine
+    cache) run over the prompts: (its engine directory, generate_all's results)."""
+    return generate_all(str(checkpoint[0]), wants[0], pipeline_parallel_size=2, tensor_parallel_size=2,
+                        dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2_engine(pp2_tp2_run):
+    return pp2_tp2_run[0]
 
 
 def manifest(engine: Path) -> dict:
@@ -81,10 +88,12 @@ def weight_names(path: Path) -> set[str]:
         return set(f.keys())  # noqa: SIM118 - safe_open is no mapping
 
 
-def generate_all(engine: Path, prompts: list[list[int]]) -> tuple[list, LLM]:
+def generate_all(model: Path | str, prompts: list[list[int]], **build) -> tuple:
     """Batched (8 at once), chunked (16-token budget) and preempted (8 blocks of 16 for 6
-    requests of up to 50 tokens); also one request's prompt log-probabilities."""
-    llm = LLM(str(engine), device="cpu", max_num_seqs=8, max_num_batched_tokens=16, num_blocks=8)
+    requests of up to 50 tokens); also one request's prompt log-probabilities. Returns (the
+    engine directory, outputs, (preemptions, all blocks free after, worker processes), the
+    log-probabilities' output)."""
+    llm = LLM(str(model), device="cpu", max_num_seqs=8, max_num_batched_tokens=16, num_blocks=8, **build)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -95,7 +104,7 @@ def generate_all(engine: Path, prompts: list[list[int]]) -> tuple[list, LLM]:
     finally:
         llm.shutdown()
     assert all(p.poll() is not None for p in llm.engine.executor._procs)  # shutdown stops every stage
-    return outs, stats, lp
+    return llm.engine.model.engine_dir, outs, stats, lp
 
 
 def check_against_transformers(checkpoint, wants, outs, lp) -> None:
@@ -114,14 +123,14 @@ def check_against_transformers(checkpoint, wants, outs, lp) -> None:
 
 
 def test_pp2_engine_generates_what_transformers_does(checkpoint, wants, pp2_engine):
-    outs, (preemptions, all_free, workers), lp = generate_all(pp2_engine, wants[0])
+    _, outs, (preemptions, all_free, workers), lp = generate_all(pp2_engine, wants[0])
     check_against_transformers(checkpoint, wants, outs, lp)
     assert workers == 1  # stage 1; stage 0 is this process
     assert preemptions > 0 and all_free
 
 
-def test_pp2_tp2_engine_generates_what_transformers_does(checkpoint, wants, pp2_tp2_engine):
-    outs, (preemptions, all_free, workers), lp = generate_all(pp2_tp2_engine, wants[0])
+def test_pp2_tp2_llm_of_a_source_generates_what_transformers_does(checkpoint, wants, pp2_tp2_run):
+    _, outs, (preemptions, all_free, workers), lp = pp2_tp2_run
     check_against_transformers(checkpoint, wants, outs, lp)
     assert workers == 3  # stage 0's second TP rank, and stage 1's two
     assert preemptions > 0 and all_free
@@ -250,3 +259,19 @@ def test_compare_refuses_a_pipelined_engine_in_one_line(pp2_engine):
 
     with pytest.raises(CompiledLLMError, match="is a pipelined engine \\(2 stages\\), which compare does not check yet"):
         compare_engine(pp2_engine)
+
+
+def test_a_stage_that_dies_fails_the_generation_naming_its_stage(pp2_engine):
+    import os
+    import signal
+
+    llm = LLM(str(pp2_engine), device="cpu")
+    try:
+        (stage1,) = llm.engine.executor._procs
+        os.kill(stage1.pid, signal.SIGKILL)
+        with pytest.raises(EngineError) as e:
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert str(e.value).startswith("rank 1 (pipeline stage 1, tensor-parallel rank 0) (pid ")
+    assert "\n" not in str(e.value)
