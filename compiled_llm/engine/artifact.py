@@ -3,9 +3,13 @@
     manifest.json          format version, model config, build options, versions, passes with
                            match counts, kernel choices, sha256 of every file, and what the
                            source's generation_config.json says (sampling defaults, EOS ids)
-    weights.safetensors    post-pass weights (merged qkv / gate_up stored once)
+    weights.safetensors    post-pass weights (merged qkv / gate_up stored once); a
+                           tensor-parallel engine's are weights.rank<R>.safetensors, a pipelined
+                           one's weights.stage<K>[.rank<R>].safetensors (a stage's layers only)
     program.json           the post-pass graph as plain data (graph/serialize.py): no pickle,
-                           no constants (weights are inputs)
+                           no constants (weights are inputs); a pipelined engine has one
+                           program.stage<K>.json per stage instead, listed in the manifest's
+                           ``pipeline`` entry with the layers each holds
     kernels/triton/        (CUDA builds) Triton's compile cache, warmed by the build on every
                            kernel specialisation the runtime launches; GPU code (cubins)
     ir/                    IR dumps: NN_<stage>.py (graph code), NN_<stage>.ops.json (op histogram)

@@ -112,9 +112,9 @@ class LLMEngine:
         # the other tensor-parallel ranks: every device operation below is sent to them first
         # (and the other pipeline stages: the custom all-reduce's workspace spans every rank, so
         # a pipelined engine's stages all-reduce through NCCL over their own groups)
+        custom_all_reduce = not config.disable_custom_all_reduce and model.pp_size == 1
         self.executor = (MultiprocExecutor(model.engine_dir, model.world_size, self.device,
-                                           custom_all_reduce=not config.disable_custom_all_reduce and model.pp_size == 1,
-                                           tp_size=model.tp_size)
+                                           custom_all_reduce=custom_all_reduce, tp_size=model.tp_size)
                          if model.world_size > 1 else None)
         try:
             self._init_on_device(model, config)
