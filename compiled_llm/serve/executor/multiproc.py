@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from compiled_llm.errors import EngineError, first_line
+from compiled_llm.graph import collective_ops
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,8 @@ def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_
         backend_for(device), init_method=f"file://{store}", rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    collective_ops.set_group(None)  # not a failed engine's stage group, whose process group is gone
     if tp_size is not None and tp_size < size:
-        from compiled_llm.graph import collective_ops
-
         # every rank makes every stage's group, in the same order (new_group is collective)
         for first in range(0, size, tp_size):
             group = dist.new_group(list(range(first, first + tp_size)))
@@ -111,8 +111,6 @@ def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_
 
 def end_group(device: torch.device) -> None:
     """Leave the group, every rank together (NCCL's teardown waits for the others)."""
-    from compiled_llm.graph import collective_ops
-
     collective_ops.set_group(None)
     if device.type == "cuda":
         from compiled_llm.kernels import triton_all_reduce

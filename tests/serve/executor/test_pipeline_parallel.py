@@ -8,7 +8,8 @@
 - The engine directory holds one program per stage and one weights file per (stage, TP rank),
   each with its stage's layers only; the manifest and ``inspect`` record the pipeline size and
   each stage's layers, and an engine asked for at another pipeline size is refused.
-- A stage that dies fails the generation with an error naming its rank and stage.
+- A stage that dies fails the generation with an error naming its rank and stage, and the
+  process can start a pipelined engine again.
 - Bad input is one line naming the problem: more stages than layers, more ranks than the
   devices, a program that does not cut at layer boundaries.
 """
@@ -261,7 +262,7 @@ def test_compare_refuses_a_pipelined_engine_in_one_line(pp2_engine):
         compare_engine(pp2_engine)
 
 
-def test_a_stage_that_dies_fails_the_generation_naming_its_stage(pp2_engine):
+def test_a_stage_that_dies_fails_the_generation_naming_its_stage_and_the_process_can_start_again(pp2_engine):
     import os
     import signal
 
@@ -275,3 +276,9 @@ def test_a_stage_that_dies_fails_the_generation_naming_its_stage(pp2_engine):
         llm.shutdown()
     assert str(e.value).startswith("rank 1 (pipeline stage 1, tensor-parallel rank 0) (pid ")
     assert "\n" not in str(e.value)
+    again = LLM(str(pp2_engine), device="cpu")  # the process can start a pipelined engine again
+    try:
+        assert len(again.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2),
+                                  use_tqdm=False)[0].token_ids) == 2
+    finally:
+        again.shutdown()
