@@ -145,7 +145,12 @@ def _check_pipeline(pipeline: Any, size: int, config: ModelConfig, path: Path) -
         counts = [stage.get(key) for key in ("first_layer", "num_layers", "inputs", "outputs")]
         if not all(type(c) is int and 0 <= c <= 1 << 16 for c in counts) or counts[0] != layer or counts[1] < 1:
             raise malformed(path, "pipeline", f"stage {k}'s layers or activation counts are not valid")
+        if k > 0 and counts[2] != stages[k - 1].get("outputs"):
+            raise malformed(path, "pipeline", f"stage {k} takes {counts[2]} activations but stage {k - 1} sends "
+                                              f"{stages[k - 1].get('outputs')}")
         layer += counts[1]
+    if stages[0].get("inputs") != 0 or stages[-1].get("outputs") != 1:
+        raise malformed(path, "pipeline", "the first stage must take no activations and the last return the logits alone")
     if layer != config.num_layers:
         raise malformed(path, "pipeline", f"its stages hold {layer} of the model's {config.num_layers} layers")
 

@@ -39,7 +39,20 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int3
 _HEADER = 6  # dtype code, rank, up to 4 dims
 
 
-def send_tensors(tensors: list[Tensor], dst: int) -> list:
+# The logits go back to rank 0 over a group of their own (``set_logits_group``): on NCCL a pair of
+# ranks shares one communicator and one stream both ways, and at two stages rank 0's next
+# activation send and the last stage's logits send would each wait for the other's receive.
+_logits_group = None
+
+
+def set_logits_group(group) -> None:
+    """The group of rank 0 and the last stage's rank 0 (made by every rank, ``serve/executor``),
+    or None (the default group)."""
+    global _logits_group
+    _logits_group = group
+
+
+def send_tensors(tensors: list[Tensor], dst: int, group=None) -> list:
     """Queue the sends of ``tensors`` to rank ``dst`` (isend: the caller goes on to its next
     micro-batch); returns what to ``wait()`` on before the step ends, which also keeps the
     tensors alive until they are sent."""
@@ -50,18 +63,18 @@ def send_tensors(tensors: list[Tensor], dst: int) -> list:
         header = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim()),
                               dtype=torch.int64, device=t.device)
         data = t.contiguous()
-        works += [(dist.isend(header, dst), header), (dist.isend(data, dst), data)]
+        works += [(dist.isend(header, dst, group=group), header), (dist.isend(data, dst, group=group), data)]
     return works
 
 
-def receive_tensors(count: int, src: int, device: torch.device) -> list[Tensor]:
+def receive_tensors(count: int, src: int, device: torch.device, group=None) -> list[Tensor]:
     out = []
     for _ in range(count):
         header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        dist.recv(header, src)
+        dist.recv(header, src, group=group)
         code, ndim, *dims = header.tolist()
         t = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=device)
-        dist.recv(t, src)
+        dist.recv(t, src, group=group)
         out.append(t)
     return out
 
@@ -112,10 +125,10 @@ class PipelineStage:
             if not self.is_last:
                 sending += send_tensors(out, self._next)
             elif self._sends_logits:
-                sending += send_tensors(out[:1], 0)
+                sending += send_tensors(out[:1], 0, _logits_group)
             results.append(out[0])
         if self._is_driver:
-            results = [receive_tensors(1, self._last_rank, device)[0] for _ in parts]
+            results = [receive_tensors(1, self._last_rank, device, _logits_group)[0] for _ in parts]
         for work, _ in sending:
             work.wait()
         return results[0] if len(results) == 1 else torch.cat(results)

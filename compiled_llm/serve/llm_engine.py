@@ -130,8 +130,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         num_blocks = config.num_blocks
         if num_blocks is None and self.device.type == "cuda":
+            # a pipeline stage's cache holds its layers only; stage 0 (this rank) holds the most
+            # (earlier stages take the extra layers), so its block count fits every stage's
             num_blocks, self._stats.memory = kvc.gpu_num_blocks(
                 mc, bs, model.dtype, self.device, config.gpu_memory_utilization, self.profile_largest_step,
+                model.kv_layers,
             )
             # Blocks beyond what every sequence can hold at once, twice over (the second half keeps
             # prefixes cached), would only cost start-up time: a tiny model on a large GPU would
@@ -140,7 +143,8 @@ class LLMEngine:
         else:
             if num_blocks is None:
                 num_blocks = kvc.cpu_num_blocks(
-                    mc, bs, model.dtype, config.kv_cache_gib, max_num_seqs * cdiv(self.max_model_len, bs) + 1
+                    mc, bs, model.dtype, config.kv_cache_gib, max_num_seqs * cdiv(self.max_model_len, bs) + 1,
+                    model.kv_layers,
                 )
             # no sizing step ran the program: a two-token one does, so a program that does not
             # run on its weights is refused here rather than by the first request's step

@@ -176,7 +176,7 @@ def test_micro_batches_compute_the_steps_logits_in_order(lowered):
     assert [micro_batches.rows_within(rows, mb).tolist() for mb in parts] == [[0, 3, 6], [3, 5]]
 
 
-def test_a_stage_sends_every_micro_batch_on_before_waiting_for_logits(lowered, monkeypatch):
+def test_a_stage_queues_every_micro_batchs_send_before_waiting_for_logits(lowered, monkeypatch):
     """Stage 0 (the engine's rank) queues micro-batch 2's activations while stage 1 works on
     micro-batch 1: its sends all come before its first wait for logits."""
     config, lw = lowered("tiny-llama")

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from compiled_llm.errors import EngineError, first_line
 from compiled_llm.graph import collective_ops
+from compiled_llm.engine import pipeline_stage
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +96,14 @@ def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     collective_ops.set_group(None)  # not a failed engine's stage group, whose process group is gone
+    pipeline_stage.set_logits_group(None)
     if tp_size is not None and tp_size < size:
         # every rank makes every stage's group, in the same order (new_group is collective)
         for first in range(0, size, tp_size):
             group = dist.new_group(list(range(first, first + tp_size)))
             if first <= rank < first + tp_size:
                 collective_ops.set_group(group)
+        pipeline_stage.set_logits_group(dist.new_group([0, size - tp_size]))
     if device.type != "cuda" or not custom_all_reduce:
         return False
     from compiled_llm.kernels import triton_all_reduce
@@ -112,6 +115,7 @@ def init_group(device: torch.device, rank: int, size: int, store: Path, timeout_
 def end_group(device: torch.device) -> None:
     """Leave the group, every rank together (NCCL's teardown waits for the others)."""
     collective_ops.set_group(None)
+    pipeline_stage.set_logits_group(None)
     if device.type == "cuda":
         from compiled_llm.kernels import triton_all_reduce
 

@@ -151,6 +151,22 @@ def test_cli_run_of_a_pp2_engine_generates_what_transformers_does(wants, pp2_eng
 # ---- the engine directory ---------------------------------------------------------------------
 
 
+def test_a_stages_kv_cache_takes_its_budget_in_blocks_of_its_own_layers(pp2_engine):
+    """Stage 0 holds 2 of the 3 layers: a GiB of cache holds 3/2 the blocks one of every layer
+    would, and both stages get that many (stage 1, with 1 layer, has room to spare)."""
+    from compiled_llm.serve.worker import kv_cache as kvc
+
+    gib = 0.001
+    llm = LLM(str(pp2_engine), device="cpu", kv_cache_gib=gib)
+    try:
+        mc, dtype, bs = llm.engine.model.config, llm.engine.model.dtype, llm.engine.block_manager.block_size
+        stage0 = int(gib * 2**30 // kvc.block_bytes(mc, bs, dtype, kv_layers=2))
+        assert llm.engine.num_blocks == stage0 > int(gib * 2**30 // kvc.block_bytes(mc, bs, dtype))
+        assert llm.engine.runner.kv_cache.shape[0] == 2  # its own two layers' caches
+    finally:
+        llm.shutdown()
+
+
 def test_each_stage_has_its_program_and_weights_of_its_layers_only(pp2_engine, pp2_tp2_engine):
     m = manifest(pp2_engine)
     assert m["build_options"]["pipeline_parallel_size"] == 2
@@ -185,15 +201,21 @@ def test_an_engine_asked_for_at_another_pipeline_size_is_refused(pp2_engine, ask
     assert "\n" not in str(e.value)
 
 
-def test_a_manifest_whose_stages_do_not_hold_every_layer_is_refused(pp2_engine, tmp_path):
+@pytest.mark.parametrize("stage, key, value, message", [
+    (1, "num_layers", 2, "its stages hold 4 of the model's 3 layers"),
+    (1, "inputs", 5, "stage 1 takes 5 activations but stage 0 sends"),
+    (1, "outputs", 2, "the last return the logits alone"),
+])
+def test_a_manifest_whose_stages_do_not_fit_together_is_refused_before_any_rank_waits(pp2_engine, tmp_path, stage,
+                                                                                       key, value, message):
     import shutil
 
     copy = tmp_path / "engine"
     shutil.copytree(pp2_engine, copy)
     m = manifest(copy)
-    m["pipeline"]["stages"][1]["num_layers"] = 2
+    m["pipeline"]["stages"][stage][key] = value
     (copy / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(EngineError, match="its stages hold 4 of the model's 3 layers"):
+    with pytest.raises(EngineError, match=message):
         LLM(str(copy), device="cpu")
 
 
