@@ -177,15 +177,16 @@ def test_micro_batches_compute_the_steps_logits_in_order(lowered):
 
 
 def test_a_stage_queues_every_micro_batchs_send_before_waiting_for_logits(lowered, monkeypatch):
-    """Stage 0 (the engine's rank) queues micro-batch 2's activations while stage 1 works on
-    micro-batch 1: its sends all come before its first wait for logits."""
+    """Stage 0 (the engine's rank) queues micro-batch 2's activations before it waits for micro-batch
+    1's logits (the order of its calls; that the stages then overlap needs two devices to show)."""
     config, lw = lowered("tiny-llama")
     first, _ = split(lw.gm, config.num_layers, 2)
     events = []
     monkeypatch.setattr(pipeline_stage, "send_tensors",
-                        lambda ts, dst: events.append(("send", dst, ts[0].shape[0])) or [])
+                        lambda ts, dst, group=None: events.append(("send", dst, ts[0].shape[0])) or [])
+    logits = [torch.zeros(1, config.vocab_size)]
     monkeypatch.setattr(pipeline_stage, "receive_tensors",
-                        lambda n, src, device: events.append(("receive", src)) or [torch.zeros(1, config.vocab_size)])
+                        lambda n, src, device, group=None: events.append(("receive", src)) or logits)
     stage = pipeline_stage.PipelineStage(first.gm, list(first.param_names), stage=0, stages=2, tp_rank=0, tp_size=1,
                                          num_inputs=0, num_outputs=1, yields_chosen_rows=True)
     batch, kv = step_inputs(config)
