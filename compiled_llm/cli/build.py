@@ -46,5 +46,7 @@ def run(args) -> int:
     quant = f", {built.quantization} weights" if built.quantization else ""
     if built.tensor_parallel_size > 1:
         quant += f", tensor parallel over {built.tensor_parallel_size} ranks"
+    if built.pipeline_parallel_size > 1:
+        quant += f", {built.pipeline_parallel_size} pipeline stages"
     print(f"engine written to {args.output} ({built.device}, {built.dtype}{quant})")
     return 0

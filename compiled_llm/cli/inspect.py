@@ -35,10 +35,28 @@ def stage_file(engine_dir, manifest: dict, name: str, suffix: str = ".py"):
     return path
 
 
+def _parallel(manifest: dict) -> dict:
+    """How the engine is split over ranks: its tensor-parallel and pipeline sizes, and each
+    pipeline stage's layers (an engine built before pipelines records no pipeline size: 1)."""
+    from compiled_llm.engine.artifact import build_config
+
+    built = build_config(manifest)
+    stages = (manifest.get("pipeline") or {}).get("stages", [])
+    return {"tensor_parallel_size": built.tensor_parallel_size, "pipeline_parallel_size": built.pipeline_parallel_size,
+            "stages": [{"layers": [s["first_layer"], s["first_layer"] + s["num_layers"] - 1],
+                        "activations_in": s["inputs"], "file": s["file"]} for s in stages]}
+
+
+def _parallel_line(parallel: dict) -> str:
+    line = f"parallel: tensor {parallel['tensor_parallel_size']} x pipeline {parallel['pipeline_parallel_size']}"
+    stages = [f"stage {k} layers {s['layers'][0]}-{s['layers'][1]}" for k, s in enumerate(parallel["stages"])]
+    return line + (f" ({', '.join(stages)})" if stages else "")
+
+
 def _table(manifest: dict) -> str:
     from compiled_llm.cli.build import format_summary
 
-    lines = [format_summary(manifest), "", f"{'op':<36} {'before':>7} {'after':>7}"]
+    lines = [format_summary(manifest), _parallel_line(_parallel(manifest)), "", f"{'op':<36} {'before':>7} {'after':>7}"]
     before, after = manifest["ops_before"], manifest["ops_after"]
     for op in sorted(set(before) | set(after), key=lambda o: (-(after.get(o, 0) + before.get(o, 0)), o)):
         lines.append(f"{op:<36} {before.get(op, 0):>7} {after.get(op, 0):>7}")
@@ -58,6 +76,7 @@ def run(args) -> int:
             "ops_before": manifest["ops_before"],
             "ops_after": manifest["ops_after"],
             "kernels": manifest["kernels"],
+            "parallel": _parallel(manifest),
         }, indent=1))
         return 0
     if args.pass_name:

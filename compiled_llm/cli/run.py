@@ -208,36 +208,41 @@ def run_engine(args) -> int:
     llm = build_llm(args)
     load_s = time.perf_counter() - t0
     engine = llm.engine
-    if args.interactive:
-        return chat(llm, sampling, args.system_prompt)
-    prompts = prompts_from_args(args, llm.tokenizer)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    texts = list(args.prompt or []) + list(args.prompt_ids or [])
+    try:
+        if args.interactive:
+            return chat(llm, sampling, args.system_prompt)
+        prompts = prompts_from_args(args, llm.tokenizer)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        texts = list(args.prompt or []) + list(args.prompt_ids or [])
 
-    t_run = time.perf_counter()
-    with profile_engine(args.profile, engine, engine.device):
-        if args.stream and not args.json:
-            outputs = []
-            for i, (req, text) in enumerate(zip(requests, texts)):
-                print(f"=== prompt {i} ({len(req['prompt_token_ids'])} tokens) ===\n{text}\n--- output ---", flush=True)
-                stream = llm.stream(req, sampling)
-                for delta in stream:
-                    print(delta, end="", flush=True)
-                out = stream.output
-                outputs.append(out)
-                print(f"\n--- ({len(out.token_ids)} tokens, finish: {out.finish_reason}) ---\n", flush=True)
-        else:
-            outputs = llm.generate(requests, sampling, use_tqdm=not args.json and sys.stderr.isatty())
-    wall = time.perf_counter() - t_run
+        t_run = time.perf_counter()
+        with profile_engine(args.profile, engine, engine.device):
+            if args.stream and not args.json:
+                outputs = []
+                for i, (req, text) in enumerate(zip(requests, texts)):
+                    print(f"=== prompt {i} ({len(req['prompt_token_ids'])} tokens) ===\n{text}\n--- output ---", flush=True)
+                    stream = llm.stream(req, sampling)
+                    for delta in stream:
+                        print(delta, end="", flush=True)
+                    out = stream.output
+                    outputs.append(out)
+                    print(f"\n--- ({len(out.token_ids)} tokens, finish: {out.finish_reason}) ---\n", flush=True)
+            else:
+                outputs = llm.generate(requests, sampling, use_tqdm=not args.json and sys.stderr.isatty())
+        wall = time.perf_counter() - t_run
 
-    if not args.stream or args.json:
-        print_outputs(outputs, texts, args.json)
-    if not args.json:
-        preset = ((llm.model.manifest or {}).get("source") or {}).get("preset")
-        where = "compiled runtime" if is_engine_dir(args.source) else f"compiled runtime, cached engine {llm.model.name}"
-        print_run_header(args.source, engine.device, llm.model.dtype, where, preset)
-        print(perf_summary(llm, outputs, load_s, wall))
-    return 0
+        if not args.stream or args.json:
+            print_outputs(outputs, texts, args.json)
+        if not args.json:
+            preset = ((llm.model.manifest or {}).get("source") or {}).get("preset")
+            where = "compiled runtime" if is_engine_dir(args.source) else f"compiled runtime, cached engine {llm.model.name}"
+            print_run_header(args.source, engine.device, llm.model.dtype, where, preset)
+            print(perf_summary(llm, outputs, load_s, wall))
+        return 0
+    finally:
+        # a tensor-parallel or pipelined engine's ranks end here, not at exit: main() may be
+        # called again in this process (tests, a script), which starts a group of its own
+        llm.shutdown()
 
 
 def perf_summary(llm, outputs, load_s: float, wall_s: float) -> str:

@@ -84,15 +84,19 @@ def load_engine(args, visible_devices: str | None = None, cpu_threads: int | Non
     return engine
 
 
-def tensor_parallel_size(args, build: BuildConfig) -> int:
-    """The TP size the engine will run at: the flag's, else an engine directory's, else 1."""
+def engine_world_size(args, build: BuildConfig) -> int:
+    """The processes the engine will run as (tensor-parallel x pipeline-parallel size): each size
+    the flag's, else an engine directory's, else 1."""
     from compiled_llm.engine.loader import is_engine_dir
 
-    if args.tensor_parallel_size is None and is_engine_dir(args.source):
+    sizes = {"tensor_parallel_size": build.tensor_parallel_size, "pipeline_parallel_size": build.pipeline_parallel_size}
+    if is_engine_dir(args.source):
         from compiled_llm.engine.artifact import build_config as built_with, read_manifest
 
-        return built_with(read_manifest(args.source)).tensor_parallel_size
-    return build.tensor_parallel_size
+        built = built_with(read_manifest(args.source))
+        sizes = {name: getattr(built, name) if getattr(args, name, None) is None else size
+                 for name, size in sizes.items()}
+    return sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"]
 
 
 def replica_loads(args, build: BuildConfig) -> list:
@@ -111,9 +115,9 @@ def replica_loads(args, build: BuildConfig) -> list:
 
         gpus = visible_gpus(os.environ.get(VISIBLE_DEVICES_VAR), torch.cuda.device_count())
         return [functools.partial(load_engine, one, visible_devices=visible)
-                for visible in replica_gpus(size, tensor_parallel_size(args, build), gpus)]
-    # every tensor-parallel rank of every replica is a process with its own thread pool
-    threads = replica_cpu_threads(size * tensor_parallel_size(args, build), len(os.sched_getaffinity(0)))
+                for visible in replica_gpus(size, engine_world_size(args, build), gpus)]
+    # every rank of every replica is a process with its own thread pool
+    threads = replica_cpu_threads(size * engine_world_size(args, build), len(os.sched_getaffinity(0)))
     return [functools.partial(load_engine, one, cpu_threads=threads) for _ in range(size)]
 
 

@@ -3,9 +3,13 @@
     manifest.json          format version, model config, build options, versions, passes with
                            match counts, kernel choices, sha256 of every file, and what the
                            source's generation_config.json says (sampling defaults, EOS ids)
-    weights.safetensors    post-pass weights (merged qkv / gate_up stored once)
+    weights.safetensors    post-pass weights (merged qkv / gate_up stored once); a
+                           tensor-parallel engine's are weights.rank<R>.safetensors, a pipelined
+                           one's weights.stage<K>[.rank<R>].safetensors (a stage's layers only)
     program.json           the post-pass graph as plain data (graph/serialize.py): no pickle,
-                           no constants (weights are inputs)
+                           no constants (weights are inputs); a pipelined engine has one
+                           program.stage<K>.json per stage instead, listed in the manifest's
+                           ``pipeline`` entry with the layers each holds
     kernels/triton/        (CUDA builds) Triton's compile cache, warmed by the build on every
                            kernel specialisation the runtime launches; GPU code (cubins)
     ir/                    IR dumps: NN_<stage>.py (graph code), NN_<stage>.ops.json (op histogram)
@@ -44,8 +48,10 @@ from torch import Tensor
 from compiled_llm.engine import dummy_weights, kernel_cache, limits, manifest_check, weights_header
 from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.engine.loaded_model import LoadedModel
+from compiled_llm.engine.pipeline_stage import PipelineStage
 from compiled_llm.engine.program import PortableProgram
 from compiled_llm.errors import EngineError
+from compiled_llm.graph.logits_rows import yields_chosen_rows
 from compiled_llm.graph.serialize import graph_from_json, graph_to_json
 from compiled_llm.kernels import registry
 from compiled_llm.model import sharding
@@ -123,9 +129,10 @@ def make_manifest(*, config, source, build_options, lowered, stage_seconds, gene
     }
 
 
-def write_program(engine_dir: Path, gm: torch.fx.GraphModule) -> None:
-    """The post-pass graph as ``program.json`` (see graph/serialize.py)."""
-    (Path(engine_dir) / PROGRAM_FILE).write_text(json.dumps(graph_to_json(gm), separators=(",", ":")) + "\n")
+def write_program(engine_dir: Path, gm: torch.fx.GraphModule, name: str = PROGRAM_FILE) -> None:
+    """The post-pass graph as ``program.json`` (see graph/serialize.py), or a pipeline stage's
+    as ``name``."""
+    (Path(engine_dir) / name).write_text(json.dumps(graph_to_json(gm), separators=(",", ":")) + "\n")
 
 
 def sha256_file(path: Path) -> str:
@@ -142,9 +149,33 @@ def _all_files(engine_dir: Path) -> list[str]:
     )
 
 
-def weights_file(rank: int = 0, tp_size: int = 1) -> str:
-    """The weights file of one tensor-parallel rank: each rank reads only its own."""
+def weights_file(rank: int = 0, tp_size: int = 1, stage: int = 0, pp_size: int = 1) -> str:
+    """The weights file of one tensor-parallel rank (of one pipeline stage): each rank reads
+    only its own."""
+    if pp_size > 1:
+        return f"weights.stage{stage}.safetensors" if tp_size == 1 else f"weights.stage{stage}.rank{rank}.safetensors"
     return WEIGHTS_FILE if tp_size == 1 else f"weights.rank{rank}.safetensors"
+
+
+def stage_program_file(stage: int) -> str:
+    return f"program.stage{stage}.json"
+
+
+def pp_size_of(manifest: dict) -> int:
+    return build_config(manifest).pipeline_parallel_size
+
+
+def program_entry(manifest: dict, stage: int = 0) -> dict:
+    """The manifest's entry of the program stage ``stage`` runs: ``file`` and ``param_names``
+    (and for a pipeline stage its ``first_layer``, ``num_layers``, ``inputs`` and ``outputs``)."""
+    if pp_size_of(manifest) == 1:
+        return manifest["program"]
+    return manifest["pipeline"]["stages"][stage]
+
+
+def all_weights_files(manifest: dict) -> list[str]:
+    tp, pp = tp_size_of(manifest), pp_size_of(manifest)
+    return [weights_file(r, tp, s, pp) for s in range(pp) for r in range(tp)]
 
 
 def build_config(manifest: dict) -> BuildConfig:
@@ -310,8 +341,8 @@ def check_listed_files(engine_dir: Path, manifest: dict) -> None:
     none but the weights starts like a pickle or a zip archive (torch.save, .pt2): the loader
     reads no such format, so an engine carrying one is refused rather than trusted. The
     safetensors header is checked by its own parser: its first bytes are a length."""
-    size = tp_size_of(manifest)
-    for required in (*(weights_file(r, size) for r in range(size)), manifest["program"]["file"]):
+    programs = [program_entry(manifest, s)["file"] for s in range(pp_size_of(manifest))]
+    for required in (*all_weights_files(manifest), *programs):
         if required not in manifest["files"]:
             raise EngineError(f"manifest of {engine_dir} does not list {required}; rebuild the engine")
     tok = manifest.get("tokenizer")
@@ -398,14 +429,15 @@ def _check_kernels(manifest: dict) -> None:
             ) from None
 
 
-def _load_program(engine_dir: Path, manifest: dict) -> torch.fx.GraphModule:
-    rel = manifest["program"]["file"]
+def _load_program(engine_dir: Path, manifest: dict, stage: int = 0) -> torch.fx.GraphModule:
+    entry = program_entry(manifest, stage)
+    rel = entry["file"]
     data = limits.read_capped(inside(engine_dir, rel), rel, limits.MAX_PROGRAM_BYTES)
     try:
         data = json.loads(data)
     except (ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
         raise EngineError(f"cannot read {rel} as a JSON program ({type(e).__name__}); rebuild the engine") from None
-    return graph_from_json(data, manifest["program"]["param_names"], build_config(manifest).device)
+    return graph_from_json(data, entry["param_names"], build_config(manifest).device, entry.get("inputs", 0))
 
 
 def attention_windows(gm: torch.fx.GraphModule) -> list[int]:
@@ -423,10 +455,11 @@ def attention_windows(gm: torch.fx.GraphModule) -> list[int]:
     return windows
 
 
-def _check_windows(gm: torch.fx.GraphModule, config: ModelConfig) -> None:
+def _check_windows(gm: torch.fx.GraphModule, config: ModelConfig, layers: range | None = None) -> None:
     """The manifest's sliding windows are the program's: the runtime gives back KV blocks behind
-    ``config.kv_window``, which is only safe when no attention call reads further back."""
-    expected = [config.layer_window(n) for n in range(config.num_layers)]
+    ``config.kv_window``, which is only safe when no attention call reads further back.
+    ``layers``: those a pipeline stage's program holds."""
+    expected = [config.layer_window(n) for n in (layers if layers is not None else range(config.num_layers))]
     if attention_windows(gm) != expected:
         raise EngineError("manifest model_config's sliding windows (sliding_window, layer_types) are not the "
                           "program's attention windows; rebuild the engine")
@@ -434,15 +467,18 @@ def _check_windows(gm: torch.fx.GraphModule, config: ModelConfig) -> None:
 
 def _load_weights(engine_dir: Path, manifest: dict, device: torch.device, rank: int,
                   config: ModelConfig) -> dict[str, Tensor]:
-    name = weights_file(rank, tp_size_of(manifest))
+    stage, tp_rank = divmod(rank, tp_size_of(manifest))
+    name = weights_file(tp_rank, tp_size_of(manifest), stage, pp_size_of(manifest))
     path = inside(engine_dir, name)
     build = build_config(manifest)
-    names = manifest["program"]["param_names"]
+    entry = program_entry(manifest, stage)
+    names = entry["param_names"]
+    layers = range(entry["first_layer"], entry["first_layer"] + entry["num_layers"]) if "first_layer" in entry else None
     made: list[str] = []
     if build.load_format == "dummy":  # the matrices are made here, at the shapes the config implies
         expected = weights_header.expected_tensors(config, build)
         made = [n for n in names if n in expected and dummy_weights.is_dummy(n, expected[n][1])]
-    weights_header.check_header(path, name, config, build, [n for n in names if n not in made])
+    weights_header.check_header(path, name, config, build, [n for n in names if n not in made], layers)
     try:
         tensors = load_file(str(path), device=str(device))
         metadata = None
@@ -477,8 +513,9 @@ def load_engine(
     verify: bool = True,
     rank: int = 0,
 ) -> LoadedModel:
-    """Validate and load an engine directory (of a tensor-parallel engine, rank ``rank``'s
-    weights and config); ``load_stages`` says where the time went."""
+    """Validate and load an engine directory (of a tensor-parallel or pipelined engine, rank
+    ``rank``'s weights, program and config; ranks go stage-major, ``pipeline_stage.py``);
+    ``load_stages`` says where the time went."""
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     engine_dir = Path(engine_dir)
@@ -494,9 +531,21 @@ def load_engine(
     t2 = time.perf_counter()
     times["weights"] = t2 - t1
     _check_kernels(manifest)
-    gm = _load_program(engine_dir, manifest)
-    _check_windows(gm, config)
-    program = PortableProgram(gm, manifest["program"]["param_names"])
+    tp, pp = tp_size_of(manifest), pp_size_of(manifest)
+    stage, tp_rank = divmod(rank, tp)
+    entry = program_entry(manifest, stage)
+    gm = _load_program(engine_dir, manifest, stage)
+    layers = None
+    if pp == 1:
+        _check_windows(gm, config)
+        program = PortableProgram(gm, entry["param_names"])
+    else:
+        layers = range(entry["first_layer"], entry["first_layer"] + entry["num_layers"])
+        _check_windows(gm, config, layers)
+        last = gm if stage == pp - 1 else _load_program(engine_dir, manifest, pp - 1)
+        program = PipelineStage(gm, entry["param_names"], stage=stage, stages=pp, tp_rank=tp_rank, tp_size=tp,
+                                num_inputs=entry["inputs"], num_outputs=entry["outputs"],
+                                yields_chosen_rows=yields_chosen_rows(last))
     t3 = time.perf_counter()
     times["program"] = t3 - t2
     if checks is not None:
@@ -515,13 +564,16 @@ def load_engine(
     source_dir = (manifest.get("source") or {}).get("model_dir")
     return LoadedModel(
         name=str(engine_dir),
-        config=sharding.local_config(config, tp_size_of(manifest)),
+        config=sharding.local_config(config, tp),
         params=params,
         program=program,
         tokenizer=tokenizer,
         eos_token_ids=tuple(i for i in dict.fromkeys(eos) if 0 <= i < config.vocab_size),
-        tp_rank=rank,
-        tp_size=tp_size_of(manifest),
+        tp_rank=tp_rank,
+        tp_size=tp,
+        pp_rank=stage,
+        pp_size=pp,
+        kv_layers=None if layers is None else len(layers),
         dtype=dtype,
         device=dev,
         manifest=manifest,

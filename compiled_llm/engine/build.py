@@ -43,7 +43,7 @@ from compiled_llm.model.sources import (
     read_generation_config,
     resolve_source,
 )
-from compiled_llm.passes import get_pass, pipeline
+from compiled_llm.passes import get_pass, pipeline, pipeline_split
 from compiled_llm.passes.base import PassContext
 from compiled_llm.passes.manager import PassManager
 
@@ -193,12 +193,14 @@ def build_engine(
     if config.quantization is not None and "quantize_weights" not in passes:
         raise CompiledLLMError(f"--quantization {config.quantization} needs the quantize_weights pass, which is disabled")
     size = config.tensor_parallel_size
+    stages = config.pipeline_parallel_size
     times: dict[str, float] = {}
 
     with _Stage("load", times, progress):
         src = resolve_source(str(source))
         resolved, dev, torch_dtype = resolve_config(config, src)
         sharding.plan(src.config, size)  # refuses a shape that does not split, before any work
+        pipeline_split.check_size(src.config.num_layers, stages)
         if size > 1 and "shard" not in passes:
             raise CompiledLLMError(f"--tensor-parallel-size {size} needs the shard pass, which is disabled")
         dummy = resolved.load_format == "dummy"
@@ -216,6 +218,7 @@ def build_engine(
         raise CompiledLLMError(f"cannot write into {out_dir.parent}: {e.strerror or e}") from None
     try:
         lowered = None
+        first_stages: list[pipeline_split.StageProgram] | None = None  # rank 0's, which every rank's must equal
         for rank in range(size):
             rank_lowered = lower(
                 src.config, params, passes, dev.type, torch_dtype, resolved.kernel_prefs,
@@ -224,6 +227,15 @@ def build_engine(
             )
             if size > 1:
                 _check_same_program(lowered, rank_lowered, rank)
+            if stages > 1:
+                rank_stages = pipeline_split.split(rank_lowered.gm, src.config.num_layers, stages)
+                _check_same_stages(first_stages, rank_stages, rank)
+                first_stages = first_stages or rank_stages
+                with _Stage("write", times, progress):
+                    for k, stage in enumerate(rank_stages):
+                        stored, metadata = _file_contents({n: rank_lowered.params[n] for n in stage.param_names}, dummy)
+                        artifact.save_weights(work, stored, artifact.weights_file(rank, size, k, stages), metadata)
+            elif size > 1:
                 with _Stage("write", times, progress):
                     stored, metadata = _file_contents(rank_lowered.params, dummy)
                     artifact.save_weights(work, stored, artifact.weights_file(rank, size), metadata)
@@ -238,7 +250,10 @@ def build_engine(
 
         with _Stage("write", times, progress):
             try:
-                artifact.write_program(work, lowered.gm)
+                if first_stages is None:
+                    artifact.write_program(work, lowered.gm)
+                for k, stage in enumerate(first_stages or ()):
+                    artifact.write_program(work, stage.gm, artifact.stage_program_file(k))
             except ValueError as e:  # the graph calls something an engine may not carry
                 raise CompiledLLMError(f"cannot store the post-pass program: {e}") from None
             manifest = artifact.make_manifest(
@@ -250,8 +265,11 @@ def build_engine(
                 stage_seconds=times,
                 generation_config=generation,
             )
+            if first_stages is not None:
+                manifest["pipeline"] = {"size": stages, "stages": [_stage_entry(k, s) for k, s in enumerate(first_stages)]}
+                manifest["program"] = manifest["pipeline"]["stages"][0]
             stored, metadata = _file_contents(lowered.params, dummy)
-            artifact.save_engine(work, manifest, stored if size == 1 else None, tokenizer, metadata)
+            artifact.save_engine(work, manifest, stored if size == 1 and stages == 1 else None, tokenizer, metadata)
         del lowered
         warmed = dev.type == "cuda" and warm_up is not None
         host = None
@@ -287,6 +305,22 @@ def _check_same_program(first: Lowered | None, lowered: Lowered, rank: int) -> N
     graph."""
     if first is not None and artifact.graph_to_json(first.gm) != artifact.graph_to_json(lowered.gm):
         raise CompiledLLMError(f"the passes gave rank {rank} a program that differs from rank 0's; a pass depends on the rank")
+
+
+def _check_same_stages(first: list | None, stages: list, rank: int) -> None:
+    """Each stage's TP ranks run one program, as without pipelining (``_check_same_program``)."""
+    if first is None:
+        return
+    for k, (a, b) in enumerate(zip(first, stages)):
+        if artifact.graph_to_json(a.gm) != artifact.graph_to_json(b.gm):
+            raise CompiledLLMError(f"the passes gave rank {rank} a stage {k} program that differs from rank 0's")
+
+
+def _stage_entry(k: int, stage: pipeline_split.StageProgram) -> dict:
+    """A pipeline stage's entry in the manifest (``artifact.program_entry``)."""
+    return {"file": artifact.stage_program_file(k), "param_names": list(stage.param_names),
+            "first_layer": stage.first_layer, "num_layers": stage.num_layers,
+            "inputs": stage.num_inputs, "outputs": stage.num_outputs}
 
 
 def check_max_len(max_model_len: int | None, config: ModelConfig) -> int:

@@ -31,6 +31,8 @@ QUANTIZATIONS = ("int8", "int4")
 # where the weights come from: the source's ("auto"), or random at load, none stored ("dummy")
 LOAD_FORMATS = ("auto", "dummy")
 MAX_TENSOR_PARALLEL = 64
+# ranks of one engine (pipeline stages x tensor-parallel ranks): each is a process of this host
+MAX_RANKS = 64
 # keys an older build wrote into build_options that no build reads any more (format 1's backend)
 RETIRED_MANIFEST_KEYS = ("backend",)
 
@@ -81,6 +83,10 @@ class BuildConfig:
         "auto", "auto: the source's weights (a preset's seeded random ones); dummy: random weights made on the "
                 "device at load and none stored, as vLLM's --load-format dummy (speed at real shapes without "
                 "the disk a checkpoint takes)", choices=LOAD_FORMATS)
+    pipeline_parallel_size: int = _option(
+        1, "split the model's layers into N pipeline stages, each on its own GPU or tensor-parallel group (N "
+           "processes over gloo on a CPU): one program per stage, activations sent from stage to stage",
+        aliases=("-pp",))
 
     def __post_init__(self):
         dtype = self.dtype
@@ -104,6 +110,14 @@ class BuildConfig:
         if type(size) is not int or not 1 <= size <= MAX_TENSOR_PARALLEL:
             raise InvalidOptionError(
                 f"tensor_parallel_size must be an integer in 1..{MAX_TENSOR_PARALLEL}, got {_shown(size)}")
+        stages = self.pipeline_parallel_size
+        if type(stages) is not int or not 1 <= stages <= MAX_RANKS:
+            raise InvalidOptionError(
+                f"pipeline_parallel_size must be an integer in 1..{MAX_RANKS}, got {_shown(stages)}")
+        if stages * size > MAX_RANKS:
+            raise InvalidOptionError(
+                f"pipeline_parallel_size {stages} x tensor_parallel_size {size} is {stages * size} ranks, more than "
+                f"the {MAX_RANKS} one engine runs")
         if not isinstance(self.load_format, str) or self.load_format not in LOAD_FORMATS:
             raise InvalidOptionError(
                 f"unknown load_format {_shown(self.load_format)}; the choices are: {', '.join(LOAD_FORMATS)}")
@@ -143,6 +157,7 @@ class BuildConfig:
             "disabled_passes": list(self.disabled_passes), "kernel_prefs": dict(self.kernel_prefs),
             "dump_ir": self.dump_ir, "quantization": self.quantization,
             "tensor_parallel_size": self.tensor_parallel_size, "load_format": self.load_format,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
         }
 
     @classmethod

@@ -168,6 +168,8 @@ def key_payload(src, resolved: BuildConfig, device: torch.device) -> dict:
         build["quantization"] = resolved.quantization
     if resolved.tensor_parallel_size != 1:
         build["tensor_parallel_size"] = resolved.tensor_parallel_size
+    if resolved.pipeline_parallel_size != 1:
+        build["pipeline_parallel_size"] = resolved.pipeline_parallel_size
     if resolved.dump_ir:
         build["dump_ir"] = True
     return {

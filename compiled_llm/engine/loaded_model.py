@@ -34,7 +34,17 @@ class LoadedModel:
     # a tensor-parallel engine's rank this process loaded, of how many; ``config`` is that rank's
     tp_rank: int = 0
     tp_size: int = 1
+    # a pipelined engine's stage this process runs, of how many, and how many layers its KV
+    # cache holds (None: all of them)
+    pp_rank: int = 0
+    pp_size: int = 1
+    kv_layers: int | None = None
     load_s: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        """Processes the engine runs on: one per (pipeline stage, tensor-parallel rank)."""
+        return self.tp_size * self.pp_size
 
     @property
     def is_engine(self) -> bool:

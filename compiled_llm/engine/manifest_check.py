@@ -80,8 +80,10 @@ def check_current_manifest(manifest: dict, path: Path) -> ModelConfig:
         config = ModelConfig.checked_from_dict(manifest["model_config"])
     except (ValueError, TypeError) as e:
         raise malformed(path, "model_config", str(e)) from None
-    _check_build_options(manifest["build_options"], config, path)
+    build = _check_build_options(manifest["build_options"], config, path)
     _check_program_entry(manifest["program"], path)
+    if build.pipeline_parallel_size > 1:
+        _check_pipeline(manifest.get("pipeline"), build.pipeline_parallel_size, config, path)
     check_files_map(manifest["files"], path)
     kernels = manifest["kernels"]
     if not is_map(kernels) or len(kernels) > MAX_KERNEL_ENTRIES or any(
@@ -129,6 +131,28 @@ def _build_config(opts: Any, path: Path) -> BuildConfig:
         return BuildConfig.from_manifest(opts)
     except InvalidOptionError as e:
         raise malformed(path, "build_options", str(e)) from None
+
+
+def _check_pipeline(pipeline: Any, size: int, config: ModelConfig, path: Path) -> None:
+    """A pipelined engine's stages: one program entry each, their layers in order and all of
+    them, and counts of the activations each takes and returns."""
+    stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
+    if not isinstance(stages, list) or len(stages) != size:
+        raise malformed(path, "pipeline", f"it does not list the {size} stages of pipeline_parallel_size {size}")
+    layer = 0
+    for k, stage in enumerate(stages):
+        _check_program_entry(stage, path)
+        counts = [stage.get(key) for key in ("first_layer", "num_layers", "inputs", "outputs")]
+        if not all(type(c) is int and 0 <= c <= 1 << 16 for c in counts) or counts[0] != layer or counts[1] < 1:
+            raise malformed(path, "pipeline", f"stage {k}'s layers or activation counts are not valid")
+        if k > 0 and counts[2] != stages[k - 1].get("outputs"):
+            raise malformed(path, "pipeline", f"stage {k} takes {counts[2]} activations but stage {k - 1} sends "
+                                              f"{stages[k - 1].get('outputs')}")
+        layer += counts[1]
+    if stages[0].get("inputs") != 0 or stages[-1].get("outputs") != 1:
+        raise malformed(path, "pipeline", "the first stage must take no activations and the last return the logits alone")
+    if layer != config.num_layers:
+        raise malformed(path, "pipeline", f"its stages hold {layer} of the model's {config.num_layers} layers")
 
 
 def _check_program_entry(program: Any, path: Path) -> None:

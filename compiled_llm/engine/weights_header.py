@@ -146,9 +146,11 @@ def _quantized(base: str, shape: tuple[int, ...], scheme: str) -> dict[str, tupl
             f"{base}.weight.zero": ("float32", (n, groups))}
 
 
-def check_header(path: Path, rel: str, config: ModelConfig, build: BuildConfig, param_names: list[str]) -> None:
+def check_header(path: Path, rel: str, config: ModelConfig, build: BuildConfig, param_names: list[str],
+                 layers: range | None = None) -> None:
     """The header of the weights file ``rel`` holds exactly the weights the program reads, each
-    with the dtype and shape the config implies, and every layer of the config."""
+    with the dtype and shape the config implies, and every layer of the config (``layers``: a
+    pipeline stage's)."""
     tensors = read_header(path, rel)
     expected = expected_tensors(config, build)
     for name in param_names:
@@ -162,9 +164,10 @@ def check_header(path: Path, rel: str, config: ModelConfig, build: BuildConfig, 
             raise _bad(rel, f"tensor {name!r} has the shape {list(shape)}; the model config implies {list(want_shape)}")
         if dtype != want_dtype:
             raise _bad(rel, f"tensor {name!r} is {dtype}; the engine's build stores it as {want_dtype}")
+    want = set(layers if layers is not None else range(config.num_layers))
     layers = {int(m.group(1)) for m in map(_LAYER.fullmatch, param_names) if m}
-    if layers != set(range(config.num_layers)):
-        missing = min(set(range(config.num_layers)) - layers, default=None)
+    if layers != want:
+        missing = min(want - layers, default=None)
         raise _bad(rel, f"it holds no weights of layer {missing} (model_config num_layers is {config.num_layers})"
                    if missing is not None else "it holds layers the model config does not have")
 

@@ -1,7 +1,7 @@
 """The ``cllm::`` ops a tensor-parallel program communicates with (the ``shard`` pass inserts
 them), and the rank-local embedding lookup they follow.
 
-Each runs over torch.distributed's default group, which the runtime starts with one process per
+Each runs over torch.distributed's default group (a pipelined engine's: its stage's group, ``set_group``), which the runtime starts with one process per
 rank (NCCL on CUDA, gloo on CPU; ``serve/executor``); with no group, or a group of one, the
 collectives are the identity, so an unsharded program is their reference. They are ops, not
 calls hidden in a kernel, so ``inspect`` shows where a program communicates and ``compare``'s
@@ -29,15 +29,28 @@ from torch import Tensor
 from compiled_llm.graph.ops import cllm_op
 
 
+# the tensor-parallel group of this rank's pipeline stage; None: the default group (no pipeline)
+_group = None
+
+
+def set_group(group) -> None:
+    """Collectives from now on run over ``group`` (a pipeline stage's tensor-parallel ranks,
+    ``serve/executor``), or the default group again with None."""
+    global _group
+    _group = group
+
+
 def group_size() -> int:
-    """Ranks of the default process group (1 without one)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """Ranks of the tensor-parallel group (1 without one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(_group)
 
 
 def all_reduce_ref(x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
     out = x.contiguous().clone()
     if group_size() > 1:
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=_group)
     return out if residual is None else out + residual
 
 
@@ -48,9 +61,9 @@ def all_gather_columns_ref(x: Tensor, columns: int) -> Tensor:
     x = x.contiguous()
     parts = x.new_empty((n, *x.shape))
     if x.is_cuda:
-        dist.all_gather_into_tensor(parts, x)
+        dist.all_gather_into_tensor(parts, x, group=_group)
     else:
-        dist.all_gather(list(parts.unbind(0)), x)
+        dist.all_gather(list(parts.unbind(0)), x, group=_group)
     # [N, ..., C] -> [..., N, C] -> [..., N * C]: rank r's columns come r-th
     return parts.movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])[..., :columns].contiguous()
 

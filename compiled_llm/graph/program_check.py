@@ -46,10 +46,11 @@ def program_problem(message: str) -> EngineError:
 
 
 def check_program(data: Any, resolve: Callable[[Any, str], Any], param_names: list[str] | None = None,
-                  device: str | None = None) -> None:
+                  device: str | None = None, activations: int = 0) -> None:
     """Check the program document ``data`` (see the module docstring); ``resolve`` maps a target
     name to its operator (serialize.resolve_target), ``param_names`` are the manifest's weights
-    and ``device`` the engine's device type (a program calls no other)."""
+    and ``device`` the engine's device type (a program calls no other). ``activations``: the
+    inputs a pipeline stage takes after the batch's (passes/pipeline_split.py)."""
     nodes = _node_list(data)
     defined: set[str] = set()
     tensors: set[str] = set()  # nodes that hold a tensor (not a size or a tuple of tensors)
@@ -72,7 +73,7 @@ def check_program(data: Any, resolve: Callable[[Any, str], Any], param_names: li
         defined.add(name)
     if nodes[-1].get("op") != "output":
         raise program_problem("the program has no output node")
-    _check_inputs(placeholders, param_names)
+    _check_inputs(placeholders, param_names, activations)
 
 
 def _node_list(data: Any) -> list:
@@ -120,16 +121,17 @@ def _shallow(value: Any) -> bool:
     return True
 
 
-def _check_inputs(placeholders: list[dict], param_names: list[str] | None) -> None:
+def _check_inputs(placeholders: list[dict], param_names: list[str] | None, activations: int = 0) -> None:
     weights = [p["param"] for p in placeholders if p["param"] is not None]
     others = [p["name"] for p in placeholders if p["param"] is None]
     if placeholders[: len(weights)] != [p for p in placeholders if p["param"] is not None]:
         raise program_problem("a batch input comes before a weight; the weights come first")
     if param_names is not None and weights != list(param_names):
         raise program_problem("its weight inputs are not the manifest's param_names, in order")
-    if len(others) != len(BATCH_INPUTS):
-        raise program_problem(f"it takes {len(others)} batch inputs; a program takes {len(BATCH_INPUTS)} "
-                              f"({', '.join(BATCH_INPUTS)})")
+    if len(others) != len(BATCH_INPUTS) + activations:
+        what = f" and {activations} activations" if activations else ""
+        raise program_problem(f"it takes {len(others)} inputs after its weights; a program takes {len(BATCH_INPUTS)} "
+                              f"({', '.join(BATCH_INPUTS)}){what}")
 
 
 def _check_output(name: str, args: Any, tensors: set[str]) -> None:

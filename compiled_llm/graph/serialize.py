@@ -130,7 +130,8 @@ def _encode(value: Any, node: torch.fx.Node) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def graph_from_json(data: Any, param_names: list[str] | None = None, device: str | None = None) -> torch.fx.GraphModule:
+def graph_from_json(data: Any, param_names: list[str] | None = None, device: str | None = None,
+                    activations: int = 0) -> torch.fx.GraphModule:
     """Rebuild the graph module, once the document passed ``program_check.check_program``
     (``param_names``: the weights it must take, in order; ``device``: the only device it may
     name); every problem is an EngineError of one line."""
@@ -138,7 +139,7 @@ def graph_from_json(data: Any, param_names: list[str] | None = None, device: str
         raise EngineError(f"the program is not a {FORMAT} document; rebuild the engine")
     if data.get("version") != VERSION:
         raise EngineError(f"program format version {str(data.get('version'))[:20]!r} is not {VERSION}; rebuild the engine")
-    check_program(data, resolve_target, param_names, device)
+    check_program(data, resolve_target, param_names, device, activations)
     nodes_data = data.get("nodes")
     if not isinstance(nodes_data, list):
         raise EngineError("the program has no node list; rebuild the engine")

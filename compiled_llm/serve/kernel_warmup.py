@@ -58,7 +58,8 @@ def warm_kernels(engine_dir: Path, device: torch.device, workers: int | None = N
     (engine_dir / KERNELS_DIR).mkdir(parents=True, exist_ok=True)
     gc.collect()
     torch.cuda.empty_cache()  # the build's own copies of the weights must not shrink the KV cache
-    if build_config(read_manifest(engine_dir)).tensor_parallel_size > 1:
+    built = build_config(read_manifest(engine_dir))
+    if built.tensor_parallel_size * built.pipeline_parallel_size > 1:
         workers = 1  # each share would start a process per rank, on every GPU
     elif workers is None:
         workers = warm_workers(loaded_weight_bytes(engine_dir), torch.cuda.mem_get_info(device)[0])

@@ -181,7 +181,8 @@ class LLM:
       ``quantization`` ("int8", "int4": weight-only quantized linear layers),
       ``tensor_parallel_size`` N (sharded over N ranks; loading the engine starts N - 1 worker
       processes, one per GPU, gloo on a CPU, which ``shutdown()`` or the end of this process
-      stops), ``disabled_passes``, ``kernel_prefs``, ``dump_ir``. A SOURCE is built so, each set
+      stops), ``pipeline_parallel_size`` N (the layers split into N stages, each its own
+      process or TP group of processes), ``disabled_passes``, ``kernel_prefs``, ``dump_ir``. A SOURCE is built so, each set
       of options into a cache entry of its own; an engine directory must have been built with
       every option given (None, the default, gives none; "auto" matches any dtype and device).
       ``device`` is also where the engine runs;

@@ -50,14 +50,21 @@ FAILED_RANK_WAIT_S = 3.0
 
 
 def start_executor(model: LoadedModel, config: EngineConfig):
-    """The other tensor-parallel ranks of ``model``, run by the backend ``config`` names."""
-    options = dict(custom_all_reduce=not config.disable_custom_all_reduce)
+    """The other ranks of ``model`` (tensor-parallel, and pipeline stages), run by the backend
+    ``config`` names."""
+    # the custom all-reduce's workspace spans every rank: a pipelined engine's stages all-reduce
+    # through NCCL over their own groups
+    custom_all_reduce = not config.disable_custom_all_reduce and model.pp_size == 1
     if config.distributed_executor_backend == "ray":
+        if model.pp_size > 1:
+            raise InvalidOptionError(f"distributed_executor_backend 'ray' runs tensor-parallel ranks only; this engine "
+                                     f"has pipeline_parallel_size {model.pp_size} (use 'mp')")
         # imported here: the Ray backend is an optional extra, and its module imports Ray only when started
         from compiled_llm.serve.executor.ray_executor import RayExecutor
 
-        return RayExecutor(model.engine_dir, model.tp_size, model.device, **options)
-    return MultiprocExecutor(model.engine_dir, model.tp_size, model.device, **options)
+        return RayExecutor(model.engine_dir, model.tp_size, model.device, custom_all_reduce=custom_all_reduce)
+    return MultiprocExecutor(model.engine_dir, model.world_size, model.device, custom_all_reduce=custom_all_reduce,
+                             tp_size=model.tp_size)
 
 
 @dataclasses.dataclass
@@ -121,7 +128,7 @@ class LLMEngine:
             )
         self._stats = EngineStats()
         # the other tensor-parallel ranks: every device operation below is sent to them first
-        self.executor = start_executor(model, config) if model.tp_size > 1 else None
+        self.executor = start_executor(model, config) if model.world_size > 1 else None
         try:
             self._init_on_device(model, config)
         except BaseException:
@@ -136,8 +143,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         num_blocks = config.num_blocks
         if num_blocks is None and self.device.type == "cuda":
+            # a pipeline stage's cache holds its layers only; stage 0 (this rank) holds the most
+            # (earlier stages take the extra layers), so its block count fits every stage's
             num_blocks, self._stats.memory = kvc.gpu_num_blocks(
                 mc, bs, model.dtype, self.device, config.gpu_memory_utilization, self.profile_largest_step,
+                model.kv_layers,
             )
             # Blocks beyond what every sequence can hold at once, twice over (the second half keeps
             # prefixes cached), would only cost start-up time: a tiny model on a large GPU would
@@ -146,14 +156,15 @@ class LLMEngine:
         else:
             if num_blocks is None:
                 num_blocks = kvc.cpu_num_blocks(
-                    mc, bs, model.dtype, config.kv_cache_gib, max_num_seqs * cdiv(self.max_model_len, bs) + 1
+                    mc, bs, model.dtype, config.kv_cache_gib, max_num_seqs * cdiv(self.max_model_len, bs) + 1,
+                    model.kv_layers,
                 )
             # no sizing step ran the program: a two-token one does, so a program that does not
             # run on its weights is refused here rather than by the first request's step
             self._profile_step(2, 1)
         self._stats.kv_num_blocks = num_blocks
         t1 = time.perf_counter()
-        kv_cache = kvc.allocate(mc, num_blocks, bs, model.dtype, self.device)
+        kv_cache = kvc.allocate(mc, num_blocks, bs, model.dtype, self.device, model.kv_layers)
         self._stats.init_s = {"kv_sizing": t1 - t0, "kv_alloc": time.perf_counter() - t1}
 
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, sliding_window=mc.kv_window)
@@ -175,17 +186,21 @@ class LLMEngine:
                               max_model_len=self.max_model_len)
         # captured bucket by bucket on first use, so none stands before the first token
         graph_tokens = None
-        if not config.enforce_eager and self.device.type == "cuda":
+        # a pipeline stage reads its inputs' shapes on the host: it runs eagerly
+        pipelined = model.pp_size > 1
+        if not config.enforce_eager and self.device.type == "cuda" and not pipelined:
             graph_tokens = min(config.prefill_graph_max_tokens, self.max_model_len)
         if self.executor is not None:
-            self.executor.send("make_runner", num_blocks, bs, runner_options, config.max_graph_batch_size, graph_tokens)
+            self.executor.send("make_runner", num_blocks, bs, runner_options,
+                               None if pipelined else config.max_graph_batch_size, graph_tokens)
         self.runner = ModelRunner(mc, model.params, model.program, kv_cache, block_size=bs, device=self.device,
-                                  tp_size=model.tp_size, **runner_options)
+                                  tp_size=model.world_size, **runner_options)
         self.runner.peers = self.executor
         self.runner.eos_token_ids = tuple(model.eos_token_ids)
         if self.executor is not None:
             self.executor.before_teardown.append(self.runner.release_graphs)
-        self.runner.set_decode_buckets(config.max_graph_batch_size)
+        if not pipelined:
+            self.runner.set_decode_buckets(config.max_graph_batch_size)
         if graph_tokens is not None:
             self.runner.prepare_graphs(graph_tokens)
 
@@ -231,7 +246,8 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.send("profile_step", *size)
         profile_step(self.model.config, self.model.params, self.model.program, num_tokens=size[0],
-                     num_seqs=size[1], block_size=size[2], dtype=self.model.dtype, device=self.device)
+                     num_seqs=size[1], block_size=size[2], dtype=self.model.dtype, device=self.device,
+                     kv_layers=self.model.kv_layers)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (the engine cannot step afterwards), and

@@ -21,9 +21,12 @@ def test_bad_data_parallel_options_are_one_line_naming_the_problem(flags, named,
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--data-parallel-size", "2"], "data_parallel_size 2 x tensor_parallel_size 1 needs 2 GPUs, but 1 is visible"),
+    (["--data-parallel-size", "2"],
+     "data_parallel_size 2 x 1 GPU a replica (tensor x pipeline parallel) needs 2 GPUs, but 1 is visible"),
     (["--data-parallel-size", "2", "-tp", "2"],
-     "data_parallel_size 2 x tensor_parallel_size 2 needs 4 GPUs, but 1 is visible"),
+     "data_parallel_size 2 x 2 GPUs a replica (tensor x pipeline parallel) needs 4 GPUs, but 1 is visible"),
+    (["--data-parallel-size", "2", "-tp", "2", "--pipeline-parallel-size", "2"],
+     "data_parallel_size 2 x 4 GPUs a replica (tensor x pipeline parallel) needs 8 GPUs, but 1 is visible"),
 ])
 def test_more_replicas_than_gpus_is_one_line_naming_the_numbers(flags, named, capsys, monkeypatch):
     import torch

@@ -36,10 +36,10 @@ RUNTIME = {f.name for f in dataclasses.fields(EngineConfig)}
 SOURCE_COMMANDS = ("run", "serve", "bench")
 # every option set to something else than its default, as flags and as the config they make
 ARGV = ["--dtype", "bf16", "--device", "cpu", "--disable-pass", "fuse_add_norm", "--disable-pass", "fuse_residual",
-        "--kernel", "paged_attention=reference", "--dump-ir", "-q", "int4", "-tp", "2"]
+        "--kernel", "paged_attention=reference", "--dump-ir", "-q", "int4", "-tp", "2", "-pp", "2"]
 CONFIG = BuildConfig(dtype="bfloat16", device="cpu", disabled_passes=("fuse_add_norm", "fuse_residual"),
                      kernel_prefs={"paged_attention": "reference"}, dump_ir=True, quantization="int4",
-                     tensor_parallel_size=2)
+                     tensor_parallel_size=2, pipeline_parallel_size=2)
 TINY_MAX_LEN = preset_hf_config("tiny-qwen2")["max_position_embeddings"]
 
 

@@ -43,6 +43,9 @@ def compare_engine(
         raise CompiledLLMError("--num-prompts and --max-tokens must be at least 1")
     engine = load_engine(engine_dir)
     executor = None
+    if engine.pp_size > 1:  # its bisection rebuilds one program; a pipelined engine runs one per stage
+        raise CompiledLLMError(f"{engine_dir} is a pipelined engine ({engine.pp_size} stages), which compare does not "
+                               "check yet; compare the same build without --pipeline-parallel-size")
     if engine.tp_size > 1:
         if start_ranks is None:
             raise CompiledLLMError(f"{engine_dir} is a tensor-parallel engine ({engine.tp_size} ranks): "

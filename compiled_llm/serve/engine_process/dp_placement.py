@@ -20,15 +20,16 @@ def visible_gpus(visible_devices: str | None, device_count: int) -> list[str]:
     return [d.strip() for d in visible_devices.split(",") if d.strip()][:device_count]
 
 
-def replica_gpus(data_parallel_size: int, tensor_parallel_size: int, gpus: list[str]) -> list[str]:
-    """Each replica's ``CUDA_VISIBLE_DEVICES``: its TP consecutive GPUs of ``gpus``; a one-line
-    error when there are fewer than DP x TP."""
-    need = data_parallel_size * tensor_parallel_size
+def replica_gpus(data_parallel_size: int, ranks: int, gpus: list[str]) -> list[str]:
+    """Each replica's ``CUDA_VISIBLE_DEVICES``: its ``ranks`` consecutive GPUs of ``gpus`` (one per
+    tensor-parallel rank of each pipeline stage); a one-line error when there are fewer than
+    DP x ranks."""
+    need = data_parallel_size * ranks
     if len(gpus) < need:
         raise InvalidOptionError(
-            f"data_parallel_size {data_parallel_size} x tensor_parallel_size {tensor_parallel_size} needs {need} "
-            f"GPUs, but {len(gpus)} {'is' if len(gpus) == 1 else 'are'} visible")
-    return [",".join(gpus[i * tensor_parallel_size:(i + 1) * tensor_parallel_size]) for i in range(data_parallel_size)]
+            f"data_parallel_size {data_parallel_size} x {ranks} GPU{'s' if ranks > 1 else ''} a replica (tensor x "
+            f"pipeline parallel) needs {need} GPUs, but {len(gpus)} {'is' if len(gpus) == 1 else 'are'} visible")
+    return [",".join(gpus[i * ranks:(i + 1) * ranks]) for i in range(data_parallel_size)]
 
 
 def check_replica_device(device: str, data_parallel_size: int) -> None:

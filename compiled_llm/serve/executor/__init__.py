@@ -19,6 +19,11 @@ themselves (``compiled-llm compare`` rebuilds a rank's program and runs steps in
 scratch KV cache), with functions of their own: ``fn`` must be picklable by name (a module-level
 function), and raising in it fails the ranks as a dying rank does, named.
 
+A pipelined engine's ranks are its stages' TP ranks, stage-major (rank 0 is stage 0's first):
+every rank runs every step, and each stage's program receives its inputs from the stage before
+and sends its outputs on (``engine/pipeline_stage.py``); each stage's collectives run over a
+group of its own.
+
 The engine option ``distributed_executor_backend`` (vLLM's name) picks one:
 
 - ``mp``: ``multiproc.MultiprocExecutor`` runs the ranks as processes of this host

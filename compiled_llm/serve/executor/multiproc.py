@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from compiled_llm.errors import EngineError, first_line
+from compiled_llm.graph import collective_ops
+from compiled_llm.engine import pipeline_stage
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +69,13 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
 
 
-def check_devices(device: torch.device, size: int) -> None:
+def check_devices(device: torch.device, size: int, tp_size: int | None = None) -> None:
     if device.type == "cuda" and torch.cuda.device_count() < size:
+        if tp_size is not None and tp_size != size:
+            raise EngineError(
+                f"the engine runs {size // tp_size} pipeline stages x {tp_size} tensor-parallel ranks = {size} GPUs "
+                f"but {torch.cuda.device_count()} are visible; rebuild it with a smaller --pipeline-parallel-size "
+                f"or --tensor-parallel-size")
         raise EngineError(
             f"the engine is sharded over {size} GPUs but {torch.cuda.device_count()} are visible; "
             f"rebuild it with a smaller --tensor-parallel-size"
@@ -76,17 +83,28 @@ def check_devices(device: torch.device, size: int) -> None:
 
 
 def init_group(device: torch.device, rank: int, size: int, init_method: str, timeout_s: float,
-               custom_all_reduce: bool) -> bool:
+               custom_all_reduce: bool, tp_size: int | None = None) -> bool:
     """Join the group through ``init_method`` (a ``file://`` store on one host, a ``tcp://``
     store that rank 0 hosts across hosts); on GPUs also open the custom all-reduce's workspace
     (a collective too), unless ``custom_all_reduce`` is off. True when it opened, which it does
-    on every rank or on none (ranks that disagreed would wait in different collectives)."""
+    on every rank or on none (ranks that disagreed would wait in different collectives). With
+    ``tp_size`` below ``size`` the ranks are pipeline stages of ``tp_size`` ranks each
+    (stage-major): each stage's collectives run over a group of its own."""
     if dist.is_initialized():
         raise EngineError("torch.distributed is already initialized in this process; a tensor-parallel engine starts its own group")
     dist.init_process_group(
         backend_for(device), init_method=init_method, rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    collective_ops.set_group(None)  # not a failed engine's stage group, whose process group is gone
+    pipeline_stage.set_logits_group(None)
+    if tp_size is not None and tp_size < size:
+        # every rank makes every stage's group, in the same order (new_group is collective)
+        for first in range(0, size, tp_size):
+            group = dist.new_group(list(range(first, first + tp_size)))
+            if first <= rank < first + tp_size:
+                collective_ops.set_group(group)
+        pipeline_stage.set_logits_group(dist.new_group([0, size - tp_size]))
     if device.type != "cuda" or not custom_all_reduce:
         return False
     from compiled_llm.kernels import triton_all_reduce
@@ -97,6 +115,8 @@ def init_group(device: torch.device, rank: int, size: int, init_method: str, tim
 
 def end_group(device: torch.device) -> None:
     """Leave the group, every rank together (NCCL's teardown waits for the others)."""
+    collective_ops.set_group(None)
+    pipeline_stage.set_logits_group(None)
     if device.type == "cuda":
         from compiled_llm.kernels import triton_all_reduce
 
@@ -107,11 +127,14 @@ def end_group(device: torch.device) -> None:
 
 class MultiprocExecutor:
     def __init__(self, engine_dir: Path, size: int, device: torch.device, timeout_s: float | None = None,
-                 custom_all_reduce: bool = True):
+                 custom_all_reduce: bool = True, tp_size: int | None = None):
+        """``size`` ranks in all; ``tp_size`` per pipeline stage (None: one stage of ``size``)."""
         device = torch.device(device)
         timeout_s = timeout_s or COLLECTIVE_TIMEOUT_S[backend_for(device)]
-        check_devices(device, size)
+        tp_size = tp_size or size
+        check_devices(device, size, tp_size)
         self.size = size
+        self.tp_size = tp_size
         self._device = device
         if custom_all_reduce and device.type == "cuda" and not _symmetric_memory_fresh():
             log.info("this process opened a custom all-reduce workspace before; this tensor-parallel engine's "
@@ -145,14 +168,15 @@ class MultiprocExecutor:
                 ours, theirs = socket.socketpair()
                 cmd = [sys.executable, "-m", __name__, str(engine_dir), str(rank), str(size), device.type, str(store),
                        str(theirs.fileno()), str(os.getpid()), str(timeout_s), str(int(custom_all_reduce)),
-                       json.dumps([str(p) for p in sys.path])]
+                       str(tp_size), json.dumps([str(p) for p in sys.path])]
                 # a fresh interpreter, not multiprocessing: nothing of the caller's __main__ is
                 # re-run, and a daemonic engine process may start it too
                 self._procs.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL))
                 theirs.close()
                 self._conns.append(Connection(ours.detach()))
             self._wait_ready()
-            self.custom_all_reduce = init_group(device, 0, size, f"file://{store}", timeout_s, custom_all_reduce)
+            self.custom_all_reduce = init_group(device, 0, size, f"file://{store}", timeout_s, custom_all_reduce,
+                                                tp_size)
         except BaseException:
             self._kill_workers()
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -245,7 +269,7 @@ class MultiprocExecutor:
             try:
                 conn.send_bytes(message)
             except OSError:
-                self._fail(f"tensor-parallel rank {rank} is gone (its pipe closed)")
+                self._fail(f"{self._name(rank)} is gone (its pipe closed)")
                 self.check()
 
     def _result(self, rank: int, call: int) -> Any:
@@ -282,15 +306,22 @@ class MultiprocExecutor:
         except (EOFError, OSError):  # the process is gone
             return None
 
+    def _name(self, rank: int) -> str:
+        """How an error names a rank: with its pipeline stage when the engine has several."""
+        if self.tp_size == self.size:
+            return f"tensor-parallel rank {rank}"
+        stage, tp_rank = divmod(rank, self.tp_size)
+        return f"rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+
     def _describe(self, rank: int, message) -> str:
         if message is not None and message[0] == "error":
-            return f"tensor-parallel rank {rank} failed: {message[1]}"
+            return f"{self._name(rank)} failed: {message[1]}"
         proc = self._procs[rank - 1]
         try:
             status = proc.wait(2.0)
         except subprocess.TimeoutExpired:
             status = "unknown"
-        return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {status}"
+        return f"{self._name(rank)} (pid {proc.pid}) exited with status {status}"
 
     def _watch(self) -> None:
         """After start-up a worker sends only its results (``run_on_ranks``), which go to its
@@ -308,7 +339,7 @@ class MultiprocExecutor:
                     try:
                         message = self._receive(rank)
                     except Exception as e:  # noqa: BLE001 - a result this process cannot unpickle
-                        self._fail(f"tensor-parallel rank {rank} sent a result rank 0 cannot read: {first_line(e)}")
+                        self._fail(f"{self._name(rank)} sent a result rank 0 cannot read: {first_line(e)}")
                         return
                     if message is None or message[0] != "result":
                         self._fail(self._describe(rank, message))
@@ -361,7 +392,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store: str, conn: Connection,
-                 timeout_s: float, custom_all_reduce: bool) -> None:
+                 timeout_s: float, custom_all_reduce: bool, tp_size: int) -> None:
     try:
         from compiled_llm.engine.artifact import load_engine
         from compiled_llm.serve.executor.rank_worker import RankWorker
@@ -371,7 +402,7 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
             torch.cuda.set_device(device)
         worker = RankWorker(load_engine(engine_dir, device=device, rank=rank))
         conn.send(("ready", None))
-        init_group(device, rank, size, f"file://{store}", timeout_s, custom_all_reduce)
+        init_group(device, rank, size, f"file://{store}", timeout_s, custom_all_reduce, tp_size)
         while True:
             message = conn.recv()
             if message is None:
@@ -396,12 +427,12 @@ def _worker_main(engine_dir: str, rank: int, size: int, device_type: str, store:
 def start_ranks(engine) -> MultiprocExecutor:
     """The other ranks of a loaded tensor-parallel engine (a ``LoadedModel``), started as the
     runtime starts them: what ``engine.compare.compare_engine`` is handed to drive them."""
-    return MultiprocExecutor(engine.engine_dir, engine.tp_size, engine.device)
+    return MultiprocExecutor(engine.engine_dir, engine.world_size, engine.device, tp_size=engine.tp_size)
 
 
 if __name__ == "__main__":
-    _engine_dir, _rank, _size, _device_type, _store, _fd, _parent, _timeout, _custom, _sys_path = sys.argv[1:]
+    _engine_dir, _rank, _size, _device_type, _store, _fd, _parent, _timeout, _custom, _tp, _sys_path = sys.argv[1:]
     sys.path[:] = json.loads(_sys_path)  # rank 0's, as multiprocessing's spawn gives its children
     threading.Thread(target=_exit_with_parent, args=(int(_parent),), daemon=True).start()
     _worker_main(_engine_dir, int(_rank), int(_size), _device_type, _store, Connection(int(_fd)), float(_timeout),
-                 _custom == "1")
+                 _custom == "1", int(_tp))

@@ -1,4 +1,5 @@
-"""``RankWorker``: a tensor-parallel rank other than 0, what rank 0's executor drives.
+"""``RankWorker``: a tensor-parallel rank or pipeline stage other than rank 0, what rank 0's
+executor drives (a stage's cache holds only its layers).
 
 It holds the rank's weights (``load_engine(rank=...)``), KV cache and ``ModelRunner``, and runs
 what rank 0 sends, in order: the KV-sizing step, making the runner, graph captures and the
@@ -28,16 +29,17 @@ class RankWorker:
     def profile_step(self, num_tokens: int, num_seqs: int, block_size: int) -> None:
         m = self.model
         profile_step(m.config, m.params, m.program, num_tokens=num_tokens, num_seqs=num_seqs,
-                     block_size=block_size, dtype=m.dtype, device=m.device)
+                     block_size=block_size, dtype=m.dtype, device=m.device, kv_layers=m.kv_layers)
 
     def make_runner(self, num_blocks: int, block_size: int, runner_options: dict[str, Any],
-                    decode_buckets_up_to: int, prefill_graph_tokens: int | None) -> None:
+                    decode_buckets_up_to: int | None, prefill_graph_tokens: int | None) -> None:
         """The runner rank 0 made, on this rank's weights (``LLMEngine``'s arguments)."""
         m = self.model
-        kv_cache = kvc.allocate(m.config, num_blocks, block_size, m.dtype, m.device)
+        kv_cache = kvc.allocate(m.config, num_blocks, block_size, m.dtype, m.device, m.kv_layers)
         self.runner = ModelRunner(m.config, m.params, m.program, kv_cache, block_size=block_size,
-                                  device=m.device, tp_size=m.tp_size, **runner_options)
-        self.runner.set_decode_buckets(decode_buckets_up_to)
+                                  device=m.device, tp_size=m.world_size, **runner_options)
+        if decode_buckets_up_to is not None:  # None: a pipelined engine, run eagerly
+            self.runner.set_decode_buckets(decode_buckets_up_to)
         if prefill_graph_tokens is not None:
             self.runner.prepare_graphs(prefill_graph_tokens)
 

@@ -18,10 +18,12 @@ from compiled_llm.model.spec import kv_cache_shape
 DEFAULT_CPU_KV_GIB = 0.5
 
 
-def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, keys and values."""
+def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_layers: int | None = None) -> int:
+    """Bytes of one block across the layers a cache holds (``kv_layers``, a pipeline stage's;
+    None: all of them), keys and values."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+    layers = config.num_layers if kv_layers is None else kv_layers
+    return 2 * layers * block_size * config.num_kv_heads * config.head_dim * itemsize
 
 
 def cpu_num_blocks(
@@ -30,9 +32,10 @@ def cpu_num_blocks(
     dtype: torch.dtype,
     kv_cache_gib: float | None,
     max_useful_blocks: int,
+    kv_layers: int | None = None,
 ) -> int:
     gib = DEFAULT_CPU_KV_GIB if kv_cache_gib is None else kv_cache_gib
-    n = int(gib * 2**30 // block_bytes(config, block_size, dtype))
+    n = int(gib * 2**30 // block_bytes(config, block_size, dtype, kv_layers))
     return max(1, min(n, max_useful_blocks))
 
 
@@ -43,6 +46,7 @@ def gpu_num_blocks(
     device: torch.device,
     gpu_memory_utilization: float,
     profile_step: Callable[[], None],
+    kv_layers: int | None = None,
 ) -> tuple[int, dict]:
     """Blocks that fit in the GPU budget, measured by running ``profile_step`` (the largest
     step: max tokens prefill + sampling of max_num_seqs rows) with the weights loaded."""
@@ -58,12 +62,12 @@ def gpu_num_blocks(
     # memory held outside this process's torch allocator: CUDA context, other processes
     non_torch = (total - free) - torch.cuda.memory_reserved(device)
     budget = total * gpu_memory_utilization - non_torch - peak
-    n = int(budget // block_bytes(config, block_size, dtype))
+    n = int(budget // block_bytes(config, block_size, dtype, kv_layers))
     info = {
         "total_gib": total / 2**30,
         "peak_gib": peak / 2**30,
         "non_torch_gib": non_torch / 2**30,
-        "kv_gib": max(n, 0) * block_bytes(config, block_size, dtype) / 2**30,
+        "kv_gib": max(n, 0) * block_bytes(config, block_size, dtype, kv_layers) / 2**30,
     }
     if n < 1:
         raise CompiledLLMError(
@@ -73,6 +77,11 @@ def gpu_num_blocks(
     return n, info
 
 
-def allocate(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> torch.Tensor:
+def allocate(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+             layers: int | None = None) -> torch.Tensor:
+    """The cache of ``layers`` layers (a pipeline stage's; None: all of the model's)."""
+    shape = kv_cache_shape(config, num_blocks, block_size)
+    if layers is not None:
+        shape = (layers, *shape[1:])
     # zeros, not empty: padded decode rows may read a block before anything was written there
-    return torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)

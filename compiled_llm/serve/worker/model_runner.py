@@ -146,7 +146,8 @@ class ModelRunner:
         self.prefill_graphs = StepGraphs()  # prefill of one sequence, by token count
         self._ids_host = [torch.zeros(s, dtype=torch.int64).pin_memory() for _ in range(2)] if cuda else []
         self._ids_turn = 0
-        # a tensor-parallel rank's copy of the last step's sampled ids, for a step scheduled ahead
+        # a tensor-parallel (or pipelined) rank's copy of the last step's sampled ids, for a step
+        # scheduled ahead; ``tp_size`` here counts every rank of the engine
         self._ahead_ids = torch.zeros(s, dtype=torch.int64, device=self.device) if tp_size > 1 else None
         self.history = TokenHistory(s, self.width * block_size, config.vocab_size, self.device)
         # Each row's sampling parameters (SamplingParams.sampling_row), written when a sequence
@@ -824,15 +825,17 @@ def profile_step(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_layers: int | None = None,
 ) -> None:
     """The largest step the engine runs: a prefill of num_tokens tokens, then sampling (with
-    top-k/top-p sorting) of num_seqs rows of logits. Used to measure the activation peak."""
+    top-k/top-p sorting) of num_seqs rows of logits. Used to measure the activation peak.
+    ``kv_layers``: the layers a pipeline stage's cache holds (None: all)."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (max(num_tokens, 2),), generator=gen).tolist()
     # two sequences splitting the tokens (programs are exported for >= 2 sequences)
     half = len(tokens) // 2
     a, b = cdiv(half, block_size), cdiv(len(tokens) - half, block_size)
-    kv = kvc.allocate(config, a + b, block_size, dtype, device)
+    kv = kvc.allocate(config, a + b, block_size, dtype, device, kv_layers)
     seqs = [ScheduledSeq(tokens[:half], 0, list(range(a))), ScheduledSeq(tokens[half:], 0, list(range(a, a + b)))]
     logits = program(params, pack_batch(seqs, block_size, device), kv)
     del kv

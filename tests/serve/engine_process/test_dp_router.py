@@ -152,7 +152,8 @@ def test_each_replica_owns_its_tensor_parallel_group_of_gpus():
 def test_more_replicas_than_gpus_is_one_line_naming_the_numbers():
     with pytest.raises(InvalidOptionError) as e:
         replica_gpus(2, 4, visible_gpus(None, 4))
-    assert str(e.value) == "data_parallel_size 2 x tensor_parallel_size 4 needs 8 GPUs, but 4 are visible"
+    assert str(e.value) == ("data_parallel_size 2 x 4 GPUs a replica (tensor x pipeline parallel) needs 8 GPUs, "
+                            "but 4 are visible")
 
 
 def test_replicas_cannot_share_one_named_gpu():

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import select
 import signal
 import subprocess
@@ -40,7 +39,8 @@ import torch
 import transformers
 from helpers.rank_kill import kill_mid_generate
 from helpers.hf_checkpoints import make_checkpoint
-from helpers.lively import INIT_RANGE, greedy_continuation
+from helpers.lively import greedy_continuation
+from helpers.parallel_checkpoints import FAMILIES, HEAD_DIM, HEADS, LAYERS, prompts_for
 from helpers.rank_processes import run_ranks
 from helpers.wrong_passes import drop_q_bias
 from safetensors import safe_open
@@ -57,47 +57,9 @@ from compiled_llm.passes.base import Pass
 from compiled_llm.serve.executor.multiproc import start_ranks
 
 RANKS = 2
-LAYERS = 2
-HEADS = 4
-HEAD_DIM = 16  # hidden 64 / 4 heads (qwen3's is set to 32 below)
 
 
 # ---- checkpoints and engines ------------------------------------------------------------------
-
-
-def _llama_like(**kw):
-    return {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS,
-            "num_attention_heads": HEADS, "max_position_embeddings": 512, "tie_word_embeddings": False,
-            "initializer_range": INIT_RANGE, "bos_token_id": None, "eos_token_id": None, **kw}
-
-
-# Random init with a wide spread and untied embeddings (GPT-2's are always tied), so greedy
-# outputs vary from token to token.
-FAMILIES = {
-    # 2 KV heads: one per rank; q/k/v biases
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_llama_like(
-        num_key_value_heads=2, rope_theta=10000.0))),
-    # head_dim 32 (q is wider than the hidden size), q/k norms
-    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_llama_like(
-        num_key_value_heads=2, head_dim=32))),
-    # 1 KV head for 2 ranks: both hold it
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**_llama_like(
-        num_key_value_heads=1, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))),
-    # q, k, v and gate, up stored stacked (split at load, then sharded); pad id 0 (a token here)
-    "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**_llama_like(
-        num_key_value_heads=2, pad_token_id=0))),
-    # sandwich norms (the residual add rides the post-norm, not the all-reduce), soft-capped
-    # scores and logits, and a window of 8 on every other layer that the prompts outrun
-    "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**_llama_like(
-        num_key_value_heads=2, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=8))),
-    # 257 tokens: the vocabulary is padded to 258 to give each rank 129 rows; learned positions,
-    # biases everywhere (row-parallel ones added once)
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=257, n_embd=64, n_layer=LAYERS, n_head=HEADS, n_positions=512,
-        initializer_range=INIT_RANGE, bos_token_id=None, eos_token_id=None)),
-}
 
 
 @dataclasses.dataclass
@@ -222,16 +184,7 @@ def test_build_refuses_a_checkpoint_that_does_not_split_before_writing_anything(
 
 # ---- generation matches transformers ----------------------------------------------------------
 
-PROMPT_LENGTHS = (3, 8, 15, 22, 31, 40)
 MAX_TOKENS = 12
-
-
-def prompts_for(vocab_size: int) -> list[list[int]]:
-    rng = random.Random(7)
-    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
-    prompts[2][5] = vocab_size - 1  # the last id: the end of rank 1's rows (padded for gpt2)
-    prompts[3][0] = 0  # the first: rank 0's
-    return prompts
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
