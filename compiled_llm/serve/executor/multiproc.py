@@ -48,6 +48,7 @@ import torch.distributed as dist
 from compiled_llm.errors import EngineError, first_line
 from compiled_llm.graph import collective_ops
 from compiled_llm.engine import pipeline_stage
+from compiled_llm.serve.executor.rank_failures import RankFailures
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def end_group(device: torch.device) -> None:
     dist.destroy_process_group()
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(RankFailures):
     def __init__(self, engine_dir: Path, size: int, device: torch.device, timeout_s: float | None = None,
                  custom_all_reduce: bool = True, tp_size: int | None = None):
         """``size`` ranks in all; ``tp_size`` per pipeline stage (None: one stage of ``size``)."""
@@ -142,14 +143,10 @@ class MultiprocExecutor:
             custom_all_reduce = False
         # whether the steps' all-reduces that fit its slot run the custom kernel (else NCCL's)
         self.custom_all_reduce = False
-        self.failure: str | None = None
-        # orders a failure the monitor thread sees against shutdown: a shutdown that finds no
-        # failure tears the group down with every rank, which waits for ranks a later _fail kills
-        self._state_lock = threading.Lock()
+        self._init_failures()
         # run on rank 0 before the group ends (the runner drops its CUDA graphs: NCCL's
         # teardown waits for graphs that captured its collectives)
         self.before_teardown: list[Callable[[], None]] = []
-        self._stopping = False
         self._dir = Path(tempfile.mkdtemp(prefix="cllm-tp-"))
         store = self._dir / "store"
         self._procs: list[subprocess.Popen] = []
@@ -178,7 +175,7 @@ class MultiprocExecutor:
             self.custom_all_reduce = init_group(device, 0, size, f"file://{store}", timeout_s, custom_all_reduce,
                                                 tp_size)
         except BaseException:
-            self._kill_workers()
+            self._stop_ranks()
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
@@ -214,8 +211,7 @@ class MultiprocExecutor:
     def check(self, wait_s: float = 0.0) -> None:
         """Raise EngineError if a rank has failed or the engine was shut down; with ``wait_s``,
         give a rank that is ending (a collective just failed) that long to be seen."""
-        if self._stopping and self.failure is None:
-            raise EngineError("the tensor-parallel engine is shut down")
+        self._refuse_if_shut_down()
         deadline = time.monotonic() + wait_s
         while self.failure is None:
             dead = next((r for r, p in enumerate(self._procs, start=1) if p.poll() is not None), None)
@@ -230,11 +226,9 @@ class MultiprocExecutor:
         raise EngineError(self.failure)
 
     def shutdown(self) -> None:
-        with self._state_lock:
-            if self._stopping:
-                return
-            self._stopping = True
-            failed = self.failure is not None
+        failed = self._begin_stop()
+        if failed is None:
+            return
         for conn in self._conns:
             try:
                 conn.send(None)
@@ -255,7 +249,7 @@ class MultiprocExecutor:
                 proc.wait(max(deadline - time.monotonic(), 0))
             except subprocess.TimeoutExpired:
                 pass
-        self._kill_workers()
+        self._stop_ranks()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- messages ----------------------------------------------------------------------------------
@@ -346,15 +340,7 @@ class MultiprocExecutor:
                         return
                     self._results[rank - 1].put((message[1], message[2]))
 
-    def _fail(self, why: str) -> None:
-        with self._state_lock:
-            if self.failure is not None or self._stopping:
-                return
-            self.failure = why
-        log.error("%s; stopping the other ranks", why)
-        self._kill_workers()
-
-    def _kill_workers(self) -> None:
+    def _stop_ranks(self) -> None:
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from compiled_llm.errors import EngineError, InvalidOptionError, first_line
 from compiled_llm.serve.executor.multiproc import COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, backend_for, end_group, init_group
+from compiled_llm.serve.executor.rank_failures import RankFailures
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class RankActor:
             end_group(self.device)
 
 
-class RayExecutor:
+class RayExecutor(RankFailures):
     def __init__(self, engine_dir: Path, size: int, device: torch.device, timeout_s: float | None = None,
                  custom_all_reduce: bool = True):
         ray = import_ray()
@@ -119,10 +120,8 @@ class RayExecutor:
         self.size = size
         self._device = device
         self.custom_all_reduce = False
-        self.failure: str | None = None
+        self._init_failures()
         self.before_teardown: list[Callable[[], None]] = []  # as MultiprocExecutor's
-        self._stopping = False
-        self._state_lock = threading.Lock()
         # every call not yet seen done, as (reference, rank); the monitor and check() take the done ones
         self._pending: list[tuple[Any, int]] = []
         self._pending_lock = threading.Lock()
@@ -212,8 +211,7 @@ class RayExecutor:
     def check(self, wait_s: float = 0.0) -> None:
         """Raise EngineError if a rank has failed or the engine was shut down; with ``wait_s``,
         give a rank that is ending (a collective just failed) that long to be seen."""
-        if self._stopping and self.failure is None:
-            raise EngineError("the tensor-parallel engine is shut down")
+        self._refuse_if_shut_down()
         deadline = time.monotonic() + wait_s
         while self.failure is None:
             self._settle()
@@ -224,11 +222,9 @@ class RayExecutor:
             raise EngineError(self.failure)
 
     def shutdown(self) -> None:
-        with self._state_lock:
-            if self._stopping:
-                return
-            self._stopping = True
-            failed = self.failure is not None
+        failed = self._begin_stop()
+        if failed is None:
+            return
         if not failed and dist.is_initialized():
             # every rank tears the group down together, as multiproc's do
             stops = [a.stop.remote() for a in self._actors]
@@ -295,17 +291,9 @@ class RayExecutor:
             return f"tensor-parallel rank {rank} (a Ray actor) died: {first_line(error, 300)}"
         return f"tensor-parallel rank {rank} (a Ray actor) failed: {type(error).__name__}: {first_line(error, 300)}"
 
-    def _fail(self, why: str) -> None:
-        with self._state_lock:
-            if self.failure is not None or self._stopping:
-                return
-            self.failure = why
-        log.error("%s; stopping the other ranks", why)
-        self._kill_actors()
-
     # ---- the end --------------------------------------------------------------------------------
 
-    def _kill_actors(self) -> None:
+    def _stop_ranks(self) -> None:
         for actor in self._actors:
             try:
                 self._ray.kill(actor, no_restart=True)
@@ -318,7 +306,7 @@ class RayExecutor:
         ray = self._ray
         if not ray.is_initialized():
             return
-        self._kill_actors()
+        self._stop_ranks()
         if self._pg is not None:
             try:
                 self._remove_placement_group(self._pg)
