@@ -179,6 +179,14 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize:
     return weights, ids
 
 
+def _norm_and_route(x, norm_weight, norm_eps: float, router_weight, top_k: int, renormalize: bool, pdl: bool = False):
+    """(normalised x, routing weights, expert ids) in separate launches: the Triton norm when
+    there is one, then ``route``."""
+    if norm_weight is not None:
+        x = tr_rms_norm(x, norm_weight, norm_eps)
+    return (x, *route(x, router_weight, top_k, renormalize, pdl=pdl))
+
+
 def _routing_buffers(T: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty((T, top_k), dtype=torch.float32, device=device),
             torch.empty((T, top_k), dtype=torch.int32, device=device))
@@ -387,11 +395,8 @@ def _decode(x, router_weight, gate_up_weight, down_weight, top_k: int, renormali
     inter = down_weight.shape[2]
     itemsize = x.element_size()
     pdl = use_pdl(x)
-    if T <= ROUTE_COUNTERS:
-        x, weights, ids = _route_decode(x, norm_weight, norm_eps, router_weight, top_k, renormalize, pdl)
-    else:
-        x = tr_rms_norm(x, norm_weight, norm_eps) if norm_weight is not None else x
-        weights, ids = route(x, router_weight, top_k, renormalize, pdl=pdl)
+    routing = _route_decode if T <= ROUTE_COUNTERS else _norm_and_route
+    x, weights, ids = routing(x, norm_weight, norm_eps, router_weight, top_k, renormalize, pdl)
     act = torch.empty((T * top_k, inter), dtype=x.dtype, device=x.device)
     tile = _streaming_tile("fused_moe_decode", T, (2 * inter, H), inter, H, itemsize, "BLOCK_I", "BLOCK_H")
     _gate_up_decode_kernel[(triton.cdiv(inter, tile["BLOCK_ROWS"]), T * top_k)](
@@ -622,9 +627,7 @@ def _prefill(x, router_weight, gate_up_weight, down_weight, top_k: int, renormal
              norm_eps: float, residual) -> torch.Tensor:
     """The input norm, routing, layout by expert, gate/up grouped GEMM with the activation, down
     grouped GEMM with the routing weight, sum over each token's slots (+ residual)."""
-    if norm_weight is not None:
-        x = tr_rms_norm(x, norm_weight, norm_eps)
-    weights, ids = route(x, router_weight, top_k, renormalize)
+    x, weights, ids = _norm_and_route(x, norm_weight, norm_eps, router_weight, top_k, renormalize)
     T, H = x.shape
     num_experts, inter = down_weight.shape[0], down_weight.shape[2]
     num_pairs = T * top_k
