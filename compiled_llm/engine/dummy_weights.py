@@ -8,6 +8,7 @@ shapes, a 93 GB mixture included, without writing, reading or holding a checkpoi
 from __future__ import annotations
 
 import json
+import zlib
 
 import torch
 from torch import Tensor
@@ -61,10 +62,13 @@ def check_file(metadata: dict[str, str] | None, held: set[str], made: dict[str, 
 
 
 def make(names: list[str], expected: dict[str, tuple[str, tuple[int, ...]]], device: torch.device) -> dict[str, Tensor]:
-    """The matrices ``names`` at their ``expected`` (dtype, shape), random on ``device``."""
-    gen = torch.Generator(device=device).manual_seed(SEED)
+    """The matrices ``names`` at their ``expected`` (dtype, shape), random on ``device``. Each is
+    seeded by its name, not by the matrices made before it: a layer's weights are the same
+    whichever pipeline stage makes them, so a pipelined dummy engine is the unsplit one's model."""
+    gen = torch.Generator(device=device)
     out = {}
     for name in names:
         dtype, shape = expected[name]
+        gen.manual_seed(SEED * 2**32 + zlib.crc32(name.encode()))
         out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device).normal_(0.0, STD, generator=gen)
     return out

@@ -115,3 +115,14 @@ def test_a_dummy_engine_shards_over_two_ranks_each_making_its_own_slices(tmp_pat
         assert len(out[0].outputs[0].token_ids) == 6
     finally:
         llm.shutdown()
+
+
+def test_a_dummy_matrix_depends_on_its_name_alone_so_every_pipeline_stage_makes_the_unsplit_models_layers():
+    from compiled_llm.engine import dummy_weights
+
+    expected = {"layers.0.w": ("float32", (4, 3)), "layers.1.w": ("float32", (4, 3))}
+    alone = dummy_weights.make(["layers.1.w"], expected, torch.device("cpu"))
+    after_another = dummy_weights.make(["layers.0.w", "layers.1.w"], expected, torch.device("cpu"))
+    assert torch.equal(alone["layers.1.w"], after_another["layers.1.w"])
+    assert not torch.equal(after_another["layers.0.w"], after_another["layers.1.w"])
+    assert abs(float(after_another["layers.0.w"].std()) - dummy_weights.STD) < 0.015
