@@ -88,3 +88,17 @@ def structured_engine(tmp_path_factory):
     out = tmp_path_factory.mktemp("structured_engine") / "engine"
     build_engine(str(checkpoint), out, dtype="float32", device="cpu", progress=False)
     return out
+
+
+def pytest_collection_finish(session):
+    """The Triton interpreter runs this session will check start now, beside the other tests
+    (helpers/interpret_child.py says why)."""
+    from helpers.interpret_child import start_child_runs
+
+    start_child_runs(session.items)
+
+
+def pytest_sessionfinish(session):
+    from helpers.interpret_child import stop_child_runs
+
+    stop_child_runs()

@@ -289,8 +289,9 @@ def _check_qkv(out, ref):
     assert len({o.data_ptr() for o in out}) == 3  # fresh outputs that never alias
 
 
-@pytest.mark.parametrize("input_norm", [False, True])
-@pytest.mark.parametrize("bias,qk_norm,rope,head_dim", QKV_KINDS)
+# every kind with the folded input norm; without it (a constexpr that drops the norm) once per form
+@pytest.mark.parametrize("bias,qk_norm,rope,head_dim,input_norm",
+                         [(*kind, True) for kind in QKV_KINDS] + [(*QKV_KINDS[0], False), (*QKV_KINDS[1], False)])
 @pytest.mark.parametrize("form,T", [("decode", 1), ("decode", 3), ("prefill", 5)])
 def test_qkv_rope_matches_reference(form, T, bias, qk_norm, rope, head_dim, input_norm):
     args, nw = _qkv_args(T, bias, qk_norm, rope, head_dim, seed=50 + T)
@@ -299,8 +300,8 @@ def test_qkv_rope_matches_reference(form, T, bias, qk_norm, rope, head_dim, inpu
     _check_qkv(out, fused_ops.fused_qkv_rope_ref(*args, nw, 1e-5))
 
 
-@pytest.mark.parametrize("bias,qk_norm,rope,head_dim", QKV_KINDS)
-@pytest.mark.parametrize("T", [1, pytest.param(3, marks=SLOW)])
+@pytest.mark.parametrize("bias,qk_norm,rope,head_dim,T", [
+    *[(*kind, 1) for kind in QKV_KINDS], *[pytest.param(*kind, 3, marks=SLOW) for kind in QKV_KINDS[:3]]])
 def test_qkv_decode_with_tiny_blocks(bias, qk_norm, rope, head_dim, T):
     # 3 rows in blocks of 2, a full block and a partial one, at positions 7, 0 and 63 (1 row: the one-row form); 4
     # pairs a program (a head split in 3-4 programs; q/k norms after, in the epilogue); K = 40 in chunks of 16
@@ -515,7 +516,7 @@ def test_int4_and_int8_weights_mix_in_one_mlp():
 
 
 @pytest.mark.parametrize("T,tiny,kind", [
-    *[(1, False, kind) for kind in QKV_KINDS[:3]], (2, True, QKV_KINDS[0]),
+    (1, False, QKV_KINDS[0]), (2, True, QKV_KINDS[0]),
     *[pytest.param(3, True, kind, marks=SLOW) for kind in QKV_KINDS[1:3]],
 ])
 def test_int4_qkv_rope_equals_its_dequantizing_reference(T, tiny, kind):

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -44,10 +45,6 @@ def require_compiled_kernels() -> None:
         "TRITON_INTERPRET=1 is set in the test process: unset it (the interpreter tests set it in a child)")
 
 
-# child runs already made, by (cases file, -m expression): the two groups' tests share one
-_RUNS: dict[tuple[Path, str], subprocess.CompletedProcess] = {}
-
-
 def assert_cases_pass(cases: Path, group: str, request: pytest.FixtureRequest | None = None) -> None:
     """Every case of ``cases`` in ``group`` (a -m expression, one of CASE_GROUPS) ran under the
     interpreter and passed: no failure, error, skip or xfail, and every collected case either
@@ -56,19 +53,9 @@ def assert_cases_pass(cases: Path, group: str, request: pytest.FixtureRequest | 
     With the calling test's ``request``: when this session also runs the test's other group
     (CI, a plain ``pytest``), one child runs every case for both, and each group's test checks
     that run: the cases run once, and the child's start (Python, torch, Triton, collection) is
-    paid once, not twice."""
-    expression = group
-    if request is not None and _groups_selected(request) >= {p.values[0] for p in CASE_GROUPS}:
-        expression = " or ".join(f"({p.values[0]})" for p in CASE_GROUPS)  # every case
-    if (cases, expression) not in _RUNS:
-        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        env.pop("PYTEST_ADDOPTS", None)  # the caller's -k/-x/-m must not thin out the child's run
-        _RUNS[cases, expression] = subprocess.run(
-            [sys.executable, "-m", "pytest", "--no-header", "-rfEsxX", "-p", "no:cacheprovider", "-m", expression,
-             str(cases)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-        )
-    proc = _RUNS[cases, expression]
+    paid once, not twice. That run was started when the session was collected
+    (``start_child_runs``) and has run beside the other tests since; this waits for it."""
+    proc = _CHILD_RUNS.result(cases, _expression(cases, group, request))
     report = proc.stdout[-8000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
     collected = re.search(r"^collected (\d+) items?", proc.stdout, re.M)
@@ -76,6 +63,108 @@ def assert_cases_pass(cases: Path, group: str, request: pytest.FixtureRequest | 
     assert collected, report
     assert set(outcomes) - _NOT_OUTCOMES == {"passed"}, report
     assert outcomes["passed"] + outcomes.get("deselected", 0) == int(collected.group(1)), report
+
+
+def _expression(cases: Path, group: str, request: pytest.FixtureRequest | None) -> str:
+    if request is not None and _groups_selected(request) >= {p.values[0] for p in CASE_GROUPS}:
+        return " or ".join(f"({p.values[0]})" for p in CASE_GROUPS)  # every case
+    return group
+
+
+class _ChildRuns:
+    """The interpreter runs, one child at a time on a thread of this process, in the order they
+    were asked for. Each child is one Python process on one core (OMP_NUM_THREADS=1), and most of
+    the suite's other tests leave the second core of a two-core machine idle (one Python
+    thread), so the runs the session will check start as soon as it is collected and are done
+    (minutes of interpreted kernels) by the time their tests come up. A run nobody started is
+    started when a test asks for it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._done: dict[tuple[Path, str], subprocess.CompletedProcess] = {}
+        self._queued: list[tuple[Path, str]] = []
+        self._ready = threading.Condition(self._lock)
+        self._current: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def start(self, keys: list[tuple[Path, str]]) -> None:
+        with self._lock:
+            for key in keys:
+                if key not in self._done and key not in self._queued:
+                    self._queued.append(key)
+            if self._queued and self._thread is None:
+                self._thread = threading.Thread(target=self._run_queue, name="interpreter-children", daemon=True)
+                self._thread.start()
+
+    def result(self, cases: Path, expression: str) -> subprocess.CompletedProcess:
+        key = (cases, expression)
+        self.start([key])
+        with self._ready:
+            while key not in self._done:
+                self._ready.wait()
+            return self._done[key]
+
+    def stop(self) -> None:
+        """The session is over: a child still running is killed (an interrupted session must not
+        wait minutes for it), none is started after."""
+        with self._lock:
+            self._stopped = True
+            self._queued.clear()
+            if self._current is not None:
+                self._current.kill()
+
+    def _run_queue(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queued or self._stopped:
+                    self._thread = None
+                    return
+                cases, expression = key = self._queued.pop(0)
+                env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+                env.pop("PYTEST_ADDOPTS", None)  # the caller's -k/-x/-m must not thin out the child's run
+                self._current = subprocess.Popen(
+                    [sys.executable, "-m", "pytest", "--no-header", "-rfEsxX", "-p", "no:cacheprovider", "-m",
+                     expression, str(cases)],
+                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                out, err = self._current.communicate(timeout=900)
+            except subprocess.TimeoutExpired:
+                self._current.kill()
+                out, err = self._current.communicate()
+                err += "\nthe interpreter run took more than 900 s and was killed"
+            with self._ready:
+                self._done[key] = subprocess.CompletedProcess(self._current.args, self._current.returncode, out, err)
+                self._current = None
+                self._ready.notify_all()
+
+
+_CHILD_RUNS = _ChildRuns()
+
+
+def start_child_runs(items: list[pytest.Item]) -> None:
+    """Start the interpreter runs that the collected ``items`` will check (each test module of
+    interpreter cases names its cases file ``CASES`` and takes a ``group`` parameter)."""
+    keys = []
+    for item in items:
+        cases = getattr(getattr(item, "module", None), "CASES", None)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if isinstance(cases, Path) and "group" in params and item.get_closest_marker("gpu") is None:
+            key = (cases, _expression(cases, params["group"], _ItemRequest(item)))
+            if key not in keys:
+                keys.append(key)
+    _CHILD_RUNS.start(keys)
+
+
+def stop_child_runs() -> None:
+    _CHILD_RUNS.stop()
+
+
+class _ItemRequest:
+    """What ``_groups_selected`` reads of a test's request, for a collected item."""
+
+    def __init__(self, item: pytest.Item):
+        self.node, self.session = item, item.session
 
 
 def _groups_selected(request: pytest.FixtureRequest) -> set[str]:
