@@ -13,7 +13,6 @@ Generation through lanes against transformers (PP=2, PP=2 x TP=2): tests/serve/e
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
