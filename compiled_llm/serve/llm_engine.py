@@ -169,6 +169,8 @@ class LLMEngine:
 
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, sliding_window=mc.kv_window)
         _log_kv_layout(mc, self.max_model_len, bs, config.max_num_batched_tokens)
+        pipelined = model.pp_size > 1
+        prefill_graph_tokens = solo_prefill_max_tokens(config, self.device, self.max_model_len, pipelined)
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -176,7 +178,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
-                solo_prefill_max_tokens=solo_prefill_max_tokens(config, self.device, self.max_model_len),
+                solo_prefill_max_tokens=prefill_graph_tokens,
             ),
             self.block_manager,
             stop_token_ids=model.eos_token_ids,
@@ -185,22 +187,18 @@ class LLMEngine:
         runner_options = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                               max_model_len=self.max_model_len)
         # captured bucket by bucket on first use, so none stands before the first token
-        graph_tokens = None
-        # a pipeline stage reads its inputs' shapes on the host: it runs eagerly
-        pipelined = model.pp_size > 1
-        if not config.enforce_eager and self.device.type == "cuda" and not pipelined:
-            graph_tokens = min(config.prefill_graph_max_tokens, self.max_model_len)
+        graph_tokens = prefill_graph_tokens if not config.enforce_eager and self.device.type == "cuda" else None
+        buckets_up_to = decode_buckets_up_to(config, self.device)
         if self.executor is not None:
-            self.executor.send("make_runner", num_blocks, bs, runner_options,
-                               None if pipelined else config.max_graph_batch_size, graph_tokens)
+            self.executor.send("make_runner", num_blocks, bs, runner_options, buckets_up_to, graph_tokens)
         self.runner = ModelRunner(mc, model.params, model.program, kv_cache, block_size=bs, device=self.device,
                                   tp_size=model.world_size, **runner_options)
         self.runner.peers = self.executor
         self.runner.eos_token_ids = tuple(model.eos_token_ids)
         if self.executor is not None:
             self.executor.before_teardown.append(self.runner.release_graphs)
-        if not pipelined:
-            self.runner.set_decode_buckets(config.max_graph_batch_size)
+        if buckets_up_to is not None:
+            self.runner.set_decode_buckets(buckets_up_to)
         if graph_tokens is not None:
             self.runner.prepare_graphs(graph_tokens)
 
@@ -223,7 +221,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Counters so far; graphs are captured as their buckets first run, so the capture
         figures grow with use."""
-        graphs = (self.runner.graphs, self.runner.prefill_graphs)
+        graphs = self.runner.all_graphs()
         self._stats.graphs_captured = sum(len(g.graphs) for g in graphs)
         self._stats.graph_capture_s = sum(g.capture_s for g in graphs)
         return self._stats
@@ -718,12 +716,20 @@ def _log_kv_layout(mc, max_model_len: int, block_size: int, step_tokens: int) ->
                     100 * saved, max_model_len, step_tokens)
 
 
-def solo_prefill_max_tokens(config: EngineConfig, device: torch.device, max_model_len: int) -> int:
+def solo_prefill_max_tokens(config: EngineConfig, device: torch.device, max_model_len: int,
+                            pipelined: bool = False) -> int:
     """The scheduler's ``solo_prefill_max_tokens``: the prefill graphs' largest prompt when the
-    runner captures them (CUDA, graphs on), else 0."""
-    if config.enforce_eager or device.type != "cuda":
+    runner captures them (CUDA, graphs on, not a pipeline stage: its prefill runs eagerly), else 0."""
+    if config.enforce_eager or device.type != "cuda" or pipelined:
         return 0
     return min(config.prefill_graph_max_tokens, max_model_len)
+
+
+def decode_buckets_up_to(config: EngineConfig, device: torch.device) -> int | None:
+    """The largest decode step the runner pads to a bucket: on CUDA the graphs' (eager steps
+    too, so that they run the kernels the graphs replay), on a CPU none (None: every step runs
+    at its own size)."""
+    return config.max_graph_batch_size if device.type == "cuda" else None
 
 
 def _drop_finished(batch: ScheduledBatch, sampled: list[int], logprobs: list | None, stale: set[int]):

@@ -38,7 +38,7 @@ class RankWorker:
         kv_cache = kvc.allocate(m.config, num_blocks, block_size, m.dtype, m.device, m.kv_layers)
         self.runner = ModelRunner(m.config, m.params, m.program, kv_cache, block_size=block_size,
                                   device=m.device, tp_size=m.world_size, **runner_options)
-        if decode_buckets_up_to is not None:  # None: a pipelined engine, run eagerly
+        if decode_buckets_up_to is not None:  # None: steps run at their own sizes (a CPU)
             self.runner.set_decode_buckets(decode_buckets_up_to)
         if prefill_graph_tokens is not None:
             self.runner.prepare_graphs(prefill_graph_tokens)

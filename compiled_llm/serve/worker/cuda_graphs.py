@@ -7,8 +7,10 @@ Prefill of one sequence: its T new tokens are padded to the next token-count buc
 that belong to no sequence (past query_start_loc[-1], slot -1), so they write nowhere and no real
 row sees them; launching a prefill op by op costs the host far more than the device's few ms.
 Graphs read fixed input buffers, so the runner copies each step's inputs into them before
-replay. A bucket runs eagerly once right before its capture: a first call may compile (Triton)
-or allocate, neither of which may happen inside a capture.
+replay, and write fixed output buffers: the logits, or a pipeline stage's activations
+(``pipeline_lanes.py``; a forward may return several tensors). A bucket runs eagerly once right
+before its capture: a first call may compile (Triton) or allocate, neither of which may happen
+inside a capture.
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ def decode_buckets(max_batch_size: int) -> list[int]:
     return out
 
 
+def _tensors(out: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return (out,) if isinstance(out, Tensor) else tuple(out)
+
+
+def first_rows(out: Tensor | tuple[Tensor, ...], rows: int) -> Tensor | tuple[Tensor, ...]:
+    """``out`` (a tensor or a tuple of them) cut to its first ``rows`` rows."""
+    return out[:rows] if isinstance(out, Tensor) else tuple(o[:rows] for o in out)
+
+
 @contextlib.contextmanager
 def _syncs_raise():
     """CUDA operations that synchronise with the host raise inside (torch's sync debug mode,
@@ -67,7 +78,9 @@ class StepGraphs:
     def __init__(self):
         self.buckets: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: Tensor | None = None  # [rows of the largest bucket, vocab], written by every graph
+        # what every graph writes: [rows of the largest bucket, ...] per output of the forward
+        self.outputs: tuple[Tensor, ...] | None = None
+        self._one_output = True  # the forward returns a tensor, not a tuple of them
         self.capture_s = 0.0
         self.pool = None
         self._forward: Callable[[int], Tensor] | None = None
@@ -85,21 +98,22 @@ class StepGraphs:
         i = bisect.bisect_left(self.buckets, num_seqs)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def prepare(self, buckets: list[int], forward: Callable[[int], Tensor], max_rows: int, device, pool) -> None:
+    def prepare(self, buckets: list[int], forward: Callable[[int], Tensor | tuple[Tensor, ...]], max_rows: int, device,
+                pool) -> None:
         """Graphs of ``forward(bucket)`` (which reads the static inputs of that bucket and
-        returns its logits, at most ``max_rows`` rows) will be captured on first use, in the
-        shared memory ``pool`` (``torch.cuda.graph_pool_handle()``)."""
+        returns its logits, or a tuple of tensors, each of at most ``max_rows`` rows) will be
+        captured on first use, in the shared memory ``pool`` (``torch.cuda.graph_pool_handle()``)."""
         self.buckets = sorted(buckets)
         self._forward, self._max_rows, self._device, self.pool = forward, max_rows, device, pool
 
-    def run(self, bucket: int, rows: int) -> Tensor:
-        """The first ``rows`` logits of ``bucket``'s step on the inputs staged for it."""
+    def run(self, bucket: int, rows: int) -> Tensor | tuple[Tensor, ...]:
+        """The first ``rows`` rows of what ``bucket``'s step returns on the inputs staged for it."""
         if self._forward is None:
             raise RuntimeError("StepGraphs.run before prepare")
         if not self.capture(bucket):
-            return self._forward(bucket)[:rows]
+            return first_rows(self._forward(bucket), rows)
         self.graphs[bucket].replay()
-        return self.logits[:rows]
+        return first_rows(self.outputs[0] if self._one_output else self.outputs, rows)
 
     def capture(self, bucket: int) -> bool:
         """Capture ``bucket`` now unless it is; False when graphs are off, a capture failed, or
@@ -122,7 +136,7 @@ class StepGraphs:
         if self.graphs:
             torch.cuda.synchronize(self._device)
         self.graphs.clear()
-        self.logits = None
+        self.outputs = None
         self._forward = None
 
     def _capture(self, bucket: int) -> bool:
@@ -142,8 +156,10 @@ class StepGraphs:
                 # keeps the failure from leaving the CUDA RNG in capture mode for the process.
                 with _syncs_raise():
                     out = self._forward(bucket)
-                if self.logits is None:
-                    self.logits = torch.empty((self._max_rows, out.shape[-1]), dtype=out.dtype, device=device)
+                if self.outputs is None:
+                    self._one_output = isinstance(out, Tensor)
+                    self.outputs = tuple(torch.empty((self._max_rows, *o.shape[1:]), dtype=o.dtype, device=device)
+                                         for o in _tensors(out))
                 del out
                 # capture_begin/end rather than torch.cuda.graph(): that context manager also
                 # collects garbage and empties the allocator's cache, which mid-run costs far
@@ -151,8 +167,8 @@ class StepGraphs:
                 g = torch.cuda.CUDAGraph()
                 g.capture_begin(pool=self.pool)
                 try:
-                    logits = self._forward(bucket)
-                    self.logits[: logits.shape[0]].copy_(logits)
+                    for static, o in zip(self.outputs, _tensors(self._forward(bucket))):
+                        static[: o.shape[0]].copy_(o)
                 finally:
                     g.capture_end()
             current.wait_stream(stream)
@@ -181,7 +197,7 @@ class StepGraphs:
     def _disable(self, error: Exception) -> None:
         self.failed = True
         self.graphs.clear()
-        self.logits = None
+        self.outputs = None
         try:
             torch.cuda.synchronize(self._device)
         except Exception:

@@ -1,5 +1,6 @@
 """Runs one scheduled step on the device: packs the batch, calls the program (or replays a
-CUDA graph for a decode step), samples.
+CUDA graph for a decode step; a pipeline stage's decode step runs on its lanes,
+``pipeline_lanes.py``), samples.
 
 Host work per step is kept small: inputs are written into preallocated (pinned, on CUDA) numpy
 views and copied to preallocated device buffers with non_blocking copies (``StepInputs``); each
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from compiled_llm.engine.pipeline_stage import PipelineStage
 from compiled_llm.errors import EngineError
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
 from compiled_llm.model.spec import PackedBatch
@@ -25,6 +27,7 @@ from compiled_llm.model.config import ModelConfig
 from compiled_llm.serve.worker import kv_cache as kvc
 from compiled_llm.serve.core.block_manager import cdiv
 from compiled_llm.serve.worker.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
+from compiled_llm.serve.worker.pipeline_lanes import LanePlan, PipelineLanes
 from compiled_llm.serve.worker.request_rows import RequestRows
 from compiled_llm.serve.worker.sampler import (SamplingTensors, TokenLogprobs, greedy_ids, penalised_rows, race_candidates,
                                                sample, seeded_noise, suppress_tokens, token_logprobs)
@@ -92,13 +95,15 @@ class DeviceStep:
     tokens: int  # token rows copied in (and run)
     seqs: int  # query segments copied in (and run)
     width: int  # block-table columns
-    run: str  # "decode_graph", "prefill_graph", "program" or "program_rows"
+    run: str  # "decode_graph", "prefill_graph", "program", "program_rows" or "lanes"
     rows: int  # logits rows the step yields
     ahead_seqs: int = 0  # scheduled ahead: the first ahead_seqs input tokens are the last step's ids
     ahead_rows: list[int] | None = None  # ... rows ahead_rows of them (all, in order, when None)
     ahead_ids: int = 0  # how many ids the last step sampled
     # "program_rows": the token rows whose logits the step yields, in order (ModelRunner._logits_rows)
     logits_rows: tuple[int, ...] | None = None
+    # "lanes": a pipeline stage's decode step, (rows, bucket) of each lane it runs on (PipelineLanes)
+    lanes: LanePlan | None = None
 
 
 def _label(enabled: bool, name: str):
@@ -144,6 +149,7 @@ class ModelRunner:
         self.graphs = StepGraphs()  # decode, by batch size
         self.decode_buckets: list[int] = []
         self.prefill_graphs = StepGraphs()  # prefill of one sequence, by token count
+        self.lanes: PipelineLanes | None = None  # a pipeline stage's decode steps (set_decode_buckets)
         self._ids_host = [torch.zeros(s, dtype=torch.int64).pin_memory() for _ in range(2)] if cuda else []
         self._ids_turn = 0
         # a tensor-parallel (or pipelined) rank's copy of the last step's sampled ids, for a step
@@ -169,16 +175,27 @@ class ModelRunner:
     # ---- CUDA graphs --------------------------------------------------------------------------
 
     def set_decode_buckets(self, max_batch_size: int) -> None:
-        """Pad decode steps of up to max_batch_size sequences to buckets (CUDA only)."""
-        if self.device.type == "cuda":
-            self.decode_buckets = decode_buckets(min(max_batch_size, self.max_num_seqs))
-            self.graphs.buckets = self.decode_buckets
+        """Pad decode steps of up to max_batch_size sequences to buckets, the shapes CUDA graphs
+        replay (the engine asks on CUDA). A pipeline stage pads each micro-batch of the step on a
+        lane of its own, headerless (``PipelineLanes``)."""
+        size = min(max_batch_size, self.max_num_seqs)
+        if isinstance(self.program, PipelineStage):
+            self.lanes = PipelineLanes(self.program, self.params, self.kv_cache, size, self.width, self.device)
+            return
+        self.decode_buckets = decode_buckets(size)
+        self.graphs.buckets = self.decode_buckets
 
     def prepare_graphs(self, prefill_max_tokens: int) -> bool:
         """Decode graphs by batch size and graphs of one sequence's prefill of up to
         ``prefill_max_tokens`` tokens (0: none), captured on first use in one memory pool (the
-        two never run at once). CUDA only; False when there is nothing to capture."""
-        if self.device.type != "cuda" or not self.decode_buckets:
+        two never run at once); a pipeline stage's decode graphs, lane by lane (its prefill
+        runs eagerly). CUDA only; False when there is nothing to capture."""
+        if self.device.type != "cuda":
+            return False
+        if self.lanes is not None:
+            self.lanes.prepare_graphs(torch.cuda.graph_pool_handle())
+            return True
+        if not self.decode_buckets:
             return False
         pool = torch.cuda.graph_pool_handle()
         decode = self.decode_inputs()
@@ -196,14 +213,20 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drop the CUDA graphs before the tensor-parallel group ends (StepGraphs.release says
         why); the runner steps no more."""
-        self.graphs.release()
-        self.prefill_graphs.release()
+        for graphs in self.all_graphs():
+            graphs.release()
+
+    def all_graphs(self) -> list[StepGraphs]:
+        """Every set of graphs the runner replays (each bucket's graph captured on first use)."""
+        return [self.graphs, self.prefill_graphs, *(self.lanes.graphs if self.lanes is not None else ())]
 
     @torch.inference_mode()
     def capture_all_graphs(self, part: int = 0, parts: int = 1) -> bool:
         """Capture every prepared bucket now, on inputs that write nowhere (a build warms every
         kernel specialisation this way; profiling tools replay them). With ``parts`` > 1, only
         share ``part`` of the decode and prefill buckets (a build splits them over processes)."""
+        if self.lanes is not None:
+            return self._capture_lanes(part, parts)
         if not self.graphs.enabled:
             return False
         self.idle_decode_inputs()
@@ -215,6 +238,16 @@ class ModelRunner:
         jobs = [(self.graphs, b) for b in self.graphs.buckets]
         if self.prefill_graphs.enabled:
             jobs += [(self.prefill_graphs, b) for b in self.prefill_graphs.buckets]
+        return all([graphs.capture(b) for graphs, b in jobs[part::parts]])
+
+    def _capture_lanes(self, part: int, parts: int) -> bool:
+        jobs = self.lanes.graph_jobs()
+        if not jobs:
+            return False
+        self._wait_for_copies()
+        self.lanes.idle()
+        if self._copied is not None:
+            self._copied.record()
         return all([graphs.capture(b) for graphs, b in jobs[part::parts]])
 
     def decode_inputs(self) -> StepInputs:
@@ -395,6 +428,10 @@ class ModelRunner:
         rows = self._start_step(batch)
         ahead = int(ahead)
         assert ahead == 0 or batch.is_decode, "only decode steps are scheduled ahead"
+        if self.lanes is not None:
+            step = self._prepare_lanes(batch, rows, ahead, ahead_rows)
+            if step is not None:
+                return step
         # a verification step is a decode step of one row per token: each row a one-token
         # query whose context ends at its own position, so the decode graphs (by row count)
         # replay it and every position yields its logits
@@ -414,6 +451,28 @@ class ModelRunner:
         return DeviceStep(bucket is not None, T, T, width, "decode_graph" if graphs is not None else "program", R,
                           S - batch.host_fed if ahead else 0, ahead_rows)
 
+    def _prepare_lanes(self, batch: ScheduledBatch, rows: np.ndarray, ahead: int,
+                       ahead_rows: list[int] | None) -> DeviceStep | None:
+        """``prepare_decode`` of a pipeline stage: the step cut into micro-batches of whole
+        sequences, each filled into its lane padded to its bucket; None when one does not fit
+        (the step runs through the general inputs, eagerly)."""
+        seqs = batch.seqs
+        drafts = batch.draft_tokens if batch.is_verify else None
+        parts = self.lanes.plan(len(seqs), None if drafts is None else [1 + len(d) for d in drafts],
+                                sum(s.num_computed_tokens for s in seqs))
+        if parts is None:
+            return None
+        fed = len(seqs) - batch.host_fed if ahead else 0  # rows whose token comes from the device
+        for lane, p in zip(self.lanes.lanes, parts):
+            a, b = p.first_seq, p.end_seq
+            if drafts is not None:
+                self._fill_verify(lane.inputs, seqs[a:b], rows[a:b], drafts[a:b], p.bucket, self.width)
+            else:
+                self._fill_decode(lane.inputs, seqs[a:b], rows[a:b], p.bucket, self.width, ahead, b - max(a, min(b, fed)))
+        padded = sum(p.bucket for p in parts)
+        return DeviceStep(True, padded, padded, self.width, "lanes", batch.num_tokens, fed, ahead_rows,
+                          lanes=tuple((p.rows, p.bucket) for p in parts))
+
     def _start_step(self, batch: ScheduledBatch) -> np.ndarray:
         """The runner rows of the step's seqs (new ones take their sampling parameters)."""
         seqs = batch.seqs
@@ -431,12 +490,14 @@ class ModelRunner:
     def run_device_step(self, step: DeviceStep, ahead_of: StepHandle | None = None) -> Tensor:
         """The device part of a step whose host inputs are filled: copy them in, run the graph
         or the program. Tensor-parallel peers are sent the step first and run it alongside."""
+        if step.run == "lanes":
+            return self._run_lanes(step, ahead_of)
         inputs = self.decode_inputs() if step.decode_buffers else self.inputs
         if self.peers is not None:
             self.peers.send("replay_step", step, inputs.used(step.tokens, step.seqs, step.width))
         self._copy_in(inputs, step.tokens, step.seqs, step.width)
         if step.ahead_seqs:
-            self._tokens_from(ahead_of, step.ahead_rows, step.ahead_seqs, step.ahead_ids, inputs.dev["tok"])
+            inputs.dev["tok"][:step.ahead_seqs].copy_(self._ahead_tokens(ahead_of, step.ahead_rows, step.ahead_ids))
         if step.run == "decode_graph":
             return self.graphs.run(step.tokens, step.rows)
         if step.run == "prefill_graph":
@@ -446,13 +507,28 @@ class ModelRunner:
             return self._logits_of_rows(batch, self._to_device(list(step.logits_rows)))
         return self._run_program(batch)[:step.rows]
 
+    def _run_lanes(self, step: DeviceStep, ahead_of: StepHandle | None) -> Tensor | None:
+        """``run_device_step`` of a pipeline stage's decode step: every rank runs the same lanes."""
+        if self.peers is not None:
+            self.peers.send("replay_step", step, self.lanes.used(step.lanes))
+        self.lanes.copy_in(step.lanes)
+        if self._copied is not None:
+            self._copied.record()
+        if step.ahead_seqs:
+            self.lanes.set_tokens(step.lanes, self._ahead_tokens(ahead_of, step.ahead_rows, step.ahead_ids),
+                                  step.ahead_seqs)
+        return self.lanes.run(step.lanes)
+
     @torch.inference_mode()
-    def replay_step(self, step: DeviceStep, host: dict[str, np.ndarray]) -> None:
+    def replay_step(self, step: DeviceStep, host: dict[str, np.ndarray] | list[dict[str, np.ndarray]]) -> None:
         """A tensor-parallel peer's side of rank 0's ``run_device_step``: the same inputs, the
-        same graph or program (its collectives meet rank 0's); the logits are rank 0's to use."""
+        same graph or program (its collectives meet rank 0's); the logits are rank 0's to use.
+        A pipeline stage's decode step comes with each lane's inputs."""
         self._wait_for_copies()
-        inputs = self.decode_inputs() if step.decode_buffers else self.inputs
-        inputs.fill_used(host)
+        if step.run == "lanes":
+            self.lanes.fill_used(host)
+        else:
+            (self.decode_inputs() if step.decode_buffers else self.inputs).fill_used(host)
         self.run_device_step(step, None)
 
     @staticmethod
@@ -468,10 +544,11 @@ class ModelRunner:
         if self._copied is not None:
             self._copied.record()
 
-    def _tokens_from(self, handle: StepHandle | None, rows: list[int] | None, S: int, count: int, tok: Tensor) -> None:
-        """Input tokens of a step scheduled ahead: the earlier step's sampled ids, copied into
-        ``tok`` on the device after (stream order) the host inputs landed. Tensor-parallel
-        peers (``handle`` None) receive them from rank 0, which alone samples."""
+    def _ahead_tokens(self, handle: StepHandle | None, rows: list[int] | None, count: int) -> Tensor:
+        """Input tokens of a step scheduled ahead, in its row order: the earlier step's
+        ``count`` sampled ids (rows ``rows`` of them), on the device, for the caller to copy in
+        after (stream order) the host inputs landed. Tensor-parallel peers (``handle`` None)
+        receive them from rank 0, which alone samples."""
         if self.tp_size > 1:
             src = self._ahead_ids[:count]
             if handle is not None:
@@ -481,7 +558,7 @@ class ModelRunner:
             src = handle.ids
         if rows is not None:
             src = src.index_select(0, self._to_device(rows))
-        tok[:S].copy_(src)
+        return src
 
     def _to_device(self, values: list, dtype: torch.dtype = torch.int64) -> Tensor:
         """A small list (an index list by default) on the device without a host sync (pinned,

@@ -5,6 +5,10 @@
   through ``compiled-llm run``; its prompt log-probabilities are transformers' too.
 - ``LLM(SOURCE, pipeline_parallel_size=2, tensor_parallel_size=2)`` builds a PP=2 x TP=2 engine
   (four processes, each stage a TP group of its own), which does the same.
+- Decode steps as a GPU runs them (``static_decode``): padded, cut into micro-batches on lanes
+  of fixed buffers, sent without headers (``serve/worker/pipeline_lanes.py``), every rank
+  following rank 0's plan, give the same tokens: at PP=2 every decode step, at PP=2 x TP=2 those
+  that fit the lanes, between eager ones with headers. ``compiled-llm run`` decodes with headers.
 - The engine directory holds one program per stage and one weights file per (stage, TP rank),
   each with its stage's layers only; the manifest and ``inspect`` record the pipeline size and
   each stage's layers, and an engine asked for at another pipeline size is refused.
@@ -16,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -32,7 +37,10 @@ from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.errors import CompiledLLMError, EngineError, InvalidOptionError
 from compiled_llm.passes import default_pass_names, register_pass, unregister_pass
 from compiled_llm.passes.base import Pass
+from compiled_llm.serve import llm_engine
 from compiled_llm.serve.executor import multiproc
+from compiled_llm.serve.worker import pipeline_lanes
+from compiled_llm.serve.worker.pipeline_lanes import PipelineLanes
 
 LAYERS = 3  # split 2 + 1: the stages differ
 MAX_TOKENS = 8
@@ -70,9 +78,12 @@ def pp2_engine(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp2_tp2_run(checkpoint, wants):
     """``LLM(SOURCE, pipeline_parallel_size=2, tensor_parallel_size=2)`` (built into the engine
-    cache) run over the prompts: (its engine directory, generate_all's results)."""
-    return generate_all(str(checkpoint[0]), wants[0], pipeline_parallel_size=2, tensor_parallel_size=2,
-                        dtype="float32")
+    cache) run over the prompts with decode steps of up to 2 sequences on lanes (the larger ones
+    eager, with headers): (its engine directory, generate_all's results, the lane plans run)."""
+    with static_decode() as plans:
+        run = generate_all(str(checkpoint[0]), wants[0], pipeline_parallel_size=2, tensor_parallel_size=2,
+                           dtype="float32", max_graph_batch_size=2)
+    return (*run, plans)
 
 
 @pytest.fixture(scope="module")
@@ -89,17 +100,32 @@ def weight_names(path: Path) -> set[str]:
         return set(f.keys())  # noqa: SIM118 - safe_open is no mapping
 
 
+@contextlib.contextmanager
+def static_decode():
+    """Decode steps run as on a GPU, without the graphs: padded to buckets up to
+    max_graph_batch_size (which a CPU engine does not do: ``decode_buckets_up_to``), on the
+    lanes, cut into as many micro-batches as they hold (a tiny model's cost would keep its steps
+    whole). Rank 0 plans each step and the other ranks follow it; yields the plans rank 0 ran."""
+    plans = []
+    run = PipelineLanes.run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm_engine, "decode_buckets_up_to", lambda config, device: config.max_graph_batch_size)
+        patch.setattr(pipeline_lanes, "decode_micro_batches", lambda most, *costs: most)
+        patch.setattr(PipelineLanes, "run", lambda self, plan: plans.append(plan) or run(self, plan))
+        yield plans
+
+
 def generate_all(model: Path | str, prompts: list[list[int]], **build) -> tuple:
     """Batched (8 at once), chunked (16-token budget) and preempted (8 blocks of 16 for 6
     requests of up to 50 tokens); also one request's prompt log-probabilities. Returns (the
-    engine directory, outputs, (preemptions, all blocks free after, worker processes), the
-    log-probabilities' output)."""
+    engine directory, outputs, (preemptions, all blocks free after, worker processes, decode
+    steps), the log-probabilities' output)."""
     llm = LLM(str(model), device="cpu", max_num_seqs=8, max_num_batched_tokens=16, num_blocks=8, **build)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         stats = (llm.engine.scheduler.num_preemptions, llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks,
-                 len(llm.engine.executor._procs))
+                 len(llm.engine.executor._procs), llm.engine.stats.decode_steps)
         lp = llm.generate([{"prompt_token_ids": prompts[-1]}],
                           SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)[0]
     finally:
@@ -123,18 +149,25 @@ def check_against_transformers(checkpoint, wants, outs, lp) -> None:
 # ---- generation matches transformers ----------------------------------------------------------
 
 
-def test_pp2_engine_generates_what_transformers_does(checkpoint, wants, pp2_engine):
-    _, outs, (preemptions, all_free, workers), lp = generate_all(pp2_engine, wants[0])
+def test_pp2_engine_decoding_on_lanes_generates_what_transformers_does(checkpoint, wants, pp2_engine):
+    with static_decode() as plans:
+        _, outs, (preemptions, all_free, workers, decode_steps), lp = generate_all(pp2_engine, wants[0],
+                                                                                   max_graph_batch_size=4)
     check_against_transformers(checkpoint, wants, outs, lp)
     assert workers == 1  # stage 1; stage 0 is this process
     assert preemptions > 0 and all_free
+    assert len(plans) == decode_steps > 0, "every decode step ran on the lanes"
+    assert any(len(plan) == 2 and any(rows < bucket for rows, bucket in plan) for plan in plans), \
+        "some step ran as two micro-batches, padded"
 
 
 def test_pp2_tp2_llm_of_a_source_generates_what_transformers_does(checkpoint, wants, pp2_tp2_run):
-    _, outs, (preemptions, all_free, workers), lp = pp2_tp2_run
+    _, outs, (preemptions, all_free, workers, decode_steps), lp, plans = pp2_tp2_run
     check_against_transformers(checkpoint, wants, outs, lp)
     assert workers == 3  # stage 0's second TP rank, and stage 1's two
     assert preemptions > 0 and all_free
+    assert 0 < len(plans) < decode_steps, "decode steps on lanes and eager ones, with headers, in one run"
+    assert {len(plan) for plan in plans} == {1, 2}
 
 
 def test_cli_run_of_a_pp2_engine_generates_what_transformers_does(wants, pp2_engine, capsys):
