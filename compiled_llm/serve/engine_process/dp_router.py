@@ -218,7 +218,6 @@ ROUTERS: dict[str, type[ReplicaRouter]] = {"prefix_aware": PrefixAwareRouter, "r
 
 def make_router(method: str, num_replicas: int, config: RouterConfig) -> ReplicaRouter:
     """The router ``--load-balance-method METHOD`` names, over ``num_replicas`` replicas."""
-    try:
-        return ROUTERS[method](num_replicas, config)
-    except KeyError:
-        raise ValueError(f"unknown load-balance method {method!r}; choose one of: {', '.join(ROUTERS)}") from None
+    if method not in ROUTERS:
+        raise ValueError(f"unknown load-balance method {method!r}; choose one of: {', '.join(ROUTERS)}")
+    return ROUTERS[method](num_replicas, config)

@@ -113,10 +113,10 @@ def test_prefix_repetition_flags_are_refused_with_the_random_dataset(capsys):
 def test_bench_prefix_repetition_on_cpu_counts_each_prefix_computed_once(capsys):
     from compiled_llm.cli.main import main
 
-    prefix, suffix, prefixes, users = 64, 8, 3, 3
+    prefix, suffix, prefixes, users = 64, 8, 3, 2
     code = main(["bench", "tiny-qwen2", "--workload", "serving", "--dataset-name", "prefix_repetition",
                  "--prefix-repetition-prefix-len", str(prefix), "--prefix-repetition-suffix-len", str(suffix),
-                 "--prefix-repetition-num-prefixes", str(prefixes), "--prefix-repetition-output-len", "4",
+                 "--prefix-repetition-num-prefixes", str(prefixes), "--prefix-repetition-output-len", "2",
                  "--num-requests", str(prefixes * users), "--max-num-seqs", "1", "--no-hf", "--device", "cpu",
                  "--json"])
     captured = capsys.readouterr()
@@ -124,7 +124,7 @@ def test_bench_prefix_repetition_on_cpu_counts_each_prefix_computed_once(capsys)
     (run,) = [Result(**r) for r in json.loads(captured.out)]
     assert run.extra["setup"] == "DP=1" and run.extra["request_rate"] == "inf"
     m = run.metrics
-    assert (m["completed"], m["failed"], m["output_tokens"]) == (prefixes * users, 0, prefixes * users * 4)
+    assert (m["completed"], m["failed"], m["output_tokens"]) == (prefixes * users, 0, prefixes * users * 2)
     # one request at a time: each prefix is computed by its first user and found by the others
     assert run.extra["prefix_cache_queries"] == prefixes * users * (prefix + suffix)
     assert run.extra["prefix_cache_hits"] == prefixes * (users - 1) * prefix

@@ -140,6 +140,11 @@ def test_the_load_balance_option_names_a_router_and_defaults_to_prefix_aware():
     assert ServerConfig().load_balance_method == "prefix_aware"
     assert type(make_router(ServerConfig().load_balance_method, 2, RouterConfig(block_size=BS))) is PrefixAwareRouter
     assert type(make_router("round_robin", 2, RouterConfig(block_size=BS))) is RoundRobinRouter
+    from compiled_llm.cli.main import make_parser
+    from compiled_llm.cli.serve import server_config
+
+    flags = make_parser().parse_args(["serve", "ENGINE", "--load-balance-method", "round_robin"])
+    assert server_config(flags).load_balance_method == "round_robin"
     with pytest.raises(InvalidOptionError) as e:
         ServerConfig(load_balance_method="cache_aware")
     assert str(e.value) == "unknown load_balance_method 'cache_aware'; choose one of: prefix_aware, round_robin"
