@@ -140,6 +140,6 @@ def run(args) -> int:
     if loads is None:
         core = EngineCoreClient.start_process(functools.partial(load_engine, args))
     else:
-        logger.info("starting %d data-parallel engine replicas", len(loads))
-        core = DataParallelClient.start_processes(loads)
+        logger.info("starting %d data-parallel engine replicas (load balance: %s)", len(loads), config.load_balance_method)
+        core = DataParallelClient.start_processes(loads, config.load_balance_method)
     return serve(core, config, model_name=args.source)

@@ -14,6 +14,8 @@ API_KEY_VAR = "COMPILED_LLM_API_KEY"
 # it names them here)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
+# serve.engine_process.dp_router's routers, the first the default
+LOAD_BALANCE_METHODS = ("prefix_aware", "round_robin")
 
 
 def _option(default, help: str):
@@ -63,6 +65,12 @@ class ServerConfig:
     tool_call_parser: str | None = dataclasses.field(default=None, metadata={"choices": TOOL_CALL_PARSERS, "help": (
         "how tool calls are found in the model's text: hermes (Qwen's <tool_call> tags), llama3_json "
         "(Llama 3.1's JSON calls) or none; unset: the one the chat template implies")})
+    # SGLang's flag; its router's cache_aware policy is prefix_aware here
+    load_balance_method: str = dataclasses.field(default="prefix_aware", metadata={
+        "choices": LOAD_BALANCE_METHODS, "help": (
+            "with --data-parallel-size N: which replica a request goes to. prefix_aware: the one that was sent "
+            "the longest prefix of its prompt, else the least loaded; round_robin: each in turn (the baseline "
+            "'bench --dataset-name prefix_repetition' measures prefix_aware against)")})
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -87,5 +95,8 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise InvalidOptionError(f"unknown tool call parser {self.tool_call_parser!r}; choose one of: "
                                      f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise InvalidOptionError(f"unknown load_balance_method {self.load_balance_method!r}; choose one of: "
+                                     f"{', '.join(LOAD_BALANCE_METHODS)}")
         if self.api_key is not None and not self.api_key.strip():
             raise InvalidOptionError("api_key is empty; leave it unset to serve without a key")

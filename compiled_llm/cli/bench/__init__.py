@@ -5,7 +5,9 @@ weights; for an engine built with ``--quantization``, the latency workload also 
 weight-only quantization of that scheme, ``torchao_peer.py``) and one table comparing them;
 ``serving`` (``serving.py``, with its client ``sse_client.py``, ``load_generator.py``, server
 ``server_launcher.py`` and table ``serving_report.py``) times ``compiled-llm serve`` from a client
-process against offline generation instead. Results are recorded in BENCHMARKS.md."""
+process against offline generation instead, or, with ``--dataset-name prefix_repetition``
+(``prefix_repetition.py``), servers of one and N replicas under each routing against one
+another (``routing_comparison.py``). Results are recorded in BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -14,6 +16,11 @@ import argparse
 from compiled_llm.cli.engine_args import (add_build_arguments, add_engine_arguments, build_config, build_options,
                                           engine_options)
 from compiled_llm.cli.run import BUILD_GROUP
+
+# plain Python (no torch): the parser's choices and defaults
+from compiled_llm.cli.bench.prefix_repetition import DATASETS, USERS_PER_PREFIX, PrefixRepetition
+
+PREFIX_REPETITION_OPTIONS = ("prefix_len", "suffix_len", "num_prefixes", "output_len")
 
 
 def add_parser(subparsers):
@@ -26,7 +33,10 @@ def add_parser(subparsers):
                     "lengths uniform in 100..1024, temperature 0.6; prefill: one 1024-token prompt; "
                     "coldstart: fresh processes from start to first token; serving (not part of all): "
                     "'compiled-llm serve' in a subprocess under the throughput requests, streamed from a "
-                    "client at --request-rate, against offline generation in the same run.",
+                    "client at --request-rate, against offline generation in the same run; serving with "
+                    "--dataset-name prefix_repetition: shared-prefix requests against DP=1 and, with "
+                    "--data-parallel-size N, N replicas routed prefix-aware and round-robin, with their "
+                    "prefix-cache hit rates.",
     )
     p.add_argument("engine", metavar="ENGINE_DIR",
                    help="an engine directory made by 'compiled-llm build', or a model source (built into the "
@@ -38,8 +48,9 @@ def add_parser(subparsers):
                         "first token (ours and transformers') and a fresh build; serving starts a server "
                         "and is not part of all; structured runs the latency and throughput workloads under JSON schemas against the same engine unconstrained, and times grammar compiles")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers peer")
-    p.add_argument("--num-requests", type=int, default=256, metavar="N",
-                   help="requests of the throughput and serving workloads (default 256)")
+    p.add_argument("--num-requests", type=int, metavar="N",
+                   help="requests of the throughput and serving workloads (default 256; prefix_repetition: "
+                        f"{USERS_PER_PREFIX} per prefix)")
     serving = p.add_argument_group("serving workload")
     serving.add_argument("--request-rate", action="append", type=_rate, metavar="R",
                          help="requests per second, sent at Poisson-distributed times, or inf (the default): "
@@ -50,6 +61,18 @@ def add_parser(subparsers):
                          help="max_tokens are drawn in 100..N (default 1024)")
     serving.add_argument("--served-model-name", metavar="NAME",
                          help="the model name the server answers to (default: the server's own)")
+    serving.add_argument("--dataset-name", choices=DATASETS, default="random",
+                         help="random (the default): the throughput workload's requests; prefix_repetition "
+                              "(vLLM's): --prefix-repetition-num-prefixes shared prefixes, each the start of "
+                              "num-requests / num-prefixes prompts with a suffix of their own, shuffled; with "
+                              "--data-parallel-size N it compares DP=1 (N x --num-blocks), N replicas under "
+                              "--load-balance-method prefix_aware and under round_robin, in one table")
+    for name, default, what in (("prefix-len", PrefixRepetition.prefix_len, "tokens of each shared prefix"),
+                                ("suffix-len", PrefixRepetition.suffix_len, "tokens of each request's own suffix"),
+                                ("num-prefixes", PrefixRepetition.num_prefixes, "shared prefixes"),
+                                ("output-len", PrefixRepetition.output_len, "tokens each request generates")):
+        serving.add_argument(f"--prefix-repetition-{name}", type=int, metavar="N",
+                             help=f"prefix_repetition: {what} (default {default})")
     serving.add_argument("--client-processes", type=int, metavar="N",
                          help="client processes sending the requests (default 1 on a CPU; on a GPU half the "
                               "cores, up to 8: one process reads about 13k chunks/s)")
@@ -106,6 +129,9 @@ def run(args) -> int:
 
     from compiled_llm.cli.bench import workloads as wl
 
+    prefix_shape = _prefix_repetition(args)  # bad values fail before anything loads
+    if args.num_requests is None:
+        args.num_requests = 256 if prefix_shape is None else USERS_PER_PREFIX * prefix_shape.num_prefixes
     workloads = (*wl.WORKLOADS, "coldstart", "structured") if args.workload == "all" else (args.workload,)
     config = build_config(args, for_source=True)  # bad values fail before anything loads
     device = resolve_device(config.device)
@@ -122,7 +148,7 @@ def run(args) -> int:
 
         args.max_model_len = min(BENCH_MAX_MODEL_LEN, built_with(read_manifest(engine)).max_model_len)
     if args.workload == "serving":
-        return _run_serving(args, engine, device)
+        return _run_serving(args, engine, device, prefix_shape)
     cold = []
     if "coldstart" in workloads:  # first: its fresh processes need the device to themselves
         from compiled_llm.cli.bench import coldstart
@@ -180,7 +206,24 @@ def run(args) -> int:
     return 0
 
 
-def _run_serving(args, engine: str, device) -> int:
+def _prefix_repetition(args):
+    """The prefix_repetition dataset's shape from the flags, or None under the random dataset
+    (where its flags are refused)."""
+    from compiled_llm.errors import InvalidOptionError
+
+    given = {name: getattr(args, f"prefix_repetition_{name}") for name in PREFIX_REPETITION_OPTIONS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if args.dataset_name != "prefix_repetition":
+        if given:
+            flags = ", ".join(f"--prefix-repetition-{name.replace('_', '-')}" for name in given)
+            raise InvalidOptionError(f"{flags} apply to --dataset-name prefix_repetition only")
+        return None
+    if args.workload != "serving":
+        raise InvalidOptionError("--dataset-name prefix_repetition is a dataset of --workload serving")
+    return PrefixRepetition(**given)
+
+
+def _run_serving(args, engine: str, device, prefix_shape) -> int:
     import math
 
     from compiled_llm.cli.bench import serving, serving_report
@@ -189,8 +232,14 @@ def _run_serving(args, engine: str, device) -> int:
         request_rates=tuple(args.request_rate or (math.inf,)), num_requests=args.num_requests,
         max_input_len=args.max_input_len, max_output_len=args.max_output_len,
         served_model_name=args.served_model_name,
-        client_processes=args.client_processes or serving.default_client_processes(device.type))
-    results = serving.run_serving(engine, device, engine_options(args), options)
+        client_processes=args.client_processes or serving.default_client_processes(device.type),
+        prefix_repetition=prefix_shape)
+    if prefix_shape is not None:
+        from compiled_llm.cli.bench.routing_comparison import run_routing_comparison
+
+        results = run_routing_comparison(engine, device, engine_options(args), options)
+    else:
+        results = serving.run_serving(engine, device, engine_options(args), options)
     dtype = next((r.extra["dtype"] for r in results if "dtype" in r.extra), None)
     _print_results(args, results, device, dtype, serving_report.format_table(results))
     return 0

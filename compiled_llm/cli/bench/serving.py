@@ -25,6 +25,10 @@ Python process reads, so the client can run in several processes (``client_proce
 records are merged (``load_generator.py``); each run reports the chunks the client handled per
 CPU second, and warns when a client process was saturated.
 
+With ``--dataset-name prefix_repetition`` the requests are that dataset's instead, and the run
+compares servers rather than a server with offline generation (``routing_comparison.py``: DP=1
+against N replicas routed prefix-aware and round-robin, with the prefix-cache hit rate of each).
+
 This module is the workload; the server subprocess is ``server_launcher.py``'s, the figures and
 the table ``serving_report.py``'s.
 """
@@ -39,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from compiled_llm.cli.bench.load_generator import ClientLoad, run_clients, send_times, split_load
+from compiled_llm.cli.bench.prefix_repetition import PrefixRepetition
 from compiled_llm.cli.bench.server_launcher import SERVER_START_TIMEOUT_S, launched_server, option_flags, served_model
 from compiled_llm.cli.bench.serving_report import summarize
 from compiled_llm.cli.bench.workloads import Result, compiled_throughput, throughput_requests
@@ -62,6 +67,9 @@ class ServingOptions:
     served_model_name: str | None = None
     client_processes: int = 1
     seed: int = 0
+    # the prefix_repetition dataset's shape (``prefix_repetition.py``); None: the throughput
+    # workload's requests (lengths drawn up to max_input_len / max_output_len)
+    prefix_repetition: PrefixRepetition | None = None
 
     def __post_init__(self):
         if not self.request_rates or any(not r > 0 for r in self.request_rates):
@@ -75,6 +83,8 @@ class ServingOptions:
                 f"got {self.max_input_len} and {self.max_output_len}")
         if self.client_processes < 1:
             raise InvalidOptionError(f"client_processes must be >= 1, got {self.client_processes}")
+        if self.prefix_repetition is not None:
+            self.prefix_repetition.users(self.num_requests)  # a whole number of requests per prefix
 
 
 def parse_rate(text: str) -> float:

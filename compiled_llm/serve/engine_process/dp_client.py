@@ -3,7 +3,8 @@ one: the same messages as ``EngineCoreClient``'s, so ``AsyncEngine`` and the HTT
 over either. vLLM's DP load-balancing client plays this part.
 
 - ``("add", entries, stream)`` is split by replica: each request goes where the router
-  (``dp_router``) expects its prefix to be cached, else to the least loaded replica;
+  (``dp_router``) expects its prefix to be cached, else to the least loaded replica (or, under
+  ``--load-balance-method round_robin``, to each replica in turn);
 - ``("abort", ids)`` goes to the replicas that hold them;
 - every ``("step", ...)`` message of replica i is handed on with i appended (the ``engine``
   label of the metrics), after the router has booked the requests that finished.
@@ -28,7 +29,7 @@ import select
 from typing import Callable, Sequence
 
 from compiled_llm.errors import CompiledLLMError
-from compiled_llm.serve.engine_process.dp_router import PrefixAwareRouter, RouterConfig
+from compiled_llm.serve.engine_process.dp_router import ReplicaRouter, RouterConfig, make_router
 from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient, StartingEngine
 from compiled_llm.serve.engine_process.engine_messages import EngineSnapshot
 from compiled_llm.serve.llm_engine import LLMEngine
@@ -56,24 +57,28 @@ def request_load(prompt_ids: Sequence[int], params) -> int:
 
 
 class DataParallelClient:
-    """See the module docstring. ``replicas`` are started ``EngineCoreClient``s of one engine."""
+    """See the module docstring. ``replicas`` are started ``EngineCoreClient``s of one engine;
+    ``router`` routes between them, else the one ``load_balance_method`` names."""
 
-    def __init__(self, replicas: Sequence[EngineCoreClient], router: PrefixAwareRouter | None = None):
+    def __init__(self, replicas: Sequence[EngineCoreClient], router: ReplicaRouter | None = None,
+                 load_balance_method: str = "prefix_aware"):
         if not replicas:
             raise ValueError("a data-parallel client needs at least one replica")
         self.replicas = list(replicas)
         smallest = min(self.replicas, key=lambda r: (r.info.num_blocks, r.info.max_num_seqs, r.info.max_step_tokens))
         self.info, self.tokenizer, self.validator = smallest.info, smallest.tokenizer, smallest.validator
-        self.router = router or PrefixAwareRouter(len(self.replicas), RouterConfig(block_size=smallest.info.block_size))
+        self.router = router or make_router(load_balance_method, len(self.replicas),
+                                            RouterConfig(block_size=smallest.info.block_size))
         self.failures: dict[int, str] = {}  # replica -> why it stopped
         self._snapshots = [r.start_snapshot for r in self.replicas]  # each replica's latest
         self._requests: dict[str, _Routed] = {}
         self._on_message: Callable[[tuple], None] | None = None
 
     @classmethod
-    def start_processes(cls, loads: Sequence[Callable[[], LLMEngine]]) -> "DataParallelClient":
+    def start_processes(cls, loads: Sequence[Callable[[], LLMEngine]],
+                        load_balance_method: str = "prefix_aware") -> "DataParallelClient":
         """One engine process per ``loads[i]``, loading at the same time; once all are ready, the
-        client over them. The first that cannot start, or an interrupt, stops all the others at
+        client over them, routing by ``load_balance_method``. The first that cannot start, or an interrupt, stops all the others at
         once (loading may take minutes), and its reason is raised, naming the replica."""
         starting = [StartingEngine(load) for load in loads]
         ready: dict[int, EngineCoreClient] = {}
@@ -95,12 +100,13 @@ class DataParallelClient:
             for engine in starting:
                 engine.stop()
             raise
-        return cls([ready[i] for i in range(len(starting))])
+        return cls([ready[i] for i in range(len(starting))], load_balance_method=load_balance_method)
 
     @classmethod
-    def in_threads(cls, engines: Sequence[LLMEngine], router: PrefixAwareRouter | None = None) -> "DataParallelClient":
+    def in_threads(cls, engines: Sequence[LLMEngine], router: ReplicaRouter | None = None,
+                   load_balance_method: str = "prefix_aware") -> "DataParallelClient":
         """Replicas over engines loaded in this process, each stepped by a thread (tests)."""
-        return cls([EngineCoreClient.in_thread(e) for e in engines], router)
+        return cls([EngineCoreClient.in_thread(e) for e in engines], router, load_balance_method)
 
     # ---- what the server asks -------------------------------------------------------------------
 

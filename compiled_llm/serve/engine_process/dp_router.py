@@ -16,6 +16,10 @@ least loaded replica by more than ``balance_abs_requests`` and by a factor ``bal
 SGLang counts them: a request's max_tokens, often the whole context left, says little of its
 load). Otherwise it goes to the least loaded: the fewest tokens in flight (prompt + max_tokens x
 n), what the front end sent and has not seen finish.
+
+``RoundRobinRouter`` is the baseline it is measured against (``--load-balance-method
+round_robin``: live replicas in turn, blind to prefixes); ``make_router`` builds the one a server
+option names.
 """
 
 from __future__ import annotations
@@ -99,10 +103,10 @@ def overloaded(requests: int, least: int, config: RouterConfig) -> bool:
     return requests - least > config.balance_abs_requests and requests > least * config.balance_rel
 
 
-class PrefixAwareRouter:
-    """See the module docstring. ``route`` picks a live replica and books the request there;
-    ``finished`` takes it off; ``mark_dead`` stops routing to a replica. ``choose`` is the pick
-    alone, which a subclass may replace (another policy, measured against this one)."""
+class ReplicaRouter:
+    """What every policy keeps of the replicas: the tokens and requests in flight on each (booked
+    by ``route``, taken off by ``finished``) and which are alive (``mark_dead``). A policy is its
+    ``choose``."""
 
     def __init__(self, num_replicas: int, config: RouterConfig):
         if num_replicas < 1:
@@ -111,17 +115,50 @@ class PrefixAwareRouter:
         self.loads = [0] * num_replicas  # tokens in flight per replica
         self.requests = [0] * num_replicas  # requests in flight per replica
         self.alive = [True] * num_replicas
-        self._memories = [PrefixMemory(config.capacity_blocks) for _ in range(num_replicas)]
 
     @property
     def live_replicas(self) -> list[int]:
         return [i for i, up in enumerate(self.alive) if up]
 
+    def choose(self, prompt_ids: Sequence[int]) -> int:
+        """The replica for a prompt, nothing booked."""
+        raise NotImplementedError
+
+    def route(self, prompt_ids: Sequence[int], load: int) -> int:
+        """``choose``, then book the request (``load`` tokens) on the replica chosen."""
+        replica = self.choose(prompt_ids)
+        self.loads[replica] += load
+        self.requests[replica] += 1
+        return replica
+
+    def finished(self, replica: int, load: int) -> None:
+        self.loads[replica] = max(self.loads[replica] - load, 0)
+        self.requests[replica] = max(self.requests[replica] - 1, 0)
+
+    def mark_dead(self, replica: int) -> None:
+        self.alive[replica] = False
+        self.loads[replica] = self.requests[replica] = 0
+
+    def _live(self) -> list[int]:
+        live = self.live_replicas
+        if not live:
+            raise RuntimeError("no live replica to route to")
+        return live
+
+
+class PrefixAwareRouter(ReplicaRouter):
+    """See the module docstring: ``route`` also remembers the prompt's prefix on the replica
+    chosen, and a dead replica forgets what it was sent."""
+
+    def __init__(self, num_replicas: int, config: RouterConfig):
+        super().__init__(num_replicas, config)
+        self._memories = [PrefixMemory(config.capacity_blocks) for _ in range(num_replicas)]
+
     def least_loaded(self) -> int:
         """The live replica with the fewest tokens in flight; of equals, the one remembering the
         fewest prefixes, so that new prefixes spread over the replicas' caches even when the
         requests come one at a time (each finds every replica idle)."""
-        return min(self.live_replicas, key=lambda i: (self.loads[i], len(self._memories[i]), i))
+        return min(self._live(), key=lambda i: (self.loads[i], len(self._memories[i]), i))
 
     def hashes(self, prompt_ids: Sequence[int]) -> tuple[int, ...]:
         return prefix_block_hashes(prompt_ids, self.config.block_size, self.config.max_blocks)
@@ -130,9 +167,7 @@ class PrefixAwareRouter:
         """The replica for a prompt (nothing booked; ``hashes``: its block hashes, when the
         caller has them): see the module docstring."""
         hashes = self.hashes(prompt_ids) if hashes is None else hashes
-        live = self.live_replicas
-        if not live:
-            raise RuntimeError("no live replica to route to")
+        live = self._live()
         least = self.least_loaded()
         if not hashes:
             return least
@@ -157,11 +192,32 @@ class PrefixAwareRouter:
         self._memories[replica].remember(hashes)
         return replica
 
-    def finished(self, replica: int, load: int) -> None:
-        self.loads[replica] = max(self.loads[replica] - load, 0)
-        self.requests[replica] = max(self.requests[replica] - 1, 0)
-
     def mark_dead(self, replica: int) -> None:
-        self.alive[replica] = False
-        self.loads[replica] = self.requests[replica] = 0
+        super().mark_dead(replica)
         self._memories[replica].clear()
+
+
+class RoundRobinRouter(ReplicaRouter):
+    """Live replicas in turn, blind to prefixes and load: the baseline prefix-aware routing is
+    measured against (every replica ends up computing and caching every shared prefix)."""
+
+    def __init__(self, num_replicas: int, config: RouterConfig):
+        super().__init__(num_replicas, config)
+        self._next = 0
+
+    def choose(self, prompt_ids: Sequence[int]) -> int:
+        live = self._live()
+        replica = next((i for i in live if i >= self._next), live[0])
+        self._next = replica + 1
+        return replica
+
+
+# ``--load-balance-method``'s choices, as server_config.LOAD_BALANCE_METHODS names them (it sits below)
+ROUTERS: dict[str, type[ReplicaRouter]] = {"prefix_aware": PrefixAwareRouter, "round_robin": RoundRobinRouter}
+
+
+def make_router(method: str, num_replicas: int, config: RouterConfig) -> ReplicaRouter:
+    """The router ``--load-balance-method METHOD`` names, over ``num_replicas`` replicas."""
+    if method not in ROUTERS:
+        raise ValueError(f"unknown load-balance method {method!r}; choose one of: {', '.join(ROUTERS)}")
+    return ROUTERS[method](num_replicas, config)

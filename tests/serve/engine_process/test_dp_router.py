@@ -1,5 +1,6 @@
-"""The data-parallel router on its own (prefix hashes, the per-replica memory, the choice between
-the cached replica and the least loaded), and where each replica runs."""
+"""The data-parallel routers on their own (prefix hashes, the per-replica memory, the choice between
+the cached replica and the least loaded; round-robin; the server option that picks one), and
+where each replica runs."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pytest
 from compiled_llm.errors import InvalidOptionError
 from compiled_llm.serve.engine_process.dp_placement import (check_replica_device, replica_cpu_threads, replica_gpus,
                                                             visible_gpus)
-from compiled_llm.serve.engine_process.dp_router import (PrefixAwareRouter, PrefixMemory, RouterConfig, overloaded,
-                                                         prefix_block_hashes)
-from helpers.dp_routers import RoundRobinRouter
+from compiled_llm.serve.engine_process.dp_router import (ROUTERS, PrefixAwareRouter, PrefixMemory, RoundRobinRouter,
+                                                         RouterConfig, make_router, overloaded, prefix_block_hashes)
+from compiled_llm.serve.server_config import LOAD_BALANCE_METHODS, ServerConfig
 
 BS = 4
 
@@ -132,6 +133,21 @@ def test_round_robin_takes_live_replicas_in_turn_blind_to_prefixes():
     assert [router.route(prompt(0, u), 1) for u in range(4)] == [0, 1, 2, 0]
     router.mark_dead(1)
     assert [router.route(prompt(0, u), 1) for u in range(4)] == [2, 0, 2, 0]
+
+
+def test_the_load_balance_option_names_a_router_and_defaults_to_prefix_aware():
+    assert tuple(ROUTERS) == LOAD_BALANCE_METHODS  # every choice the server offers has its router
+    assert ServerConfig().load_balance_method == "prefix_aware"
+    assert type(make_router(ServerConfig().load_balance_method, 2, RouterConfig(block_size=BS))) is PrefixAwareRouter
+    assert type(make_router("round_robin", 2, RouterConfig(block_size=BS))) is RoundRobinRouter
+    from compiled_llm.cli.main import make_parser
+    from compiled_llm.cli.serve import server_config
+
+    flags = make_parser().parse_args(["serve", "ENGINE", "--load-balance-method", "round_robin"])
+    assert server_config(flags).load_balance_method == "round_robin"
+    with pytest.raises(InvalidOptionError) as e:
+        ServerConfig(load_balance_method="cache_aware")
+    assert str(e.value) == "unknown load_balance_method 'cache_aware'; choose one of: prefix_aware, round_robin"
 
 
 def test_a_router_config_refuses_nonsense():
