@@ -1,9 +1,10 @@
 """`compiled-llm serve --data-parallel-size 2 --distributed-executor-backend ray` on the local Ray
 cluster the Ray test modules share (CPU): each replica's engine core a Ray actor talking to the
 front end over TCP, its engine sharded over two tensor-parallel ranks (the lively checkpoint), so
-each replica's rank 1 is a Ray actor too. One server for the module; the tests run in order, the
-last two each kill an actor.
+each replica's rank 1 is a Ray actor too. One server for the module, started after the first
+test; the tests run in order, the last two each kill an actor.
 
+- A replica that cannot load stops the others and is named; no actor or placement group stays.
 - 16 concurrent requests, streamed and not, get transformers' greedy text, both replicas serve,
   /health reports both live, no engine process is spawned beside the server, and each replica
   holds a strictly packed placement group of a bundle per rank.
@@ -60,6 +61,26 @@ def health(url: str) -> dict:
 async def stream_text(aclient, prompt: str, max_tokens: int) -> str:
     stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY)
     return "".join([c.choices[0].text async for c in stream])
+
+
+def test_a_replica_that_cannot_load_stops_the_others_and_names_itself(  # before the server starts
+        ray_cluster, lively_bpe_engine, tmp_path):
+    import functools
+
+    from compiled_llm.cli.main import make_parser
+    from compiled_llm.cli.serve import load_engine
+    from compiled_llm.errors import CompiledLLMError
+    from compiled_llm.serve.engine_process.ray_replicas import start_ray_replicas
+
+    def loader(source):
+        return functools.partial(load_engine, make_parser().parse_args(["serve", str(source), "--device", "cpu"]))
+
+    missing = tmp_path / "not-an-engine"
+    missing.mkdir()
+    with pytest.raises(CompiledLLMError, match="^data-parallel replica 1 of 2: the engine could not start: .*not-an-engine"):
+        start_ray_replicas([loader(lively_bpe_engine), loader(missing)], 1, 1, "cpu")
+    wait_until(lambda: not alive_actors("EngineCoreActor") and not live_placement_groups(), 15.0,
+               "the replicas stopped")
 
 
 def test_concurrent_requests_get_transformers_greedy_text_from_two_actor_replicas_each_in_a_group_of_its_own(
