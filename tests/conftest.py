@@ -35,6 +35,46 @@ def tiny_engine_copy(tiny_engine, tmp_path):
     return Path(shutil.copytree(tiny_engine, tmp_path / "engine"))
 
 
+# ---- one local Ray cluster for the modules that need one (helpers.ray_cluster) -------------------
+
+RAY_CLUSTER_CPUS = 4  # logical: the most any one Ray test places at once
+_ray_modules: set[str] = set()  # the test modules that use ``ray_cluster``, by path
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The address of the local Ray cluster the Ray test modules share (a process they start
+    joins it as $RAY_ADDRESS); it ends after the last of them."""
+    from helpers.ray_cluster import shared_cluster
+
+    return shared_cluster.start(num_cpus=RAY_CLUSTER_CPUS)
+
+
+def _module_path(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(items):
+    """Run the modules that use ``ray_cluster`` one after another, where the first of them was,
+    so that one cluster serves them all and ends once they are done."""
+    _ray_modules.update(_module_path(i) for i in items if "ray_cluster" in getattr(i, "fixturenames", ()))
+    if not _ray_modules:
+        return
+    first = next(n for n, i in enumerate(items) if _module_path(i) in _ray_modules)
+    ray_items = [i for i in items if _module_path(i) in _ray_modules]
+    others = [i for i in items if _module_path(i) not in _ray_modules]
+    items[:] = others[:first] + ray_items + others[first:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the module's own fixtures (a Ray Serve application, say) end first
+    if _module_path(item) in _ray_modules and (nextitem is None or _module_path(nextitem) not in _ray_modules):
+        from helpers.ray_cluster import shared_cluster
+
+        shared_cluster.stop()
+
+
 def pytest_addoption(parser):
     parser.addoption("--soak", type=float, default=0.0, metavar="SECONDS",
                      help="run the runtime fuzz test's random draws for this long instead of its fixed count "
@@ -73,6 +113,17 @@ def lively_bpe_engine(lively_bpe_checkpoint, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("lively_bpe_engine") / "engine"
     build_engine(str(lively_bpe_checkpoint[0]), out, dtype="float32", device="cpu", progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def lively_tp2_engine(lively_bpe_checkpoint, tmp_path_factory):
+    """The lively checkpoint built into a CPU float32 engine sharded over two tensor-parallel ranks."""
+    from compiled_llm.engine.build import build_engine
+
+    out = tmp_path_factory.mktemp("lively_tp2_engine") / "engine"
+    build_engine(str(lively_bpe_checkpoint[0]), out, dtype="float32", device="cpu", progress=False,
+                 tensor_parallel_size=2)
     return out
 
 

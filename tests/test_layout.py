@@ -147,7 +147,8 @@ def test_the_runtime_top_level_holds_at_most_twelve_modules():
 
 # Ray is an optional extra (compiled_llm[ray]): these modules alone import it, and the rest of
 # the package imports them only inside a function, so nothing loads Ray until it is asked for
-RAY_MODULES = ("compiled_llm.serve.executor.ray_executor", "compiled_llm.serve.ray_serve")
+RAY_MODULES = ("compiled_llm.serve.executor.ray_executor", "compiled_llm.serve.engine_process.ray_replicas",
+               "compiled_llm.serve.ray_serve")
 
 
 def _is_ray_module(name: str) -> bool:
@@ -186,6 +187,6 @@ def test_only_the_ray_modules_import_ray_and_nothing_else_loads_them_at_import()
     assert eager == []
     # the executor's module and the package's __init__ import without Ray (LLMEngine names the
     # executor's module inside a function; Ray itself is imported when an executor starts)
-    for name in ("compiled_llm.serve.executor.ray_executor", "compiled_llm.serve.ray_serve"):
+    for name in RAY_MODULES:
         tree = ast.parse(known_modules()[name].read_text())
         assert not any(n == "ray" or n.startswith("ray.") for n in _imports(tree, top_level_only=True)), name

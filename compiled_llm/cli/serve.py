@@ -84,9 +84,9 @@ def load_engine(args, visible_devices: str | None = None, cpu_threads: int | Non
     return engine
 
 
-def engine_world_size(args, build: BuildConfig) -> int:
-    """The processes the engine will run as (tensor-parallel x pipeline-parallel size): each size
-    the flag's, else an engine directory's, else 1."""
+def engine_parallel_sizes(args, build: BuildConfig) -> tuple[int, int]:
+    """(tensor-parallel, pipeline-parallel) size of the engine: each the flag's, else an engine
+    directory's, else 1."""
     from compiled_llm.engine.loader import is_engine_dir
 
     sizes = {"tensor_parallel_size": build.tensor_parallel_size, "pipeline_parallel_size": build.pipeline_parallel_size}
@@ -96,13 +96,20 @@ def engine_world_size(args, build: BuildConfig) -> int:
         built = built_with(read_manifest(args.source))
         sizes = {name: getattr(built, name) if getattr(args, name, None) is None else size
                  for name, size in sizes.items()}
-    return sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"]
+    return sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"]
+
+
+def engine_world_size(args, build: BuildConfig) -> int:
+    """The processes the engine will run as (tensor-parallel x pipeline-parallel size)."""
+    tp, pp = engine_parallel_sizes(args, build)
+    return tp * pp
 
 
 def replica_loads(args, build: BuildConfig) -> list:
     """The loader of each data-parallel replica's engine process: the same engine, each replica
     an engine of its own (data_parallel_size 1) on its own GPUs, or on a CPU with its share of
-    the cores (``dp_placement``)."""
+    the cores (``dp_placement``). Replicas that are Ray actors (the ray backend) take the GPUs
+    Ray gives them."""
     from compiled_llm.model.placement import resolve_device
     from compiled_llm.serve.engine_process.dp_placement import (VISIBLE_DEVICES_VAR, check_replica_device,
                                                                 replica_cpu_threads, replica_gpus, visible_gpus)
@@ -110,6 +117,9 @@ def replica_loads(args, build: BuildConfig) -> list:
     size = args.data_parallel_size
     check_replica_device(build.device, size)
     one = argparse.Namespace(**{**vars(args), "data_parallel_size": 1})
+    ray_actors = args.distributed_executor_backend == "ray"
+    if ray_actors and build.device != "cpu":
+        return [functools.partial(load_engine, one) for _ in range(size)]
     if resolve_device(build.device).type == "cuda":
         import torch
 
@@ -139,6 +149,11 @@ def run(args) -> int:
         logging.getLogger("compiled_llm").setLevel(logging.INFO)
     if loads is None:
         core = EngineCoreClient.start_process(functools.partial(load_engine, args))
+    elif args.distributed_executor_backend == "ray":
+        from compiled_llm.serve.engine_process.ray_replicas import start_ray_replicas
+
+        logger.info("starting %d data-parallel engine replicas as Ray actors", len(loads))
+        core = start_ray_replicas(loads, *engine_parallel_sizes(args, build), build.device)
     else:
         logger.info("starting %d data-parallel engine replicas (load balance: %s)", len(loads), config.load_balance_method)
         core = DataParallelClient.start_processes(loads, config.load_balance_method)

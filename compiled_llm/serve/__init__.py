@@ -9,14 +9,15 @@ Where things run, and where to find them (vLLM v1's rooms):
     core/              host scheduling: scheduler, block manager, sequences, validation,
                        detokenizer, n-gram speculation
     worker/            the device side of a step: model runner, CUDA graphs, KV cache, sampler
-    executor/          how rank 0 reaches the other tensor-parallel ranks: processes of this
-                       host, or Ray actors (``--distributed-executor-backend ray``)
-    engine_process/    ``serve``: the engine in a process of its own, and the HTTP side's client
+    executor/          how rank 0 reaches the other ranks (tensor parallel, pipeline stages):
+                       processes of this host, or Ray actors (``--distributed-executor-backend ray``)
+    engine_process/    ``serve``: the engine in a process of its own (or data-parallel replicas'
+                       engines, local or Ray actors), and the HTTP side's client
     openai/            the HTTP server (FastAPI); its options and metrics are server_config.py
                        and metrics.py, here
     ray_serve/         the Ray Serve application: engine replicas behind one OpenAI endpoint,
-                       routed by prompt prefix (Ray is an optional extra; only it and
-                       executor/ray_executor.py import it)
+                       routed by prompt prefix (Ray is an optional extra; only it,
+                       executor/ray_executor.py and engine_process/ray_replicas.py import it)
     reference.py       the eager reference runtime (``run --eager``, tests)
     kernel_warmup.py   a build's kernel warm-up: the runtime run once over a new CUDA engine
     profiling.py       ``--profile``: a torch profiler trace of a run

@@ -13,8 +13,10 @@ from typing import Any, Mapping
 from compiled_llm.errors import InvalidOptionError
 from compiled_llm.serve.core.spec_decode.config import SpeculativeConfig
 
-# how the other tensor-parallel ranks run (vLLM's names): processes of this host (serve/executor/
-# multiproc.py), or Ray actors on a Ray cluster, placed on one node (serve/executor/ray_executor.py)
+# how the engine's other ranks run (vLLM's names): processes of this host (serve/executor/
+# multiproc.py), or Ray actors on a Ray cluster, each pipeline stage's on one node (serve/executor/
+# ray_executor.py); with the server's data-parallel replicas, their engine cores too
+# (serve/engine_process/ray_replicas.py)
 EXECUTOR_BACKENDS = ("mp", "ray")
 
 
@@ -50,11 +52,13 @@ class EngineConfig:
     # the others, so only the server, which routes between them, runs more than one.
     data_parallel_size: int = _option(
         1, "serve: run N engine replicas behind one endpoint, each on its own GPU or tensor-parallel group "
-           "(replica i on GPUs i*TP..(i+1)*TP-1; all on the CPU), each request sent to the replica likely to "
-           "hold its prefix in cache, else the least loaded; LLM, run and bench's offline workloads run one")
+           "(replica i on GPUs i*TP..(i+1)*TP-1; all on the CPU; Ray actors with the ray backend), each request "
+           "sent to the replica likely to hold its prefix in cache, else the least loaded; LLM, run and bench's "
+           "offline workloads run one")
     distributed_executor_backend: str = dataclasses.field(default="mp", metadata={"choices": EXECUTOR_BACKENDS, "help": (
-        "how the other tensor-parallel ranks run, as vLLM's flag: mp (processes of this host) or ray (actors "
-        "on the Ray cluster this process joins, kept on this process's node; pip install compiled_llm[ray])")})
+        "how the engine's other ranks (tensor and pipeline parallel) and serve's data-parallel replicas run, as "
+        "vLLM's flag: mp (processes of this host) or ray (actors on the Ray cluster this process joins, each "
+        "pipeline stage's ranks on one node; pip install compiled_llm[ray])")})
     speculative_config: str | None = _option(
         None, 'speculative decoding, as a JSON object (vLLM\'s): {"method": "ngram", "num_speculative_tokens": K, '
               '"prompt_lookup_max": N[, "prompt_lookup_min": M][, "disable_by_batch_size": B]}; unset: off')

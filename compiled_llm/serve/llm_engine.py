@@ -56,13 +56,11 @@ def start_executor(model: LoadedModel, config: EngineConfig):
     # through NCCL over their own groups
     custom_all_reduce = not config.disable_custom_all_reduce and model.pp_size == 1
     if config.distributed_executor_backend == "ray":
-        if model.pp_size > 1:
-            raise InvalidOptionError(f"distributed_executor_backend 'ray' runs tensor-parallel ranks only; this engine "
-                                     f"has pipeline_parallel_size {model.pp_size} (use 'mp')")
         # imported here: the Ray backend is an optional extra, and its module imports Ray only when started
         from compiled_llm.serve.executor.ray_executor import RayExecutor
 
-        return RayExecutor(model.engine_dir, model.tp_size, model.device, custom_all_reduce=custom_all_reduce)
+        return RayExecutor(model.engine_dir, model.world_size, model.device, custom_all_reduce=custom_all_reduce,
+                           tp_size=model.tp_size)
     return MultiprocExecutor(model.engine_dir, model.world_size, model.device, custom_all_reduce=custom_all_reduce,
                              tp_size=model.tp_size)
 

@@ -1,10 +1,12 @@
 """A local Ray cluster for the tests of the Ray backend and the Ray Serve application, and what
 its state API says is left on it.
 
-Starting Ray takes seconds, so a test module starts one (``local_ray_cluster``, from a
-module-scoped fixture) and its tests share it. ``address="local"`` starts a cluster of this
-test's own even when another one runs on the machine; the dashboard (on a free port) is what
-answers the state API (``ray.util.state``).
+Starting Ray takes seconds, so the test modules that need one share it: the ``ray_cluster``
+fixture (conftest.py) starts ``shared_cluster`` for the first of them, the collection runs them
+one after another, and the cluster ends after the last (left running, its idle processes would
+take CPU from every later test). ``address="local"`` starts a cluster of the tests' own even when
+another one runs on the machine; the dashboard (on a free port) is what answers the state API
+(``ray.util.state``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,29 @@ def local_ray_cluster(num_cpus: int):
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+class SharedCluster:
+    """One ``local_ray_cluster`` at a time: ``start`` returns the running one's address (starting
+    it first when none runs), ``stop`` ends it."""
+
+    def __init__(self):
+        self._running = None  # the entered context manager
+        self.address: str | None = None
+
+    def start(self, num_cpus: int) -> str:
+        if self._running is None:
+            self._running = local_ray_cluster(num_cpus)
+            self.address = self._running.__enter__()
+        return self.address
+
+    def stop(self) -> None:
+        running, self._running, self.address = self._running, None, None
+        if running is not None:
+            running.__exit__(None, None, None)
+
+
+shared_cluster = SharedCluster()
 
 
 def alive_actors(class_name: str) -> list:

@@ -101,13 +101,21 @@ class EngineCore:
             deltas = self.engine.step_deltas()
         except Exception as e:
             failed = self.engine.failed_request_ids or list(self._running)
-            logger.exception("an engine step failed; aborting its %d requests", len(failed))
+            # a rank is gone (the error names it): no step can run again, so the core stops once
+            # these errors are sent, and the front end hears the engine lost (data-parallel:
+            # routes around it)
+            ranks_failed = getattr(self.engine.executor, "failure", None) is not None
+            if ranks_failed:
+                logger.error("an engine step failed: %s; aborting its %d requests and stopping", e, len(failed))
+            else:
+                logger.exception("an engine step failed; aborting its %d requests", len(failed))
             message = f"the engine step failed: {type(e).__name__}: {e}"
             for request_id in failed:
                 self.engine.abort_request(request_id)
                 if request_id in self._running:
                     self._running.discard(request_id)
                     self._errors.append((request_id, "engine", message))
+            self._stop = self._stop or ranks_failed
             return
         for delta in deltas:
             self._add(delta)

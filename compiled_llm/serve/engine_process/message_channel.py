@@ -7,7 +7,10 @@ submissions could deadlock with it, each blocked on a full pipe. So ``send`` app
 unbounded buffer and writes what the pipe takes now, ``flush`` writes more of it later (when the
 pipe's end is writable again), and ``receive`` returns the whole messages that have arrived.
 A message is a length (8 bytes, little-endian) and a pickle. Both ends are this package, and
-the pipes are made by the front end for the one engine process it starts.
+the pipes are made by the front end for the one engine process it starts. A connected socket
+works the same, as both descriptors at once (an engine core in a Ray actor, on any node:
+``ray_replicas``); its front end reads nothing from it before the other end has proved to be the
+engine it started.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ def _grow_pipe(fd: int) -> None:
 
 class MessageChannel:
     """One end: reads messages from ``read_fd`` and writes them to ``write_fd`` (both set
-    non-blocking). ``closed`` once the other end has gone (end of file, or a broken pipe)."""
+    non-blocking; one socket's descriptor may be both). ``closed`` once the other end has gone
+    (end of file, a broken pipe, a reset connection)."""
 
     def __init__(self, read_fd: int, write_fd: int):
         self.read_fd, self.write_fd = read_fd, write_fd
@@ -108,7 +112,7 @@ class MessageChannel:
         if self._fds_closed:
             return
         self._fds_closed = True
-        for fd in (self.read_fd, self.write_fd):
+        for fd in dict.fromkeys((self.read_fd, self.write_fd)):  # a socket is both: closed once
             try:
                 os.close(fd)
             except OSError:

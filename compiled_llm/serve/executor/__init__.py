@@ -29,9 +29,9 @@ The engine option ``distributed_executor_backend`` (vLLM's name) picks one:
 - ``mp``: ``multiproc.MultiprocExecutor`` runs the ranks as processes of this host
   (torch.distributed over NCCL on CUDA and gloo on CPU, through a file store).
 - ``ray``: ``ray_executor.RayExecutor`` runs them as Ray actors of the cluster this process
-  joins, in a placement group kept on this process's node; torch.distributed meets through a TCP
-  store that rank 0 hosts. Ray is an optional extra, imported by that module alone, and only
-  once such an executor starts.
+  joins, a placement group per pipeline stage (each on one node; stage 0's on this process's);
+  torch.distributed meets through a TCP store that rank 0 hosts. Ray is an optional extra,
+  imported by the Ray modules alone, and only once such an executor starts.
 
 Nothing in the engine or the runner tells them apart.
 """

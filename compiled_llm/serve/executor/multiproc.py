@@ -48,7 +48,7 @@ import torch.distributed as dist
 from compiled_llm.errors import EngineError, first_line
 from compiled_llm.graph import collective_ops
 from compiled_llm.engine import pipeline_stage
-from compiled_llm.serve.executor.rank_failures import RankFailures
+from compiled_llm.serve.executor.rank_failures import RankFailures, rank_name
 
 log = logging.getLogger(__name__)
 
@@ -301,11 +301,7 @@ class MultiprocExecutor(RankFailures):
             return None
 
     def _name(self, rank: int) -> str:
-        """How an error names a rank: with its pipeline stage when the engine has several."""
-        if self.tp_size == self.size:
-            return f"tensor-parallel rank {rank}"
-        stage, tp_rank = divmod(rank, self.tp_size)
-        return f"rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+        return rank_name(rank, self.size, self.tp_size)
 
     def _describe(self, rank: int, message) -> str:
         if message is not None and message[0] == "error":

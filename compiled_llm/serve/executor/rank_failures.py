@@ -11,6 +11,14 @@ from compiled_llm.errors import EngineError
 log = logging.getLogger(__name__)
 
 
+def rank_name(rank: int, size: int, tp_size: int) -> str:
+    """How an error names a rank: with its pipeline stage when the engine has several."""
+    if tp_size == size:
+        return f"tensor-parallel rank {rank}"
+    stage, tp_rank = divmod(rank, tp_size)
+    return f"rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+
+
 class RankFailures:
     """Mixed into an executor that stops its other ranks with ``_stop_ranks()`` (kills their
     processes or actors) and calls ``_init_failures()`` as it starts."""

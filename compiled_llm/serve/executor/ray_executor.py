@@ -1,18 +1,24 @@
-"""``RayExecutor``: tensor-parallel ranks 1..N-1 as Ray actors; this process is rank 0
-(``--distributed-executor-backend ray``).
+"""``RayExecutor``: every rank but 0 as a Ray actor; this process is rank 0
+(``--distributed-executor-backend ray``). The ranks are tensor-parallel ranks, or the TP ranks
+of pipeline stages, stage-major (rank r is stage r // TP's rank r % TP).
 
-Placement: one placement group per engine, one bundle per rank (``GPU: 1`` on CUDA, ``CPU: 1``
-on a CPU), packed strictly onto one node, and that node is this process's: bundle 0, rank 0's,
-asks for a sliver of the node's own ``node:<ip>`` resource (vLLM pins its driver the same way).
-A tensor-parallel group all-reduces twice a layer, so it never spans a network. The bundle of
-rank 0 holds no actor; it keeps its device out of the actors' hands.
+Placement: one placement group per pipeline stage, one bundle per rank of the stage (``GPU: 1``
+on CUDA, ``CPU: 1`` on a CPU), each packed strictly onto one node: a tensor-parallel group
+all-reduces twice a layer, so it never spans a network, while stages (which pass activations
+once a step) may sit on different nodes. Stage 0's group is on this process's node: bundle 0,
+rank 0's, asks for a sliver of the node's own ``node:<ip>`` resource (vLLM pins its driver the
+same way). The bundle of rank 0 holds no actor; it keeps its device out of the actors' hands.
+A process that is itself a Ray actor in bundle 0 of groups made for its engine (a data-parallel
+replica's engine core, ``serve/engine_process/ray_replicas.py``) hands them over with
+``place_ranks_in``; the executor then uses those, and leaves removing them to their owner.
 
 Start-up: this process joins the Ray cluster (``ray.init()``: the one ``ray start`` made on this
 machine, or ``$RAY_ADDRESS``; a local one when there is none, ended again at shutdown), places
-the group, starts one actor per other rank, each loading its rank's weights (only its own file)
-from the engine directory, which is on this node. All ranks then join one torch.distributed
-group through a TCP store that rank 0 hosts at the node IP Ray reports (NCCL on CUDA, gloo on a
-CPU), as ``multiproc`` does through a file store.
+the groups, starts one actor per other rank, each loading its rank's weights (only its own file)
+from the engine directory, which must be at the same path on every node that runs a rank (as the
+model path is for vLLM). All ranks then join one torch.distributed group through a TCP store
+that rank 0 hosts at the node IP Ray reports (NCCL on CUDA, gloo on a CPU), as ``multiproc``
+does through a file store; each stage's collectives run over a group of its own.
 
 Messages: every call is an actor method call. Ray runs the calls one caller makes on one actor
 in the order they were made, which is the order ``send`` needs; rank 0 keeps every call's
@@ -22,7 +28,7 @@ Failure: a monitor thread waits on those references. A rank whose call raised or
 died fails the engine: the other actors are killed at once, the collective rank 0 waits in fails
 (gloo sees the closed connection; the group's timeout is the backstop), and every later call
 raises ``EngineError`` naming the rank. Actors end with this process even when it is killed:
-Ray ends the actors a driver owns when it goes.
+Ray ends the actors a driver (or actor) owns when it goes.
 
 Ray is imported here only, inside functions: it is an optional extra (``compiled_llm[ray]``).
 """
@@ -45,15 +51,19 @@ import torch.distributed as dist
 
 from compiled_llm.errors import EngineError, InvalidOptionError, first_line
 from compiled_llm.serve.executor.multiproc import COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, backend_for, end_group, init_group
-from compiled_llm.serve.executor.rank_failures import RankFailures
+from compiled_llm.serve.executor.rank_failures import RankFailures, rank_name
 
 log = logging.getLogger(__name__)
 
-PLACEMENT_TIMEOUT_S = 60.0  # a cluster that cannot place the group in this long never will, unchanged
+PLACEMENT_TIMEOUT_S = 60.0  # a cluster that cannot place the groups in this long never will, unchanged
 _STOP_GRACE_S = 5.0
 _POLL_S = 0.05  # how often a wait for results looks for a failed rank
 _RAY_MISSING = ("distributed_executor_backend 'ray' needs Ray, which is not installed: "
                 "pip install 'compiled_llm[ray]' (or use the default backend, mp)")
+
+# The placement groups this process was handed for its engine's ranks (``place_ranks_in``), or
+# None: an executor makes its own.
+_given_groups: list | None = None
 
 
 def import_ray():
@@ -65,11 +75,23 @@ def import_ray():
     return ray
 
 
-def rank_bundles(size: int, device: torch.device, node_ip: str) -> list[dict[str, float]]:
-    """One bundle per rank, rank 0's pinned to this node (``node:<ip>`` is a resource every Ray
-    node has one of), so that a strict pack puts every rank beside rank 0."""
+def rank_bundles(size: int, device: torch.device, node_ip: str | None = None) -> list[dict[str, float]]:
+    """One bundle per rank of a tensor-parallel group; with ``node_ip``, the first (rank 0's)
+    pinned to that node (``node:<ip>`` is a resource every Ray node has one of), so that a strict
+    pack puts every rank beside rank 0."""
     unit = {"GPU": 1.0} if device.type == "cuda" else {"CPU": 1.0}
-    return [{**unit, f"node:{node_ip}": 0.001}] + [dict(unit) for _ in range(1, size)]
+    first = {**unit, f"node:{node_ip}": 0.001} if node_ip is not None else dict(unit)
+    return [first] + [dict(unit) for _ in range(1, size)]
+
+
+def place_ranks_in(groups: list | None) -> None:
+    """Put the ranks of the engine this process starts in ``groups``: one placement group per
+    pipeline stage, a bundle per tensor-parallel rank each, this process (a Ray actor) in bundle
+    0 of the first. Their maker owns them: it removes them once the engine is gone, even when
+    this process was killed (Ray keeps an actor's groups until its job ends). None: every
+    executor makes (and removes) its own."""
+    global _given_groups
+    _given_groups = list(groups) if groups is not None else None
 
 
 class RankActor:
@@ -89,13 +111,14 @@ class RankActor:
         self.rank = rank
         self.worker = RankWorker(load_engine(engine_dir, device=self.device, rank=rank))
 
-    def gpu_ids(self) -> list:
+    def placement(self) -> tuple[str, list]:
+        """(this actor's node id, the GPUs Ray gave it)."""
         import ray
 
-        return list(ray.get_gpu_ids())
+        return ray.get_runtime_context().get_node_id(), list(ray.get_gpu_ids())
 
-    def join(self, size: int, init_method: str, timeout_s: float, custom_all_reduce: bool) -> bool:
-        return init_group(self.device, self.rank, size, init_method, timeout_s, custom_all_reduce)
+    def join(self, size: int, init_method: str, timeout_s: float, custom_all_reduce: bool, tp_size: int) -> bool:
+        return init_group(self.device, self.rank, size, init_method, timeout_s, custom_all_reduce, tp_size)
 
     def call(self, method: str, args: tuple) -> Any:
         return getattr(self.worker, method)(*args)
@@ -108,7 +131,8 @@ class RankActor:
 
 class RayExecutor(RankFailures):
     def __init__(self, engine_dir: Path, size: int, device: torch.device, timeout_s: float | None = None,
-                 custom_all_reduce: bool = True):
+                 custom_all_reduce: bool = True, tp_size: int | None = None):
+        """``size`` ranks in all; ``tp_size`` per pipeline stage (None: one stage of ``size``)."""
         ray = import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -117,7 +141,9 @@ class RayExecutor(RankFailures):
         self._remove_placement_group = remove_placement_group
         device = torch.device(device)
         timeout_s = timeout_s or COLLECTIVE_TIMEOUT_S[backend_for(device)]
+        tp_size = tp_size or size
         self.size = size
+        self.tp_size = tp_size
         self._device = device
         self.custom_all_reduce = False
         self._init_failures()
@@ -126,29 +152,26 @@ class RayExecutor(RankFailures):
         self._pending: list[tuple[Any, int]] = []
         self._pending_lock = threading.Lock()
         self._actors: list[Any] = []
-        self._pg = None
+        self._groups: list[Any] = []  # one placement group per pipeline stage
+        self._owns_groups = _given_groups is None
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             # the cluster `ray start` made on this machine, or $RAY_ADDRESS's; else a local one
             try:
                 ray.init(logging_level=logging.WARNING)
             except Exception as e:  # noqa: BLE001 - a bad $RAY_ADDRESS, a cluster that is gone: one line
-                raise EngineError(f"could not join the Ray cluster for the tensor-parallel ranks: {first_line(e)}") from None
+                raise EngineError(f"could not join the Ray cluster for the engine's other ranks: {first_line(e)}") from None
         try:
             node_ip = ray.util.get_node_ip_address()
-            bundles = rank_bundles(size, device, node_ip)
-            self._pg = placement_group(bundles, strategy="STRICT_PACK", name=f"compiled_llm-tp{size}")
-            if not _ready(ray, [self._pg.ready()], PLACEMENT_TIMEOUT_S):
-                unit = "GPU" if device.type == "cuda" else "CPU"
-                raise EngineError(f"the Ray cluster could not place {size} tensor-parallel ranks ({unit}: 1 each) on "
-                                  f"this process's node ({node_ip}) within {PLACEMENT_TIMEOUT_S:.0f} s; it has "
-                                  f"{ray.available_resources().get(unit, 0):g} {unit} free in all")
+            self._place(placement_group, node_ip)
             remote = ray.remote(RankActor)
             for rank in range(1, size):
+                stage, index = divmod(rank, tp_size)
                 options = dict(num_cpus=0, num_gpus=1) if device.type == "cuda" else dict(num_cpus=1)
                 self._actors.append(remote.options(
                     name=None, max_restarts=0, max_task_retries=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[stage],
+                                                                         placement_group_bundle_index=index),
                     **options,
                 ).remote(str(engine_dir), rank, device.type, list(sys.path)))
             # each actor loads its weights in its constructor: a failed load answers here,
@@ -158,29 +181,64 @@ class RayExecutor(RankFailures):
             if device.type == "cuda":
                 self._check_gpus_apart(device)
             init_method = f"tcp://{_bracketed(node_ip)}:{_free_port(node_ip)}"
-            joins = [a.join.remote(size, init_method, timeout_s, custom_all_reduce) for a in self._actors]
-            self.custom_all_reduce = init_group(device, 0, size, init_method, timeout_s, custom_all_reduce)
+            joins = [a.join.remote(size, init_method, timeout_s, custom_all_reduce, tp_size) for a in self._actors]
+            self.custom_all_reduce = init_group(device, 0, size, init_method, timeout_s, custom_all_reduce, tp_size)
             for rank, ref in enumerate(joins, start=1):
                 self._await(ref, rank, timeout_s, "join the group")
         except BaseException:
             self._release()
             raise
-        log.info("tensor-parallel ranks 1..%d run as Ray actors on node %s", size - 1, node_ip)
+        if tp_size == size:
+            log.info("tensor-parallel ranks 1..%d run as Ray actors on node %s", size - 1, node_ip)
+        else:
+            log.info("ranks 1..%d (%d pipeline stages x %d tensor-parallel ranks) run as Ray actors, stage 0 on "
+                     "node %s", size - 1, size // tp_size, tp_size, node_ip)
         self._monitor = threading.Thread(target=self._watch, name="tp-ray-monitor", daemon=True)
         self._monitor.start()
         atexit.register(_shutdown_ref, weakref.ref(self))
 
+    def _place(self, placement_group, node_ip: str) -> None:
+        """One placement group per stage (or the groups handed to this process), all placed."""
+        ray, stages, tp_size = self._ray, self.size // self.tp_size, self.tp_size
+        if _given_groups is not None:
+            if len(_given_groups) != stages or any(g.bundle_count != tp_size for g in _given_groups):
+                raise EngineError(f"this engine runs {stages} pipeline stage(s) of {tp_size} tensor-parallel ranks, "
+                                  f"but the placement groups made for it have "
+                                  f"{[g.bundle_count for g in _given_groups]} bundles")
+            self._groups = list(_given_groups)
+        else:
+            for stage in range(stages):
+                bundles = rank_bundles(tp_size, self._device, node_ip if stage == 0 else None)
+                self._groups.append(placement_group(bundles, strategy="STRICT_PACK",
+                                                    name=f"compiled_llm-tp{tp_size}-stage{stage}"))
+        deadline = time.monotonic() + PLACEMENT_TIMEOUT_S
+        for stage, group in enumerate(self._groups):
+            if _ready(ray, [group.ready()], max(deadline - time.monotonic(), 0.0)):
+                continue
+            unit = "GPU" if self._device.type == "cuda" else "CPU"
+            ranks = f"{tp_size} tensor-parallel ranks ({unit}: 1 each)"
+            where = (f"on this process's node ({node_ip})" if stage == 0 else "on one node")
+            if stages > 1:
+                ranks = f"pipeline stage {stage}'s {ranks}"
+            raise EngineError(f"the Ray cluster could not place {ranks} {where} within {PLACEMENT_TIMEOUT_S:.0f} s; "
+                              f"it has {ray.available_resources().get(unit, 0):g} {unit} free in all")
+
     def _check_gpus_apart(self, device: torch.device) -> None:
-        """Rank 0 runs on the GPU it was loaded on, outside Ray; bundle 0 holds one GPU back for
-        it, and Ray hands the actors others, which should leave rank 0's alone. Refuse, rather
-        than share a GPU between two ranks, where they do not."""
+        """Rank 0 runs on the GPU it was loaded on, outside Ray's hands; bundle 0 holds one GPU
+        back for it, and Ray hands the actors others, which should leave rank 0's alone. Refuse,
+        rather than share a GPU between two ranks, where they do not (on rank 0's node: GPU ids
+        are a node's own)."""
         ours = physical_gpu(device)
+        node = self._ray.get_runtime_context().get_node_id()
         for rank, actor in enumerate(self._actors, start=1):
-            theirs = [str(g) for g in self._ray.get(actor.gpu_ids.remote())]
-            if ours in theirs:
-                raise EngineError(f"Ray placed tensor-parallel rank {rank} on GPU {ours}, which rank 0 (this process) "
+            their_node, gpus = self._ray.get(actor.placement.remote())
+            if their_node == node and ours in [str(g) for g in gpus]:
+                raise EngineError(f"Ray placed {self._name(rank)} on GPU {ours}, which rank 0 (this process) "
                                   f"runs on; give this process a GPU Ray does not hand out (CUDA_VISIBLE_DEVICES), "
                                   f"or use --distributed-executor-backend mp")
+
+    def _name(self, rank: int) -> str:
+        return rank_name(rank, self.size, self.tp_size)
 
     # ---- the interface (see the package docstring) ----------------------------------------------
 
@@ -247,7 +305,7 @@ class RayExecutor(RankFailures):
 
     def _await(self, ref, rank: int, timeout_s: float, what: str) -> None:
         if not _ready(self._ray, [ref], timeout_s):
-            raise EngineError(f"tensor-parallel rank {rank} (a Ray actor) did not {what} within {timeout_s:.0f} s")
+            raise EngineError(f"{self._name(rank)} (a Ray actor) did not {what} within {timeout_s:.0f} s")
         try:
             self._ray.get(ref)
         except Exception as e:  # noqa: BLE001 - named, one line
@@ -283,13 +341,13 @@ class RayExecutor(RankFailures):
             self._settle(timeout_s=0.2)
 
     def _describe(self, rank: int, error: BaseException) -> str:
-        exceptions = self._ray.exceptions
+        exceptions, name = self._ray.exceptions, self._name(rank)
         if isinstance(error, exceptions.RayTaskError):
             cause = error.cause if error.cause is not None else error
-            return f"tensor-parallel rank {rank} failed: {type(cause).__name__}: {first_line(cause, 500)}"
+            return f"{name} failed: {type(cause).__name__}: {first_line(cause, 500)}"
         if isinstance(error, exceptions.RayActorError):
-            return f"tensor-parallel rank {rank} (a Ray actor) died: {first_line(error, 300)}"
-        return f"tensor-parallel rank {rank} (a Ray actor) failed: {type(error).__name__}: {first_line(error, 300)}"
+            return f"{name} (a Ray actor) died: {first_line(error, 300)}"
+        return f"{name} (a Ray actor) failed: {type(error).__name__}: {first_line(error, 300)}"
 
     # ---- the end --------------------------------------------------------------------------------
 
@@ -301,15 +359,15 @@ class RayExecutor(RankFailures):
                 pass
 
     def _release(self) -> None:
-        """Kill every actor, remove the placement group, and leave the cluster if this executor
-        joined it."""
+        """Kill every actor, remove the placement groups this executor made, and leave the
+        cluster if it joined it."""
         ray = self._ray
         if not ray.is_initialized():
             return
         self._stop_ranks()
-        if self._pg is not None:
+        for group in self._groups if self._owns_groups else ():
             try:
-                self._remove_placement_group(self._pg)
+                self._remove_placement_group(group)
             except Exception:  # noqa: BLE001 - removed with the cluster
                 pass
         with self._pending_lock:

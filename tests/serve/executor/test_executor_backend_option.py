@@ -1,8 +1,8 @@
 """``distributed_executor_backend`` (``--distributed-executor-backend``), vLLM's option: ``mp``
 (the default) or ``ray``. A name that is neither, or ``ray`` where Ray is not installed, is
 refused in one line before any rank starts. The Ray backend's placement (one bundle per rank,
-rank 0's pinned to this node) and its naming of rank 0's GPU are plain functions. Runs without
-Ray: that is what it checks."""
+rank 0's pinned to this node; a data-parallel replica's groups, one per pipeline stage) and its
+naming of rank 0's GPU are plain functions. Runs without Ray: that is what it checks."""
 
 from __future__ import annotations
 
@@ -56,6 +56,16 @@ def test_the_ray_placement_is_one_bundle_per_rank_with_rank_0s_pinned_to_this_no
     assert rank_bundles(2, torch.device("cpu"), "10.0.0.7") == [{"CPU": 1.0, "node:10.0.0.7": 0.001}, {"CPU": 1.0}]
     assert rank_bundles(3, torch.device("cuda"), "10.0.0.7") == [{"GPU": 1.0, "node:10.0.0.7": 0.001},
                                                                  {"GPU": 1.0}, {"GPU": 1.0}]
+
+
+def test_a_ray_replica_is_a_group_per_pipeline_stage_of_a_bundle_per_rank_on_the_device_the_cluster_has():
+    from compiled_llm.serve.engine_process.ray_replicas import replica_bundles, replica_device_type  # without Ray
+
+    assert replica_bundles(2, 3, "cuda") == [[{"GPU": 1.0}, {"GPU": 1.0}]] * 3
+    assert replica_bundles(1, 1, "cpu") == [[{"CPU": 1.0}]]
+    # auto asks the cluster, whose other nodes may have GPUs where the front end's has none
+    assert [replica_device_type("auto", gpus) for gpus in (0, 8)] == ["cpu", "cuda"]
+    assert [replica_device_type(d, 8) for d in ("cpu", "cuda")] == ["cpu", "cuda"]
 
 
 def test_rank_0s_gpu_is_named_as_ray_names_gpus(monkeypatch):

@@ -1,5 +1,5 @@
-"""Tensor parallelism with ``--distributed-executor-backend ray`` on a local Ray cluster (CPU,
-gloo, two ranks: this process and one Ray actor), one cluster for the module.
+"""Tensor and pipeline parallelism with ``--distributed-executor-backend ray`` on the local Ray
+cluster the Ray test modules share (CPU, gloo, two ranks: this process and one Ray actor).
 
 - A TP=2 engine whose other rank is a Ray actor generates what transformers generates, through
   ``LLM`` and through ``compiled-llm serve``; its ranks sit in one strictly packed placement
@@ -8,7 +8,9 @@ gloo, two ranks: this process and one Ray actor), one cluster for the module.
   naming the rank.
 - A rank actor killed mid-generation fails the running generate, and every later one, with an
   ``EngineError`` naming the rank within 30 s; nothing is left behind, and the cluster runs a
-  new engine afterwards.
+  new engine afterwards: a PP=2 one whose second stage is a Ray actor, which generates what
+  transformers generates, each stage's ranks in a strictly packed placement group of their own
+  (stage 0's on this node).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ ray = pytest.importorskip("ray")
 import openai  # noqa: E402
 from helpers.rank_kill import kill_mid_generate  # noqa: E402
 from helpers.lively import greedy_continuation  # noqa: E402
-from helpers.ray_cluster import alive_actors, live_placement_groups, local_ray_cluster, process_gone  # noqa: E402
+from helpers.ray_cluster import alive_actors, live_placement_groups, process_gone  # noqa: E402
 from helpers.server_fixtures import serve_process  # noqa: E402
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
@@ -38,18 +40,18 @@ MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_ray_cluster(num_cpus=4) as address:
-        yield address
+def tp2(lively_tp2_engine, lively_bpe_checkpoint):
+    """(engine directory, transformers model): the lively checkpoint sharded over two ranks."""
+    return lively_tp2_engine, lively_bpe_checkpoint[1]
 
 
 @pytest.fixture(scope="module")
-def tp2(lively_bpe_checkpoint, tmp_path_factory):
-    """(engine directory, transformers model): the lively checkpoint sharded over two ranks."""
-    checkpoint, hf = lively_bpe_checkpoint
-    out = tmp_path_factory.mktemp("ray-tp2") / "engine"
-    build_engine(str(checkpoint), out, dtype="float32", device="cpu", progress=False, tensor_parallel_size=2)
-    return out, hf
+def pp2_engine(lively_bpe_checkpoint, tmp_path_factory):
+    """The lively checkpoint built into two pipeline stages (a layer each)."""
+    out = tmp_path_factory.mktemp("ray-pp2") / "engine"
+    build_engine(str(lively_bpe_checkpoint[0]), out, dtype="float32", device="cpu", progress=False,
+                 pipeline_parallel_size=2)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +70,14 @@ def assert_nothing_left():
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
-def test_tp2_over_a_ray_actor_generates_what_transformers_does_and_leaves_nothing_behind(cluster, tp2, wants):
+def test_tp2_over_a_ray_actor_generates_what_transformers_does_and_leaves_nothing_behind(ray_cluster, tp2, wants):
     llm = LLM(str(tp2[0]), device="cpu", distributed_executor_backend="ray", max_num_batched_tokens=16)
     try:
         executor = llm.engine.executor
         assert isinstance(executor, RayExecutor)
         (group,) = live_placement_groups()
-        table = ray.util.placement_group_table(executor._pg)
+        (ours,) = executor._groups
+        table = ray.util.placement_group_table(ours)
         assert table["placement_group_id"] == group.placement_group_id
         assert table["strategy"] == "STRICT_PACK"
         assert [b["CPU"] for b in table["bundles"].values()] == [1, 1]  # one bundle per rank
@@ -94,11 +97,15 @@ def rank_and_pid(model, state):
     return model.tp_rank, os.getpid()
 
 
+def stage_and_pid(model, state):
+    return model.pp_rank, os.getpid()
+
+
 def refuse(model, state):
     raise ValueError(f"rank {model.tp_rank} refuses")
 
 
-def test_a_function_runs_on_the_actors_rank_and_one_that_raises_fails_naming_the_rank(cluster, tp2):
+def test_a_function_runs_on_the_actors_rank_and_one_that_raises_fails_naming_the_rank(ray_cluster, tp2):
     engine = load_engine(tp2[0])
     executor = RayExecutor(engine.engine_dir, engine.tp_size, engine.device)
     try:
@@ -114,8 +121,8 @@ def test_a_function_runs_on_the_actors_rank_and_one_that_raises_fails_naming_the
     assert not torch.distributed.is_initialized()  # the failed ranks' gloo group ended with them
 
 
-def test_serve_with_the_ray_backend_answers_openai_requests_as_transformers(cluster, tp2, wants):
-    with serve_process(tp2[0], "--distributed-executor-backend", "ray", env={"RAY_ADDRESS": cluster}) as server:
+def test_serve_with_the_ray_backend_answers_openai_requests_as_transformers(ray_cluster, tp2, wants):
+    with serve_process(tp2[0], "--distributed-executor-backend", "ray", env={"RAY_ADDRESS": ray_cluster}) as server:
         client = openai.OpenAI(base_url=server.api_url, api_key="none", max_retries=0)
         for prompt, want in zip(PROMPTS, wants):
             out = client.completions.create(model=str(tp2[0]), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
@@ -128,7 +135,8 @@ def test_serve_with_the_ray_backend_answers_openai_requests_as_transformers(clus
         time.sleep(0.2)
 
 
-def test_a_killed_rank_actor_fails_generate_naming_the_rank_within_30_s_and_leaves_nothing_behind(cluster, tp2):
+def test_a_killed_rank_actor_fails_generate_naming_the_rank_within_30_s_then_a_pp2_engine_runs_as_transformers(
+        ray_cluster, tp2, wants, pp2_engine):
     llm = LLM(str(tp2[0]), device="cpu", distributed_executor_backend="ray", max_num_seqs=4)
     try:
         ((_, pid),) = llm.engine.executor.run_on_ranks(rank_and_pid)
@@ -139,11 +147,19 @@ def test_a_killed_rank_actor_fails_generate_naming_the_rank_within_30_s_and_leav
     assert_nothing_left()
     assert process_gone(pid)
     assert not torch.distributed.is_initialized()
-    # the cluster, and this process, run a tensor-parallel engine again
-    again = LLM(str(tp2[0]), device="cpu", distributed_executor_backend="ray")
+    # the cluster, and this process, run an engine again: a pipelined one, stage 1 an actor
+    pp2 = LLM(str(pp2_engine), device="cpu", distributed_executor_backend="ray", max_num_batched_tokens=16)
     try:
-        (out,) = again.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)
-        assert len(out.outputs[0].token_ids) == MAX_TOKENS
+        executor = pp2.engine.executor
+        tables = [ray.util.placement_group_table(g) for g in executor._groups]
+        assert [t["strategy"] for t in tables] == ["STRICT_PACK", "STRICT_PACK"]
+        node_ip = ray.util.get_node_ip_address()
+        assert [list(t["bundles"].values()) for t in tables] == [[{"CPU": 1, f"node:{node_ip}": 0.001}], [{"CPU": 1}]]
+        outs = pp2.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == wants
+        ((stage, pid),) = executor.run_on_ranks(stage_and_pid)
+        assert stage == 1
     finally:
-        again.shutdown()
+        pp2.shutdown()
     assert_nothing_left()
+    assert process_gone(pid)

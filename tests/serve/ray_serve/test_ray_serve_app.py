@@ -1,6 +1,6 @@
-"""The Ray Serve application (``compiled_llm.serve.ray_serve.app``) on a local Ray cluster, one
-cluster and one application of two engine replicas for the module, spoken to by the real
-``openai`` client.
+"""The Ray Serve application (``compiled_llm.serve.ray_serve.app``) on the local Ray cluster the
+Ray test modules share, one application of two engine replicas for the module, spoken to by the
+real ``openai`` client.
 
 - Two replicas answer completions (token ids and text, streamed or not) and chats with
   transformers' greedy tokens; other routes (``/v1/models``) are the server's own.
@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray")
 import openai  # noqa: E402
 import transformers  # noqa: E402
 from helpers.lively import greedy_continuation  # noqa: E402
-from helpers.ray_cluster import alive_actors, local_ray_cluster, process_gone  # noqa: E402
+from helpers.ray_cluster import alive_actors, process_gone  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
@@ -54,16 +54,15 @@ def checkpoint(lively_bpe_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(lively_bpe_engine):
+def server(ray_cluster, lively_bpe_engine):
     """The application's base URL (two replicas); Serve is shut down by the last test."""
-    with local_ray_cluster(num_cpus=4):
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = RayServeConfig(model=str(lively_bpe_engine), num_replicas=2, replica_num_cpus=1,
-                                engine_options={"device": "cpu", "max_num_seqs": 16})
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}", str(lively_bpe_engine)
-        serve.shutdown()
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = RayServeConfig(model=str(lively_bpe_engine), num_replicas=2, replica_num_cpus=1,
+                            engine_options={"device": "cpu", "max_num_seqs": 16})
+    serve.run(build_app(config), name=APP, route_prefix="/")
+    yield f"http://127.0.0.1:{port}", str(lively_bpe_engine)
+    serve.shutdown()
 
 
 def client(server) -> openai.OpenAI:
