@@ -152,8 +152,9 @@ def run(args) -> int:
     elif args.distributed_executor_backend == "ray":
         from compiled_llm.serve.engine_process.ray_replicas import start_ray_replicas
 
-        logger.info("starting %d data-parallel engine replicas as Ray actors", len(loads))
-        core = start_ray_replicas(loads, *engine_parallel_sizes(args, build), build.device)
+        logger.info("starting %d data-parallel engine replicas as Ray actors (load balance: %s)", len(loads),
+                    config.load_balance_method)
+        core = start_ray_replicas(loads, *engine_parallel_sizes(args, build), build.device, config.load_balance_method)
     else:
         logger.info("starting %d data-parallel engine replicas (load balance: %s)", len(loads), config.load_balance_method)
         core = DataParallelClient.start_processes(loads, config.load_balance_method)

@@ -338,9 +338,10 @@ def _receive_exactly(conn: socket.socket, size: int) -> bytes:
 
 
 def start_ray_replicas(loads: Sequence[Callable[[], LLMEngine]], tensor_parallel_size: int,
-                       pipeline_parallel_size: int, device: str) -> DataParallelClient:
+                       pipeline_parallel_size: int, device: str,
+                       load_balance_method: str = "prefix_aware") -> DataParallelClient:
     """One Ray actor per ``loads[i]``, each placed and loading at the same time; once all are
-    ready, the data-parallel client over them. The first that cannot start, or an interrupt,
+    ready, the data-parallel client over them, routing by ``load_balance_method``. The first that cannot start, or an interrupt,
     stops all the others at once, and its reason is raised, naming the replica. This process
     joins the Ray cluster (``ray.init()``: ``ray start``'s on this machine, or ``$RAY_ADDRESS``;
     a local one when there is none)."""
@@ -379,5 +380,5 @@ def start_ray_replicas(loads: Sequence[Callable[[], LLMEngine]], tensor_parallel
         raise
     logger.info("%d data-parallel replicas run as Ray actors, each %d pipeline stage(s) x %d tensor-parallel "
                 "rank(s) on %s", len(loads), pipeline_parallel_size, tensor_parallel_size, device_type)
-    return DataParallelClient([ready[i] for i in range(len(starting))])
+    return DataParallelClient([ready[i] for i in range(len(starting))], load_balance_method=load_balance_method)
 
