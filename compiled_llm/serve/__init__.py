@@ -11,7 +11,8 @@ Where things run, and where to find them (vLLM v1's rooms):
     worker/            the device side of a step: model runner, CUDA graphs, KV cache, sampler
     executor/          how rank 0 reaches the other tensor-parallel ranks: processes of this
                        host, or Ray actors (``--distributed-executor-backend ray``)
-    engine_process/    ``serve``: the engine in a process of its own, and the HTTP side's client
+    engine_process/    the engine in a process of its own, and its clients: the HTTP side's
+                       (``serve``), and ``LLM``'s over data-parallel replicas
     openai/            the HTTP server (FastAPI); its options and metrics are server_config.py
                        and metrics.py, here
     ray_serve/         the Ray Serve application: engine replicas behind one OpenAI endpoint,

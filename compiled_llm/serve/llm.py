@@ -227,7 +227,9 @@ class LLM:
     to hold its prompt's prefix in cache, else to the least loaded, and ``generate``, ``chat``
     and ``stream`` work as with one engine. What is one engine's (``engine``, ``stats``,
     ``engine_loop``) is refused in one line; ``replica_stats()`` and ``capture_cuda_graphs()``
-    reach every replica. ``shutdown()``, or the end of this process, stops them.
+    reach every replica. ``shutdown()``, or the end of this process, stops them. Their processes
+    are spawned, which imports the ``__main__`` module again: a script makes such an LLM under
+    ``if __name__ == "__main__":``, as multiprocessing requires.
     """
 
     _replicas = None  # the SyncClient over data-parallel replicas, when there are replicas

@@ -26,7 +26,9 @@ def add_parser(subparsers):
                     "lengths uniform in 100..1024, temperature 0.6; prefill: one 1024-token prompt; "
                     "coldstart: fresh processes from start to first token; serving (not part of all): "
                     "'compiled-llm serve' in a subprocess under the throughput requests, streamed from a "
-                    "client at --request-rate, against offline generation in the same run.",
+                    "client at --request-rate, against offline generation in the same run. With "
+                    "--data-parallel-size N the latency, throughput and prefill workloads run over N engine "
+                    "replicas (LLM(data_parallel_size=N)), the serving workload over a server of N.",
     )
     p.add_argument("engine", metavar="ENGINE_DIR",
                    help="an engine directory made by 'compiled-llm build', or a model source (built into the "
@@ -108,6 +110,12 @@ def run(args) -> int:
 
     workloads = (*wl.WORKLOADS, "coldstart", "structured") if args.workload == "all" else (args.workload,)
     config = build_config(args, for_source=True)  # bad values fail before anything loads
+    if args.data_parallel_size > 1 and args.workload != "serving" and set(workloads) - set(wl.WORKLOADS):
+        from compiled_llm.errors import InvalidOptionError
+
+        raise InvalidOptionError(
+            f"--workload {args.workload} {'includes coldstart and structured, which measure' if args.workload == 'all' else 'measures'} "
+            f"one engine; with --data-parallel-size {args.data_parallel_size} choose latency, throughput or prefill")
     device = resolve_device(config.device)
     engine = args.engine
     if not is_engine_dir(engine):  # a model source: its cached engine (so --enforce-eager still compiles)
@@ -148,7 +156,7 @@ def run(args) -> int:
     hf_cfg = None if args.no_hf else hf_config_of(llm)
     dtype = llm.model.dtype
     scheme = llm.model.build_config.quantization if llm.model.is_engine else None
-    llm.shutdown()  # a tensor-parallel engine's workers end here
+    llm.shutdown()  # a tensor-parallel engine's workers, or the data-parallel replicas, end here
     del llm  # free the engine's memory for the peer
     if hf_cfg is not None:
         import gc
@@ -203,5 +211,6 @@ def _print_results(args, results, device, dtype, table: str) -> None:
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
         return
-    print(f"{args.engine} on {device.type}" + (f", {str(dtype).removeprefix('torch.')}" if dtype else ""))
+    replicas = f", {args.data_parallel_size} data-parallel replicas" if args.data_parallel_size > 1 else ""
+    print(f"{args.engine} on {device.type}" + (f", {str(dtype).removeprefix('torch.')}" if dtype else "") + replicas)
     print(table)

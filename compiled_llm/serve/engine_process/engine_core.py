@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import select
 import signal
+import sys
 import traceback
 from typing import Callable
 
@@ -192,11 +194,23 @@ def run_engine_process(load: Callable[[], LLMEngine], read_fd: int, write_fd: in
     gc.collect()
     gc.freeze()
     EngineCore(engine, channel).run()
-    gc.unfreeze()  # the exit finalizes them again (frozen, triton's bindings report each one leaked)
     _flush_before_exit(channel)
     st = engine.stats
     logger.info("engine stopped: %d steps, %d with prompts (%.2f s), %d decode (%.2f s), %d tokens generated",
                 st.steps, st.prefill_steps, st.prefill_s, st.decode_steps, st.decode_s, st.generated_tokens)
+    _quiet_exit()
+
+
+def _quiet_exit() -> None:
+    """Nothing more goes to the stderr this process shares with its front end (a terminal, for
+    LLM): the interpreter's exit would have triton's bindings report every object that
+    ``gc.freeze`` kept from being finalized as leaked, some hundred lines per engine."""
+    for handler in logging.getLogger("compiled_llm").handlers + logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def _flush_before_exit(channel: MessageChannel, timeout: float = 5.0) -> None:
