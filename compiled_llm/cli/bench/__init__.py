@@ -113,9 +113,9 @@ def run(args) -> int:
     if args.data_parallel_size > 1 and args.workload != "serving" and set(workloads) - set(wl.WORKLOADS):
         from compiled_llm.errors import InvalidOptionError
 
-        raise InvalidOptionError(
-            f"--workload {args.workload} {'includes coldstart and structured, which measure' if args.workload == 'all' else 'measures'} "
-            f"one engine; with --data-parallel-size {args.data_parallel_size} choose latency, throughput or prefill")
+        what = "includes coldstart and structured, which measure" if args.workload == "all" else "measures"
+        raise InvalidOptionError(f"--workload {args.workload} {what} one engine; with --data-parallel-size "
+                                 f"{args.data_parallel_size} choose latency, throughput or prefill")
     device = resolve_device(config.device)
     engine = args.engine
     if not is_engine_dir(engine):  # a model source: its cached engine (so --enforce-eager still compiles)
