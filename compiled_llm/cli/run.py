@@ -204,10 +204,12 @@ def run_engine(args) -> int:
 
     sampling = sampling_from_args(args)  # bad values fail before anything loads (or builds)
     check_prompt_args(args)
+    if args.profile and args.data_parallel_size > 1:
+        raise CompiledLLMError("--profile traces the engine in this process; with --data-parallel-size the engines "
+                               "run in processes of their own: profile one engine, without it")
     t0 = time.perf_counter()
     llm = build_llm(args)
     load_s = time.perf_counter() - t0
-    engine = llm.engine
     try:
         if args.interactive:
             return chat(llm, sampling, args.system_prompt)
@@ -216,7 +218,7 @@ def run_engine(args) -> int:
         texts = list(args.prompt or []) + list(args.prompt_ids or [])
 
         t_run = time.perf_counter()
-        with profile_engine(args.profile, engine, engine.device):
+        with profile_engine(args.profile, llm.engine if args.profile else None, llm.model.device):
             if args.stream and not args.json:
                 outputs = []
                 for i, (req, text) in enumerate(zip(requests, texts)):
@@ -236,7 +238,9 @@ def run_engine(args) -> int:
         if not args.json:
             preset = ((llm.model.manifest or {}).get("source") or {}).get("preset")
             where = "compiled runtime" if is_engine_dir(args.source) else f"compiled runtime, cached engine {llm.model.name}"
-            print_run_header(args.source, engine.device, llm.model.dtype, where, preset)
+            if llm.data_parallel_size > 1:
+                where += f", {llm.data_parallel_size} data-parallel replicas"
+            print_run_header(args.source, llm.model.device, llm.model.dtype, where, preset)
             print(perf_summary(llm, outputs, load_s, wall))
         return 0
     finally:
@@ -246,11 +250,14 @@ def run_engine(args) -> int:
 
 
 def perf_summary(llm, outputs, load_s: float, wall_s: float) -> str:
-    st = llm.stats
+    """The perf lines of ``run``; over data-parallel replicas their counters added up (seconds
+    of prefill and decode as engine-seconds, so their rates are a replica's)."""
+    from compiled_llm.serve.llm_engine import total_stats
+
+    st = total_stats(s for s in llm.replica_stats() if s is not None)
     ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
     rate = lambda n, s: f"{n / s:,.1f} tok/s" if s > 0 else "n/a"  # noqa: E731
     graphs = f"{st.graph_capture_s:.3f} s" if st.graphs_captured else "-"
-    pc = llm.engine.block_manager.stats
     rows = [
         ("load", f"{load_s:.3f} s", f"KV cache {st.kv_num_blocks} blocks"),
         ("graphs", graphs, f"{st.graphs_captured} decode buckets captured" if st.graphs_captured else "eager decode"),
@@ -258,9 +265,9 @@ def perf_summary(llm, outputs, load_s: float, wall_s: float) -> str:
         ("prefill", f"{st.prefill_s:.3f} s", f"{st.prefill_tokens} tokens, {rate(st.prefill_tokens, st.prefill_s)}"),
         ("decode", f"{st.decode_s:.3f} s", f"{st.decode_tokens} tokens, {rate(st.decode_tokens, st.decode_s)}"),
         ("total", f"{wall_s:.3f} s", f"{st.generated_tokens} tokens generated, {rate(st.generated_tokens, wall_s)}"),
-        ("cache", "", f"prefix-cache hits {pc.hit_tokens} tokens, preemptions {llm.engine.scheduler.num_preemptions}"),
+        ("cache", "", f"prefix-cache hits {st.prefix_hit_tokens} tokens, preemptions {st.preemptions}"),
     ]
-    if llm.engine.speculator is not None:
+    if llm.data_parallel_size == 1 and llm.engine.speculator is not None:
         sp = llm.engine.speculator.stats
         rows.append(("spec", f"{sp.acceptance_rate:.1%}",
                      f"of {sp.draft_tokens} draft tokens accepted, mean accepted length {sp.mean_accepted_length:.2f} "

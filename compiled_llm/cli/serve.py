@@ -20,7 +20,7 @@ import os
 import time
 
 from compiled_llm.cli.engine_args import (add_build_arguments, add_dataclass_arguments, add_engine_arguments,
-                                          build_config, dataclass_options, engine_options)
+                                          build_config, build_options, dataclass_options, engine_options)
 from compiled_llm.cli.run import BUILD_GROUP
 from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.serve.server_config import API_KEY_VAR, ServerConfig
@@ -59,21 +59,14 @@ def server_config(args) -> ServerConfig:
     return ServerConfig(**options)
 
 
-def load_engine(args, visible_devices: str | None = None, cpu_threads: int | None = None):
+def load_engine(args, placement=None):
     """The engine process's loader: the model as ``run`` loads it, logging as this command does.
-    A data-parallel replica's share of the machine: ``visible_devices``, its GPUs
-    (``CUDA_VISIBLE_DEVICES``, set before anything touches CUDA here or in the tensor-parallel
-    ranks it starts), or on a CPU ``cpu_threads``, its torch threads."""
+    A data-parallel replica first takes its share of the machine (``placement``, a
+    ``dp_placement.ReplicaPlacement``: its GPUs, or on a CPU its torch threads)."""
     from compiled_llm.cli.main import configure_logging
-    from compiled_llm.serve.engine_process.dp_placement import CPU_THREADS_VAR, VISIBLE_DEVICES_VAR
 
-    if visible_devices is not None:
-        os.environ[VISIBLE_DEVICES_VAR] = visible_devices
-    if cpu_threads is not None:
-        import torch
-
-        os.environ[CPU_THREADS_VAR] = str(cpu_threads)
-        torch.set_num_threads(cpu_threads)
+    if placement is not None:
+        placement.apply()
     from compiled_llm.cli.run import build_llm
 
     configure_logging()
@@ -84,51 +77,21 @@ def load_engine(args, visible_devices: str | None = None, cpu_threads: int | Non
     return engine
 
 
-def engine_parallel_sizes(args, build: BuildConfig) -> tuple[int, int]:
-    """(tensor-parallel, pipeline-parallel) size of the engine: each the flag's, else an engine
-    directory's, else 1."""
-    from compiled_llm.engine.loader import is_engine_dir
-
-    sizes = {"tensor_parallel_size": build.tensor_parallel_size, "pipeline_parallel_size": build.pipeline_parallel_size}
-    if is_engine_dir(args.source):
-        from compiled_llm.engine.artifact import build_config as built_with, read_manifest
-
-        built = built_with(read_manifest(args.source))
-        sizes = {name: getattr(built, name) if getattr(args, name, None) is None else size
-                 for name, size in sizes.items()}
-    return sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"]
-
-
-def engine_world_size(args, build: BuildConfig) -> int:
-    """The processes the engine will run as (tensor-parallel x pipeline-parallel size)."""
-    tp, pp = engine_parallel_sizes(args, build)
-    return tp * pp
-
-
 def replica_loads(args, build: BuildConfig) -> list:
     """The loader of each data-parallel replica's engine process: the same engine, each replica
-    an engine of its own (data_parallel_size 1) on its own GPUs, or on a CPU with its share of
-    the cores (``dp_placement``). Replicas that are Ray actors (the ray backend) take the GPUs
-    Ray gives them."""
-    from compiled_llm.model.placement import resolve_device
-    from compiled_llm.serve.engine_process.dp_placement import (VISIBLE_DEVICES_VAR, check_replica_device,
-                                                                replica_cpu_threads, replica_gpus, visible_gpus)
+    an engine of its own (data_parallel_size 1) placed as ``dp_placement.replica_placements``
+    says (its own GPUs, or on a CPU its share of the cores). Replicas that are Ray actors (the
+    ray backend) take the GPUs Ray gives them."""
+    from compiled_llm.serve.engine_process.dp_placement import (check_replica_device, engine_world_size,
+                                                                replica_placements)
 
-    size = args.data_parallel_size
-    check_replica_device(build.device, size)
     one = argparse.Namespace(**{**vars(args), "data_parallel_size": 1})
-    ray_actors = args.distributed_executor_backend == "ray"
-    if ray_actors and build.device != "cpu":
-        return [functools.partial(load_engine, one) for _ in range(size)]
-    if resolve_device(build.device).type == "cuda":
-        import torch
-
-        gpus = visible_gpus(os.environ.get(VISIBLE_DEVICES_VAR), torch.cuda.device_count())
-        return [functools.partial(load_engine, one, visible_devices=visible)
-                for visible in replica_gpus(size, engine_world_size(args, build), gpus)]
-    # every rank of every replica is a process with its own thread pool
-    threads = replica_cpu_threads(size * engine_world_size(args, build), len(os.sched_getaffinity(0)))
-    return [functools.partial(load_engine, one, cpu_threads=threads) for _ in range(size)]
+    if args.distributed_executor_backend == "ray" and build.device != "cpu":
+        check_replica_device(build.device, args.data_parallel_size)
+        return [functools.partial(load_engine, one) for _ in range(args.data_parallel_size)]
+    ranks = engine_world_size(args.source, build, build_options(args, for_source=True))
+    return [functools.partial(load_engine, one, placement)
+            for placement in replica_placements(args.data_parallel_size, build.device, ranks)]
 
 
 def run(args) -> int:
@@ -150,11 +113,13 @@ def run(args) -> int:
     if loads is None:
         core = EngineCoreClient.start_process(functools.partial(load_engine, args))
     elif args.distributed_executor_backend == "ray":
+        from compiled_llm.serve.engine_process.dp_placement import engine_parallel_sizes
         from compiled_llm.serve.engine_process.ray_replicas import start_ray_replicas
 
         logger.info("starting %d data-parallel engine replicas as Ray actors (load balance: %s)", len(loads),
                     config.load_balance_method)
-        core = start_ray_replicas(loads, *engine_parallel_sizes(args, build), build.device, config.load_balance_method)
+        sizes = engine_parallel_sizes(args.source, build, build_options(args, for_source=True))
+        core = start_ray_replicas(loads, *sizes, build.device, config.load_balance_method)
     else:
         logger.info("starting %d data-parallel engine replicas (load balance: %s)", len(loads), config.load_balance_method)
         core = DataParallelClient.start_processes(loads, config.load_balance_method)

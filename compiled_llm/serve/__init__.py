@@ -11,8 +11,9 @@ Where things run, and where to find them (vLLM v1's rooms):
     worker/            the device side of a step: model runner, CUDA graphs, KV cache, sampler
     executor/          how rank 0 reaches the other ranks (tensor parallel, pipeline stages):
                        processes of this host, or Ray actors (``--distributed-executor-backend ray``)
-    engine_process/    ``serve``: the engine in a process of its own (or data-parallel replicas'
-                       engines, local or Ray actors), and the HTTP side's client
+    engine_process/    the engine in a process of its own, and its clients: the HTTP side's
+                       (``serve``; data-parallel replicas local or Ray actors), and ``LLM``'s over
+                       data-parallel replicas
     openai/            the HTTP server (FastAPI); its options and metrics are server_config.py
                        and metrics.py, here
     ray_serve/         the Ray Serve application: engine replicas behind one OpenAI endpoint,

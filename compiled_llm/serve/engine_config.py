@@ -48,13 +48,13 @@ class EngineConfig:
         4096, "one-sequence prefills of up to this many tokens replay CUDA graphs (0: none)")
     disable_custom_all_reduce: bool = _option(
         False, "tensor parallelism on GPUs: every all-reduce through NCCL, none through the custom kernel over NVLink")
-    # vLLM's name. Each replica is a whole engine (and TP group); one LLMEngine knows nothing of
-    # the others, so only the server, which routes between them, runs more than one.
+    # vLLM's name. Each replica is a whole engine (and TP group) in an engine process of its own;
+    # one LLMEngine knows nothing of the others: the front end (the server's, or LLM's) routes
     data_parallel_size: int = _option(
-        1, "serve: run N engine replicas behind one endpoint, each on its own GPU or tensor-parallel group "
-           "(replica i on GPUs i*TP..(i+1)*TP-1; all on the CPU; Ray actors with the ray backend), each request "
-           "sent to the replica likely to hold its prefix in cache, else the least loaded; LLM, run and bench's "
-           "offline workloads run one")
+        1, "run N engine replicas, each in a process of its own on its own GPU or tensor-parallel group (replica i "
+           "on GPUs i*TP..(i+1)*TP-1; on a CPU each with its share of the cores; serve: Ray actors with the ray "
+           "backend), each request sent to the replica likely to hold its prefix in cache, else the least loaded: "
+           "behind serve's one endpoint, and for LLM, run and bench's latency, throughput and prefill workloads")
     distributed_executor_backend: str = dataclasses.field(default="mp", metadata={"choices": EXECUTOR_BACKENDS, "help": (
         "how the engine's other ranks (tensor and pipeline parallel) and serve's data-parallel replicas run, as "
         "vLLM's flag: mp (processes of this host) or ray (actors on the Ray cluster this process joins, each "

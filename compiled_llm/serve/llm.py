@@ -10,14 +10,22 @@
 
 Without a SamplingParams, requests take ``get_default_sampling_params()``: vLLM's defaults with
 the model's own from its generation_config.json (temperature, top_p, ...) on top.
+
+One engine runs in this process (``EngineLoop``). With ``data_parallel_size=N`` > 1, N replicas
+of it run in engine processes of their own, placed as ``compiled-llm serve`` places them
+(``engine_process.dp_placement``), and this process routes each request to one
+(``engine_process.sync_client``).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
+import logging
 import numbers
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -36,7 +44,7 @@ from compiled_llm.model.tokenizer import plain_chat_prompt
 from compiled_llm.serve.engine_config import EngineConfig
 from compiled_llm.serve.engine_loop import EngineLoop, RequestQueue
 from compiled_llm.serve.kernel_warmup import warm_kernels
-from compiled_llm.serve.llm_engine import LLMEngine
+from compiled_llm.serve.llm_engine import EngineStats, LLMEngine
 from compiled_llm.serve.outputs import RequestOutput
 from compiled_llm.serve.sampling_params import SamplingParams
 
@@ -156,13 +164,30 @@ def check_built_with(engine_dir, asked: BuildConfig, given: Iterable[str]) -> No
 
 
 def one_engine(config: EngineConfig) -> EngineConfig:
-    """``config``, refused when it asks for data-parallel replicas: an LLM is one engine in this
-    process, and replicas are the server's (it routes requests between them)."""
+    """``config``, refused when it asks for data-parallel replicas: ``from_loaded`` serves a model
+    loaded in this process, as one engine; replicas load their own copies."""
     if config.data_parallel_size != 1:
+        size = config.data_parallel_size
         raise InvalidOptionError(
-            f"data_parallel_size {config.data_parallel_size}: LLM runs one engine in this process; serve "
-            f"replicas with 'compiled-llm serve MODEL --data-parallel-size {config.data_parallel_size}'")
+            f"data_parallel_size {size}: from_loaded serves the model loaded in this process as one engine; "
+            f"replicas load their own: LLM(ENGINE_DIR, data_parallel_size={size})")
     return config
+
+
+def load_replica(model: str, options: dict, placement, log_level: int | None = None) -> LLMEngine:
+    """A data-parallel replica's engine, made in its engine process: ``LLM(model, **options)``'s
+    (``options`` say data_parallel_size 1) on its share of the machine (``placement``, a
+    ``dp_placement.ReplicaPlacement``). ``log_level``: the ``compiled_llm`` logger's level in the
+    process that started it, when that one writes its records (to stderr, here too)."""
+    placement.apply()
+    if log_level is not None:
+        own = logging.getLogger("compiled_llm")
+        own.setLevel(log_level)
+        if not own.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            own.addHandler(handler)
+    return LLM(model, **options).engine
 
 
 class LLM:
@@ -193,13 +218,25 @@ class LLM:
 
     The other keyword arguments are the engine's options, ``EngineConfig``'s fields
     (``max_num_seqs``, ``max_num_batched_tokens``, ``gpu_memory_utilization``, ...), with its
-    defaults; an unknown name is refused, and so is ``data_parallel_size`` > 1 (replicas are
-    ``compiled-llm serve``'s).
+    defaults; an unknown name is refused.
+
+    ``data_parallel_size=N`` > 1 runs N replicas of the engine, each in an engine process of its
+    own (and its tensor-parallel ranks), placed as ``compiled-llm serve --data-parallel-size N``
+    places them: replica i on GPUs i*TP*PP..(i+1)*TP*PP-1 of those visible, on a CPU each with its
+    share of the cores. This process loads no weights: each request goes to the replica likely
+    to hold its prompt's prefix in cache, else to the least loaded, and ``generate``, ``chat``
+    and ``stream`` work as with one engine. What is one engine's (``engine``, ``stats``,
+    ``engine_loop``) is refused in one line; ``replica_stats()`` and ``capture_cuda_graphs()``
+    reach every replica. ``shutdown()``, or the end of this process, stops them. Their processes
+    are spawned, which imports the ``__main__`` module again: a script makes such an LLM under
+    ``if __name__ == "__main__":``, as multiprocessing requires.
     """
+
+    _replicas = None  # the SyncClient over data-parallel replicas, when there are replicas
 
     def __init__(self, model: str, **options):
         given = build_keywords(options)
-        config = one_engine(EngineConfig.from_options(options))
+        config = EngineConfig.from_options(options)
         build = BuildConfig.from_options(given)  # bad values fail before anything loads
         if is_engine_dir(model):
             check_built_with(model, build, given)
@@ -208,9 +245,27 @@ class LLM:
                 if name not in ("dtype", "device") and getattr(build, name) != getattr(BuildConfig(), name):
                     raise InvalidOptionError(f"{name} needs the compiled path: with enforce_eager a SOURCE runs the "
                                              "eager model on its original weights, unbuilt")
-        else:
+        elif config.data_parallel_size == 1:  # replicas build it where they run (once: the cache locks)
             model = cached_engine(str(model), build, warm_up=warm_kernels)
+        if config.data_parallel_size > 1:
+            self._start_replicas(str(model), {**given, **options, "data_parallel_size": 1}, config, build, given)
+            return
         self._init_engine(load_model(model, dtype=build.dtype, device=build.device), config)
+
+    def _start_replicas(self, model: str, options: dict, config: EngineConfig, build: BuildConfig,
+                        given: Iterable[str]) -> None:
+        from compiled_llm.serve.engine_process.dp_placement import engine_world_size, replica_placements
+        from compiled_llm.serve.engine_process.sync_client import SyncClient
+
+        placements = replica_placements(config.data_parallel_size, build.device,
+                                        engine_world_size(model, build, given))
+        own = logging.getLogger("compiled_llm")
+        level = own.getEffectiveLevel() if own.handlers else None
+        self._replicas = SyncClient.start_processes(
+            [functools.partial(load_replica, model, options, placement, level) for placement in placements])
+        # an LLM dropped unshut stops its replicas with it (the client stops them at exit too)
+        weakref.finalize(self, self._replicas.shutdown).atexit = False
+        self.model = dataclasses.replace(self._replicas.info.model, tokenizer=self._replicas.tokenizer)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, **engine_options) -> "LLM":
@@ -225,22 +280,61 @@ class LLM:
         self._loop = EngineLoop(self.engine)
 
     def shutdown(self) -> None:
-        """Stop a tensor-parallel engine's worker processes now (otherwise they stop with this
-        process); nothing can be generated afterwards."""
+        """Stop a tensor-parallel engine's worker processes, or the data-parallel replicas' engine
+        processes, now (otherwise they stop with this process); nothing can be generated
+        afterwards."""
+        if self._replicas is not None:
+            self._replicas.shutdown()
+            return
         self.engine.shutdown()
+
+    def __getattr__(self, name: str):
+        # reached only when an attribute is missing: over replicas, the in-process engine's
+        if name in ("engine", "_loop") and self._replicas is not None:
+            raise self._not_one_engine("engine")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _not_one_engine(self, what: str) -> InvalidOptionError:
+        return InvalidOptionError(
+            f"{what} is one engine's, and this LLM runs {self._replicas.num_replicas} data-parallel replicas in engine "
+            "processes of their own; replica_stats() and capture_cuda_graphs() reach every replica")
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.tokenizer if self._replicas is None else self._replicas.tokenizer
 
     @property
-    def stats(self):
+    def stats(self) -> EngineStats:
+        if self._replicas is not None:
+            raise self._not_one_engine("stats")
         return self.engine.stats
 
     @property
     def engine_loop(self) -> EngineLoop:
         """The loop that owns the engine (async front ends submit through it)."""
+        if self._replicas is not None:
+            raise self._not_one_engine("engine_loop")
         return self._loop
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The engine replicas serving this LLM."""
+        return 1 if self._replicas is None else self._replicas.num_replicas
+
+    def replica_stats(self) -> list[EngineStats | None]:
+        """Each replica's counters (its engine's ``stats``), in replica order, None for a replica
+        that has died; ``[stats]`` for one engine."""
+        if self._replicas is None:
+            return [self.stats]
+        return self._replicas.call("stats")
+
+    def capture_cuda_graphs(self) -> bool:
+        """Capture every CUDA graph bucket now, in every replica, instead of each on first use (a
+        benchmark's steady state); a replica running requests captures once it has none. False
+        when graphs are off."""
+        if self._replicas is None:
+            return self.engine.capture_cuda_graphs()
+        return any(bool(captured) for captured in self._replicas.call("capture_cuda_graphs"))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's generation defaults applied (its
@@ -268,7 +362,8 @@ class LLM:
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         else:
             raise InvalidRequestError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
-        return [self.engine.validate(p, sp) for p, sp in zip(prompts, params)]
+        validate = self.engine.validate if self._replicas is None else self._replicas.validator.validate
+        return [validate(p, sp) for p, sp in zip(prompts, params)]
 
     def generate(
         self,
@@ -279,6 +374,8 @@ class LLM:
         """Outputs in the order of ``prompts``; ``sampling_params`` None is
         ``get_default_sampling_params()``. Safe to call from several threads at once."""
         requests = self._validate(prompts, sampling_params)
+        if self._replicas is not None:
+            return self._generate_on_replicas(requests, use_tqdm)
         finished: collections.deque[RequestQueue] = collections.deque()
         queues = self._loop.submit(requests, notify=finished.append)
         index = {id(q): i for i, q in enumerate(queues)}
@@ -305,6 +402,30 @@ class LLM:
             if bar is not None:
                 bar.close()
         self._loop.settle()
+        return results  # type: ignore[return-value]
+
+    def _generate_on_replicas(self, requests: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(requests)
+        if not requests:
+            return results  # type: ignore[return-value]
+        submission = self._replicas.submit(requests)
+        left = len(requests)
+        bar = None
+        if use_tqdm:
+            bar = tqdm(total=len(requests), desc="requests", unit="req", dynamic_ncols=True, disable=None)
+        try:
+            while left:
+                for index, out in submission.take():  # not streamed: each output is its request's last
+                    results[index] = out
+                    left -= 1
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            submission.abort()  # leave nothing half-run behind
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return results  # type: ignore[return-value]
 
     def chat(
@@ -387,8 +508,10 @@ class LLM:
         closing the stream (or dropping it) aborts it. Safe to use from several threads, and
         several streams can be read in any order."""
         (request,) = self._validate(prompt, sampling_params)
+        if self._replicas is not None:
+            return TextStream(_ReplicaRequest(self._replicas.submit([request], stream=True)))
         (queue,) = self._loop.submit([request], stream=True)
-        return TextStream(self._loop, queue)
+        return TextStream(_LoopRequest(self._loop, queue))
 
 
 def _signature() -> inspect.Signature:
@@ -407,15 +530,14 @@ class TextStream:
     """An iterator of one request's text deltas; ``output`` is its latest RequestOutput (the
     final one, with token ids and finish reason, once the iterator is exhausted)."""
 
-    def __init__(self, loop: EngineLoop, queue: RequestQueue):
-        self._loop = loop
-        self._queue = queue
+    def __init__(self, request: "_LoopRequest | _ReplicaRequest"):
+        self._request = request
         self._closed = False
         self.output: RequestOutput | None = None
 
     @property
     def request_id(self) -> str:
-        return self._queue.request_id
+        return self._request.request_id
 
     def __iter__(self) -> "TextStream":
         return self
@@ -423,22 +545,73 @@ class TextStream:
     def __next__(self) -> str:
         while not self._closed and (self.output is None or not self.output.finished):
             try:
-                self._loop.wait(self._queue.ready)
-                self.output = self._queue.get_nowait()
+                self.output = self._request.next_output()
             except BaseException:
                 self.close()
                 raise
             if self.output.delta_text:
                 return self.output.delta_text
-        self._loop.settle()
+        self._request.settle()
         raise StopIteration
 
     def close(self) -> None:
         """Abort the request unless it has finished."""
         self._closed = True
-        if not self._queue.closed:
-            self._loop.abort(self._queue.request_id)
+        if not self._request.closed:
+            self._request.abort()
 
     def __del__(self):
-        if not self._queue.closed:  # a finalizer may run anywhere, so only queue the abort
-            self._loop.abort(self._queue.request_id, now=False)
+        if not self._request.closed:  # a finalizer may run anywhere, so only queue the abort
+            self._request.abort(now=False)
+
+
+class _LoopRequest:
+    """One request of the engine in this process, as a TextStream reads it."""
+
+    def __init__(self, loop: EngineLoop, queue: RequestQueue):
+        self._loop = loop
+        self._queue = queue
+
+    @property
+    def request_id(self) -> str:
+        return self._queue.request_id
+
+    @property
+    def closed(self) -> bool:
+        return self._queue.closed
+
+    def next_output(self) -> RequestOutput:
+        self._loop.wait(self._queue.ready)
+        return self._queue.get_nowait()
+
+    def settle(self) -> None:
+        self._loop.settle()
+
+    def abort(self, now: bool = True) -> None:
+        self._loop.abort(self._queue.request_id, now=now)
+
+
+class _ReplicaRequest:
+    """One request on a data-parallel replica (a ``Submission`` of one), as a TextStream reads it:
+    each output folds everything that has arrived since the previous one."""
+
+    def __init__(self, submission):
+        self._submission = submission
+
+    @property
+    def request_id(self) -> str:
+        return self._submission.request_ids[0]
+
+    @property
+    def closed(self) -> bool:
+        return self._submission.finished
+
+    def next_output(self) -> RequestOutput:
+        ((_, out),) = self._submission.take()
+        return out
+
+    def settle(self) -> None:
+        pass
+
+    def abort(self, now: bool = True) -> None:  # never waits, so a finalizer may call it
+        self._submission.abort()

@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -81,11 +81,25 @@ class EngineStats:
     grammar_candidates: int = 0
     grammar_redraws: int = 0
     generated_tokens: int = 0
+    preemptions: int = 0  # sequences sent back to wait (their KV freed) for want of blocks
+    prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache
     kv_num_blocks: int = 0
     graph_capture_s: float = 0.0
     graphs_captured: int = 0
     memory: dict = dataclasses.field(default_factory=dict)
     init_s: dict = dataclasses.field(default_factory=dict)  # engine start-up: KV sizing, KV allocation
+
+
+def total_stats(stats: Iterable[EngineStats]) -> EngineStats:
+    """The counters of several engines (data-parallel replicas) added up: steps, tokens, blocks,
+    graphs and seconds (engine-seconds: replicas stepping side by side add theirs); ``memory`` and
+    ``init_s`` are the first engine's."""
+    stats = list(stats)
+    total = EngineStats(memory=dict(stats[0].memory), init_s=dict(stats[0].init_s)) if stats else EngineStats()
+    for f in dataclasses.fields(EngineStats):
+        if f.name not in ("memory", "init_s"):
+            setattr(total, f.name, sum(getattr(st, f.name) for st in stats))
+    return total
 
 
 @dataclasses.dataclass(eq=False)
@@ -222,6 +236,8 @@ class LLMEngine:
         graphs = self.runner.all_graphs()
         self._stats.graphs_captured = sum(len(g.graphs) for g in graphs)
         self._stats.graph_capture_s = sum(g.capture_s for g in graphs)
+        self._stats.preemptions = self.scheduler.num_preemptions
+        self._stats.prefix_hit_tokens = self.block_manager.stats.hit_tokens
         return self._stats
 
     def capture_cuda_graphs(self, part: int = 0, parts: int = 1) -> bool:

@@ -281,3 +281,19 @@ def test_cuda_bfloat16_real_shaped_preset(capsys):
     assert "qwen2.5-0.5b on cuda, bfloat16" in out
     with capsys.disabled():
         print(out)  # the perf summary, for the device log
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["run", "tiny-qwen2", "--prompt-ids", "1,2", "--data-parallel-size", "2", "--profile", "prof"],
+     "--profile traces the engine in this process"),
+    (["bench", "tiny-qwen2", "--data-parallel-size", "2", "--workload", "coldstart"],
+     "--workload coldstart measures one engine; with --data-parallel-size 2 choose latency, throughput or prefill"),
+    (["bench", "tiny-qwen2", "--data-parallel-size", "2"],
+     "--workload all includes coldstart and structured, which measure one engine"),
+])
+def test_what_measures_one_engine_refuses_replicas_in_one_line_before_loading(argv, named, monkeypatch, capsys):
+    monkeypatch.setattr(cli_run, "build_llm", lambda args: pytest.fail("nothing may load"))
+    monkeypatch.setattr("compiled_llm.engine.cache.cached_engine", lambda *a, **k: pytest.fail("nothing may build"))
+    assert main([*argv, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert named in err and err.count("\n") == 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from compiled_llm.cli.main import main
-from compiled_llm.errors import InvalidOptionError
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -38,10 +37,3 @@ def test_more_replicas_than_gpus_is_one_line_naming_the_numbers(flags, named, ca
     assert main(["serve", "tiny-qwen2", "--port", "0", "--device", "cuda", *flags]) == 2
     err = capsys.readouterr().err
     assert named in err and err.count("\n") == 1 and "Traceback" not in err
-
-
-def test_llm_runs_one_engine_and_says_where_replicas_are_served():
-    from compiled_llm.serve.llm import LLM
-
-    with pytest.raises(InvalidOptionError, match="compiled-llm serve MODEL --data-parallel-size 2"):
-        LLM("tiny-qwen2", device="cpu", data_parallel_size=2)

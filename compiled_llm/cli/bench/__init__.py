@@ -36,7 +36,8 @@ def add_parser(subparsers):
                     "client at --request-rate, against offline generation in the same run; serving with "
                     "--dataset-name prefix_repetition: shared-prefix requests against DP=1 and, with "
                     "--data-parallel-size N, N replicas routed prefix-aware and round-robin, with their "
-                    "prefix-cache hit rates.",
+                    "prefix-cache hit rates. With --data-parallel-size N the latency, throughput and prefill "
+                    "workloads run over N engine replicas (LLM(data_parallel_size=N)).",
     )
     p.add_argument("engine", metavar="ENGINE_DIR",
                    help="an engine directory made by 'compiled-llm build', or a model source (built into the "
@@ -134,6 +135,12 @@ def run(args) -> int:
         args.num_requests = 256 if prefix_shape is None else USERS_PER_PREFIX * prefix_shape.num_prefixes
     workloads = (*wl.WORKLOADS, "coldstart", "structured") if args.workload == "all" else (args.workload,)
     config = build_config(args, for_source=True)  # bad values fail before anything loads
+    if args.data_parallel_size > 1 and args.workload != "serving" and set(workloads) - set(wl.WORKLOADS):
+        from compiled_llm.errors import InvalidOptionError
+
+        what = "includes coldstart and structured, which measure" if args.workload == "all" else "measures"
+        raise InvalidOptionError(f"--workload {args.workload} {what} one engine; with --data-parallel-size "
+                                 f"{args.data_parallel_size} choose latency, throughput or prefill")
     device = resolve_device(config.device)
     engine = args.engine
     if not is_engine_dir(engine):  # a model source: its cached engine (so --enforce-eager still compiles)
@@ -174,7 +181,7 @@ def run(args) -> int:
     hf_cfg = None if args.no_hf else hf_config_of(llm)
     dtype = llm.model.dtype
     scheme = llm.model.build_config.quantization if llm.model.is_engine else None
-    llm.shutdown()  # a tensor-parallel engine's workers end here
+    llm.shutdown()  # a tensor-parallel engine's workers, or the data-parallel replicas, end here
     del llm  # free the engine's memory for the peer
     if hf_cfg is not None:
         import gc
@@ -252,5 +259,6 @@ def _print_results(args, results, device, dtype, table: str) -> None:
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
         return
-    print(f"{args.engine} on {device.type}" + (f", {str(dtype).removeprefix('torch.')}" if dtype else ""))
+    replicas = f", {args.data_parallel_size} data-parallel replicas" if args.data_parallel_size > 1 else ""
+    print(f"{args.engine} on {device.type}" + (f", {str(dtype).removeprefix('torch.')}" if dtype else "") + replicas)
     print(table)

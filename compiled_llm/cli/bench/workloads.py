@@ -61,11 +61,24 @@ def throughput_requests(num_requests: int = 256, max_input_len: int = 1024, max_
     return prompts, max_tokens
 
 
-def _sync():
+def _sync(llm=None):
+    """Wait for this process's device work (none for an LLM over data-parallel replicas: this
+    process must not make a CUDA context of its own on their first GPU)."""
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and (llm is None or llm.data_parallel_size == 1):
         torch.cuda.synchronize()
+
+
+def _replicas_note(llm) -> str:
+    return f"{llm.data_parallel_size} data-parallel replicas; " if llm.data_parallel_size > 1 else ""
+
+
+def _stats(llm):
+    """The engine counters, of every replica added up."""
+    from compiled_llm.serve.llm_engine import total_stats
+
+    return total_stats(s for s in llm.replica_stats() if s is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,15 +92,17 @@ def compiled_latency(llm, new_tokens: int = 256, repeats: int = 3) -> Result:
     prompt = {"prompt_token_ids": latency_prompt(llm.model.config.vocab_size)}
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    llm.engine.capture_cuda_graphs()  # steady state: every graph captured (they are on first use)
+    llm.capture_cuda_graphs()  # steady state: every graph captured (they are on first use)
     ttft, decode = [], []
     for _ in range(repeats):
         (out,) = llm.generate(prompt, params, use_tqdm=False)
         m = out.metrics
         ttft.append(m.first_token_time - m.arrival_time)
         decode.append((new_tokens - 1) / (m.finished_time - m.first_token_time))
+    graphs = _stats(llm).graphs_captured // llm.data_parallel_size
+    # one request: one replica serves it, as one engine would
     return Result("latency", "compiled_llm", {"decode_tok_s": statistics.median(decode), "ttft_ms": 1e3 * statistics.median(ttft)},
-                  note=f"CUDA graphs: {llm.stats.graphs_captured} buckets" if llm.stats.graphs_captured else "eager decode")
+                  note=_replicas_note(llm) + (f"CUDA graphs: {graphs} buckets" if graphs else "eager decode"))
 
 
 def compiled_throughput(llm, num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> Result:
@@ -102,20 +117,22 @@ def compiled_throughput(llm, num_requests: int = 256, max_input_len: int = 1024,
     warm = [{"prompt_token_ids": [(t + 1) % vocab for t in p]} for p in prompts[:64]]
     llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True, detokenize=False), use_tqdm=False)
     # graphs are captured when their batch size first runs; a steady-state run has them all
-    llm.engine.capture_cuda_graphs()
-    preempt0 = llm.engine.scheduler.num_preemptions
-    st = llm.stats
-    before = (st.prefill_steps, st.prefill_s, st.decode_steps, st.decode_s)
-    _sync()
+    llm.capture_cuda_graphs()
+    st = _stats(llm)
+    before = (st.preemptions, st.prefill_steps, st.prefill_s, st.decode_steps, st.decode_s)
+    _sync(llm)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     assert [len(o.token_ids) for o in outs] == max_tokens, "every request must produce exactly max_tokens"
-    ps, pt, ds, dt = (a - b for a, b in zip((st.prefill_steps, st.prefill_s, st.decode_steps, st.decode_s), before))
+    st = _stats(llm)
+    pre, ps, pt, ds, dt = (a - b for a, b in zip(
+        (st.preemptions, st.prefill_steps, st.prefill_s, st.decode_steps, st.decode_s), before))
+    # over replicas, steps and seconds are every replica's added up
     return Result(
         "throughput", "compiled_llm",
         {"output_tok_s": sum(max_tokens) / wall, "wall_s": wall},
-        note=f"{num_requests} requests, {llm.engine.scheduler.num_preemptions - preempt0} preemptions; "
+        note=f"{_replicas_note(llm)}{num_requests} requests, {pre} preemptions; "
              f"{ps} prefill steps {pt:.2f} s, {ds} decode steps {dt:.2f} s",
     )
 

@@ -7,7 +7,9 @@ over either. vLLM's DP load-balancing client plays this part.
   ``--load-balance-method round_robin``, to each replica in turn);
 - ``("abort", ids)`` goes to the replicas that hold them;
 - every ``("step", ...)`` message of replica i is handed on with i appended (the ``engine``
-  label of the metrics), after the router has booked the requests that finished.
+  label of the metrics), after the router has booked the requests that finished; so is every
+  ``("called", ...)`` answer (``LLM``'s calls go to every live replica: ``("call", ...)`` is
+  sent to each, as ``("shutdown",)`` is).
 
 A replica that dies takes only its own requests down: those that have sent nothing back yet
 start again on a live replica (no client has seen a token of them), once (a request that took
@@ -178,6 +180,8 @@ class DataParallelClient:
                 self._done(rid)
             self._snapshots[replica] = snapshot
             self._on_message(("step", outputs, errors, scheduled, snapshot, replica))
+        elif message[0] == "called":
+            self._on_message((*message, replica))
         elif message[0] == "lost":
             self._replica_lost(replica, message[1])
 

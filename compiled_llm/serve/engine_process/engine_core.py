@@ -13,15 +13,19 @@ messages.
 The loop: take the commands that have arrived (submissions, aborts), run one step while anything
 is unfinished, send one message with what changed, and sleep in ``select`` only when idle. A
 request's failure in ``add_request`` or in a step reaches its caller as an error; the other
-requests carry on, as in ``EngineLoop``.
+requests carry on, as in ``EngineLoop``. ``LLM`` over data-parallel replicas drives engine
+processes too, and asks them for what it asks an engine in its own process (``CALLS``: the stats,
+the CUDA graphs captured); a call that touches the device waits until no request is in flight.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import select
 import signal
+import sys
 import traceback
 from typing import Callable
 
@@ -31,6 +35,13 @@ from compiled_llm.serve.llm_engine import LLMEngine
 from compiled_llm.serve.engine_process.message_channel import MessageChannel
 
 logger = logging.getLogger("compiled_llm.serve.engine_process.engine_core")
+
+# What a front end may call on the engine: name -> (what it runs, whether it waits for the engine
+# to be idle: a capture must not run beside a step queued on the device)
+CALLS: dict[str, tuple[Callable[[LLMEngine], object], bool]] = {
+    "stats": (lambda engine: engine.stats, False),
+    "capture_cuda_graphs": (lambda engine: engine.capture_cuda_graphs(), True),
+}
 
 
 class EngineCore:
@@ -43,6 +54,7 @@ class EngineCore:
         self._errors: list[tuple[str, str, str]] = []
         self._stepped = False
         self._stop = False
+        self._idle_calls: list[tuple] = []  # calls waiting for the engine to be idle
 
     def run(self) -> None:
         """Until the front end says shutdown or goes away."""
@@ -55,6 +67,10 @@ class EngineCore:
             busy = engine.has_unfinished_requests()
             if busy:
                 self._step()
+            elif self._idle_calls:
+                calls, self._idle_calls = self._idle_calls, []
+                for call_id, method in calls:
+                    self._call(call_id, method)
             self._report()
             if not busy:
                 self._wait()
@@ -88,10 +104,28 @@ class EngineCore:
                 out = self.engine.abort_request(request_id)
                 if out is not None:
                     self._add(encode_output(out))
+        elif kind == "call":
+            _, call_id, method = message
+            if method in CALLS and CALLS[method][1]:
+                self._idle_calls.append((call_id, method))
+            else:
+                self._call(call_id, method)
         elif kind == "shutdown":
             self._stop = True
         else:
             raise ValueError(f"unknown command {kind!r}")
+
+    def _call(self, call_id, method: str) -> None:
+        if method not in CALLS:
+            self.channel.send(("called", call_id, f"unknown call {method!r}", None))
+            return
+        try:
+            value = CALLS[method][0](self.engine)
+        except Exception as e:
+            logger.exception("the call %s failed", method)
+            self.channel.send(("called", call_id, f"{type(e).__name__}: {e}", None))
+            return
+        self.channel.send(("called", call_id, None, value))
 
     # ---- stepping ------------------------------------------------------------------------------
 
@@ -172,6 +206,19 @@ def run_engine_process(load: Callable[[], LLMEngine], read_fd: int, write_fd: in
     st = engine.stats
     logger.info("engine stopped: %d steps, %d with prompts (%.2f s), %d decode (%.2f s), %d tokens generated",
                 st.steps, st.prefill_steps, st.prefill_s, st.decode_steps, st.decode_s, st.generated_tokens)
+    _quiet_exit()
+
+
+def _quiet_exit() -> None:
+    """Nothing more goes to the stderr this process shares with its front end (a terminal, for
+    LLM): the interpreter's exit would have triton's bindings report every object that
+    ``gc.freeze`` kept from being finalized as leaked, some hundred lines per engine."""
+    for handler in logging.getLogger("compiled_llm").handlers + logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def _flush_before_exit(channel: MessageChannel, timeout: float = 5.0) -> None:

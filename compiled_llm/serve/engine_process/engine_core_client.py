@@ -46,6 +46,7 @@ class EngineCoreClient:
             tokenizer=tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
             block_size=info.block_size, num_blocks=info.num_blocks, max_num_seqs=info.max_num_seqs,
             kv_window=info.kv_window, max_step_tokens=info.max_step_tokens,
+            yields_chosen_rows=info.yields_chosen_rows,
         )
         self._process = process
         self._thread = thread
@@ -159,6 +160,40 @@ class EngineCoreClient:
         elif self._thread is not None and self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, max(deadline - time.monotonic(), 0.1))
         self.channel.close()
+
+
+    # ---- stopping without the event loop (LLM's replicas) ----------------------------------------
+
+    def tell_to_stop(self) -> None:
+        """``close``'s first half, for a front end whose event loop has stopped (``LLM``'s
+        replicas: its shutdown, or the interpreter's exit, when no thread can be started to
+        wait in): stop reading the engine and tell it to stop. ``wait_stopped`` waits for it."""
+        if self._aio is not None and not self._lost:
+            self._aio.remove_reader(self.channel.read_fd)
+        if self._writing:
+            self._aio.remove_writer(self.channel.write_fd)
+            self._writing = False
+        self._lost = True
+        if not self.channel.closed:
+            self.channel.send(("shutdown",))
+
+    def wait_stopped(self, deadline: float) -> None:
+        """Wait until ``deadline`` (``time.monotonic()``) for an engine told to stop to end, kill
+        it if it has not, and close the channel."""
+        while not self.channel.flush() and time.monotonic() < deadline:
+            select.select([], [self.channel.write_fd], [], 0.1)
+        if self._process is not None:
+            self._process.join(max(deadline - time.monotonic(), 0.1))
+            _stop_process(self._process, None)
+        elif self._thread is not None and self._thread.is_alive():
+            self._thread.join(max(deadline - time.monotonic(), 0.1))
+        self.channel.close()
+
+    def kill(self) -> None:
+        """Stop the engine process now, without asking (a shutdown that cannot wait for the event
+        loop: an interrupted one, or the interpreter exiting)."""
+        if self._process is not None:
+            _stop_process(self._process, None)
 
 
 class StartingEngine:

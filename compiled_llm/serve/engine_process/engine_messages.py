@@ -4,6 +4,8 @@ From the front end (each one a message):
 
     ("add", [(request_id, prompt text | None, prompt ids, SamplingParams), ...], stream)
     ("abort", [request_id, ...])
+    ("call", call_id, method)              one of ``engine_core.CALLS``: the engine's stats, or
+                                           its CUDA graphs captured (LLM's, between requests)
     ("shutdown",)
 
 From the engine process:
@@ -16,7 +18,11 @@ From the engine process:
                                            something: the outputs that changed (``EncodedOutput``),
                                            (request_id, kind, message) for requests that failed,
                                            the ids that have left the waiting queue, and counters
+    ("called", call_id, error | None, value)
+                                           a call's answer: its value, or why it failed
 
+A request that is not streamed is in one "step" message only, the one of the step that finished
+it (``LLMEngine`` reports it then only): it costs the front end once, whatever its length.
 An output travels as what is new since the request's previous one: each completion's deltas,
 never the whole text or token list again, so a stream of n tokens costs O(n) on the wire and not
 O(n^2). ``OutputAssembler`` (front end) adds the deltas up into the ``RequestOutput``s the engine
@@ -28,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Sequence
 
+from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.errors import EngineError, InvalidRequestError
 from compiled_llm.serve.core.detokenizer import IncrementalDetokenizer
 from compiled_llm.serve.outputs import CompletionOutput, RequestOutput
@@ -52,6 +59,9 @@ class EngineInfo:
     num_speculative_tokens: int = 0  # 0: the engine does not speculate
     kv_window: int | None = None  # RequestValidator's: set when every layer slides
     max_step_tokens: int = 1
+    yields_chosen_rows: bool = True  # RequestValidator's: prompt_logprobs can be served
+    # the loaded model without its weights (``described``): what LLM's ``model`` is over replicas
+    model: LoadedModel | None = None
 
     @classmethod
     def of(cls, engine) -> "EngineInfo":
@@ -68,7 +78,16 @@ class EngineInfo:
             num_speculative_tokens=engine.config.speculative.num_speculative_tokens if engine.config.speculative else 0,
             kv_window=engine.validator.kv_window,
             max_step_tokens=engine.validator.max_step_tokens,
+            yields_chosen_rows=engine.validator.yields_chosen_rows,
+            model=described(model),
         )
+
+
+def described(model: LoadedModel) -> LoadedModel:
+    """``model`` without its weights and program (they stay with the engine) and its tokenizer
+    (which travels on its own): its name, config, dtype, device, manifest and generation
+    defaults, for a front end in another process."""
+    return dataclasses.replace(model, params={}, program=None, tokenizer=None)
 
 
 class EngineSnapshot(NamedTuple):
