@@ -120,23 +120,47 @@ class _ChildRuns:
                 if not self._queued or self._stopped:
                     self._thread = None
                     return
-                cases, expression = key = self._queued.pop(0)
-                env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-                env.pop("PYTEST_ADDOPTS", None)  # the caller's -k/-x/-m must not thin out the child's run
-                self._current = subprocess.Popen(
-                    [sys.executable, "-m", "pytest", "--no-header", "-rfEsxX", "-p", "no:cacheprovider", "-m",
-                     expression, str(cases)],
-                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                key = self._queued.pop(0)
             try:
-                out, err = self._current.communicate(timeout=900)
-            except subprocess.TimeoutExpired:
-                self._current.kill()
-                out, err = self._current.communicate()
-                err += "\nthe interpreter run took more than 900 s and was killed"
+                done = self._run_child(*key)
+            except Exception as e:  # noqa: BLE001 - the waiting test reports it, the session goes on
+                done = subprocess.CompletedProcess(key, 1, "", f"the interpreter run could not run: {e!r}")
             with self._ready:
-                self._done[key] = subprocess.CompletedProcess(self._current.args, self._current.returncode, out, err)
+                self._done[key] = done
                 self._current = None
                 self._ready.notify_all()
+
+    def _run_child(self, cases: Path, expression: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        env.pop("PYTEST_ADDOPTS", None)  # the caller's -k/-x/-m must not thin out the child's run
+        with self._lock:
+            if self._stopped:
+                return subprocess.CompletedProcess(cases, 1, "", "the session ended before this run")
+            # PR_SET_PDEATHSIG: the child ends with this process, even one killed outright
+            self._current = subprocess.Popen(
+                [sys.executable, "-c", _CHILD_MAIN, "--no-header", "-rfEsxX", "-p", "no:cacheprovider", "-m",
+                 expression, str(cases)],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+        proc = self._current
+        try:
+            out, err = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += "\nthe interpreter run took more than 900 s and was killed"
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# The child: pytest, after asking Linux to kill it when its parent (this test session) dies.
+_CHILD_MAIN = """
+import ctypes, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+except (OSError, AttributeError):
+    pass
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
 
 
 _CHILD_RUNS = _ChildRuns()
