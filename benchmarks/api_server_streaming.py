@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 
@@ -49,21 +50,24 @@ class StandInEngine:
         self.tokenizer = tokenizer
         self.token_ids = token_ids
         self.step_s = step_s
-        self.max_model_len = 1 << 16
-        self.num_blocks = 1 << 16
-        self.device = "cpu"
-        self.config = SimpleNamespace(block_size=16, max_num_seqs=max_num_seqs, speculative=None)
-        self.model = SimpleNamespace(name="stand-in", config=SimpleNamespace(vocab_size=tokenizer.vocab_size),
-                                     generation_defaults={})
-        self.validator = SimpleNamespace(kv_window=None, max_step_tokens=1)
+        self.max_num_seqs = max_num_seqs
         self.scheduler = SimpleNamespace(waiting=collections.deque(), running=[], num_preemptions=0)
-        self.block_manager = SimpleNamespace(num_free_blocks=self.num_blocks, num_blocks=self.num_blocks,
+        self.block_manager = SimpleNamespace(num_free_blocks=1 << 16, num_blocks=1 << 16,
                                              stats=SimpleNamespace(queried_tokens=0, hit_tokens=0))
         self.stats = SimpleNamespace(prefill_tokens=0, generated_tokens=0, steps=0, prefill_steps=0, prefill_s=0.0,
                                      decode_steps=0, decode_s=0.0)
         self.speculator = None
         self.failed_request_ids: list[str] = []
         self._started = 0
+
+    def info(self):
+        """What the engine process reports when ready (``EngineInfo.of`` reads a real engine's
+        model)."""
+        from compiled_llm.serve.engine_process.engine_messages import EngineInfo
+
+        return EngineInfo(name="stand-in", vocab_size=self.tokenizer.vocab_size, max_model_len=1 << 16, block_size=16,
+                          num_blocks=self.block_manager.num_blocks, max_num_seqs=self.max_num_seqs,
+                          generation_defaults={}, device="cpu")
 
     def add_request(self, _prompt, request_id: str, stream: bool, _validated) -> None:
         _, ids, params = _validated
@@ -83,7 +87,7 @@ class StandInEngine:
     def step_deltas(self) -> list[tuple]:
         time.sleep(self.step_s)
         sched, cycle = self.scheduler, self.token_ids
-        while sched.waiting and len(sched.running) < self.config.max_num_seqs:
+        while sched.waiting and len(sched.running) < self.max_num_seqs:
             sched.running.append(sched.waiting.popleft())
         deltas, still = [], []
         for r in sched.running:
@@ -102,8 +106,12 @@ class StandInEngine:
 
 
 def load_stand_in(tokenizer_dir: str, step_s: float) -> StandInEngine:
-    """The engine process's loader (picklable: the spawned process imports this file)."""
+    """The engine process's loader (picklable: the spawned process imports this file). The
+    process reports the stand-in's own ``info``."""
     from compiled_llm.model.tokenizer.loader import load_tokenizer
+    from compiled_llm.serve.engine_process import engine_messages
+
+    engine_messages.EngineInfo.of = classmethod(lambda cls, engine: engine.info())
 
     tokenizer = load_tokenizer(tokenizer_dir)
     text = " ".join(open(__file__).read().split())  # English words, code and punctuation
@@ -164,7 +172,7 @@ def one_run(tokenizer_dir: str, count: int, streams: int, tokens: int, step_s: f
     server.start()
     try:
         _wait_healthy(Server(SimpleNamespace(poll=lambda: server.exitcode, returncode=server.exitcode),
-                             f"http://127.0.0.1:{port}", "/dev/null"), 120.0)
+                             f"http://127.0.0.1:{port}", Path(os.devnull)), 120.0)
         time.sleep(3.0)  # every API server up
         url = f"http://127.0.0.1:{port}"
         warm = [completion_body("stand-in", [1, 2, 3], 4) for _ in range(8)]
