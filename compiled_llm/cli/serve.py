@@ -23,6 +23,7 @@ from compiled_llm.cli.engine_args import (add_build_arguments, add_dataclass_arg
                                           build_config, build_options, dataclass_options, engine_options)
 from compiled_llm.cli.run import BUILD_GROUP
 from compiled_llm.engine.build_config import BuildConfig
+from compiled_llm.errors import InvalidOptionError
 from compiled_llm.serve.server_config import API_KEY_VAR, ServerConfig
 
 logger = logging.getLogger("compiled_llm.serve")
@@ -39,7 +40,8 @@ def add_parser(subparsers):
             "127.0.0.1 unless --host says otherwise. SIGTERM stops accepting requests, lets running "
             "ones finish for up to --shutdown-timeout seconds, and exits 0; if the engine process "
             "dies, running requests fail and the server exits 1 (with --data-parallel-size N, a dead "
-            "replica's requests fail or start again elsewhere, and the server exits 1 when none is left)."
+            "replica's requests fail or start again elsewhere, and the server exits 1 when none is left). "
+            "--api-server-count N runs N HTTP processes on the one port (for full-load streaming)."
         ),
     )
     p.add_argument("source", metavar="ENGINE|SOURCE",
@@ -77,11 +79,20 @@ def load_engine(args, placement=None):
     return engine
 
 
-def replica_loads(args, build: BuildConfig) -> list:
+def engine_cpus(api_servers: int) -> int:
+    """The cores a CPU server's engine processes share: this process's, but one for each API
+    server beyond the first (an engine's thread pool spins at its barriers, and stalls for
+    whole time slices when another busy process takes one of its cores: a streaming API server
+    does)."""
+    return max(1, len(os.sched_getaffinity(0)) - (api_servers - 1))
+
+
+def replica_loads(args, build: BuildConfig, api_servers: int = 1) -> list:
     """The loader of each data-parallel replica's engine process: the same engine, each replica
     an engine of its own (data_parallel_size 1) placed as ``dp_placement.replica_placements``
-    says (its own GPUs, or on a CPU its share of the cores). Replicas that are Ray actors (the
-    ray backend) take the GPUs Ray gives them."""
+    says (its own GPUs, or on a CPU its share of the cores the API servers leave,
+    ``engine_cpus``). Replicas that are Ray actors (the ray backend) take the GPUs Ray gives
+    them."""
     from compiled_llm.serve.engine_process.dp_placement import (check_replica_device, engine_world_size,
                                                                 replica_placements)
 
@@ -91,7 +102,20 @@ def replica_loads(args, build: BuildConfig) -> list:
         return [functools.partial(load_engine, one) for _ in range(args.data_parallel_size)]
     ranks = engine_world_size(args.source, build, build_options(args, for_source=True))
     return [functools.partial(load_engine, one, placement)
-            for placement in replica_placements(args.data_parallel_size, build.device, ranks)]
+            for placement in replica_placements(args.data_parallel_size, build.device, ranks, engine_cpus(api_servers))]
+
+
+def api_server_engine_load(args, build: BuildConfig, api_servers: int):
+    """The engine process's loader under several API servers without replicas: as the server of
+    one loads it, but on a CPU with the cores the API servers leave (``engine_cpus``)."""
+    from compiled_llm.model.placement import resolve_device
+    from compiled_llm.serve.engine_process.dp_placement import engine_world_size, replica_placements
+
+    if resolve_device(build.device).type != "cpu":
+        return functools.partial(load_engine, args)
+    ranks = engine_world_size(args.source, build, build_options(args, for_source=True))
+    (placement,) = replica_placements(1, build.device, ranks, engine_cpus(api_servers))
+    return functools.partial(load_engine, args, placement)
 
 
 def run(args) -> int:
@@ -104,12 +128,24 @@ def run(args) -> int:
     config = server_config(args)  # bad values fail before anything loads
     build = build_config(args, for_source=True)
     EngineConfig.from_options(engine_options(args))
-    loads = replica_loads(args, build) if args.data_parallel_size > 1 else None
+    if config.api_server_count > 1 and args.data_parallel_size > 1 and args.distributed_executor_backend == "ray":
+        raise InvalidOptionError("api_server_count > 1 runs local engine processes; it does not combine with "
+                                 "--data-parallel-size N --distributed-executor-backend ray (replicas as Ray actors)")
+    loads = replica_loads(args, build, config.api_server_count) if args.data_parallel_size > 1 else None
     if not os.environ.get(LOGGING_LEVEL_VAR):
         # a server's log is its output: the ready line and the stats lines show without a
         # terminal too, in the engine process as well (it reads the variable)
         os.environ[LOGGING_LEVEL_VAR] = "INFO"
         logging.getLogger("compiled_llm").setLevel(logging.INFO)
+    if config.api_server_count > 1:
+        from compiled_llm.cli.main import configure_logging
+        from compiled_llm.serve.openai.api_servers import serve_api_servers
+
+        if loads is not None:
+            logger.info("starting %d data-parallel engine replicas (load balance: %s)", len(loads),
+                        config.load_balance_method)
+        loads = loads or [api_server_engine_load(args, build, config.api_server_count)]
+        return serve_api_servers(loads, config, model_name=args.source, setup=configure_logging)
     if loads is None:
         core = EngineCoreClient.start_process(functools.partial(load_engine, args))
     elif args.distributed_executor_backend == "ray":

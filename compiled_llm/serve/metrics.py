@@ -21,17 +21,26 @@ The inter-token latency (and its older name, time per output token) counts every
 request's tokens, as vLLM's; the server sees a request's tokens when they are delivered, not
 step by step, so each of its gaps is observed as the request's mean gap (the count and the sum
 are exact).
+
+Several API-server processes (``--api-server-count``) share their metrics through
+prometheus_client's multiprocess mode (``share_metrics_across_processes``, before any metric is
+made): each writes its values to files of one directory, and /metrics, whichever process
+answers, adds up every process's (the gauges: the latest value set). Each counts the requests it
+served; the first alone counts the engines' snapshots and logs the stats lines
+(``records_engines``), so that nothing is counted twice.
 """
 
 from __future__ import annotations
 
-import functools
+import bisect
 import logging
+import os
 import time
 from typing import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import values
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from compiled_llm.serve.engine_process.engine_messages import EngineSnapshot
 
@@ -65,51 +74,33 @@ def one_two_five_buckets(limit: int) -> tuple[float, ...]:
         scale *= 10
 
 
+MULTIPROCESS_DIR_VAR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's
+
+
+def share_metrics_across_processes(directory: str) -> None:
+    """From now on this process's metric values live in files under ``directory``, where every
+    process sharing it reads them all (``ServerMetrics(multiprocess_dir=directory)``). Call it
+    before any metric is made: prometheus_client's multiprocess mode, chosen explicitly (the
+    environment variable alone would have to be set before prometheus_client is imported)."""
+    os.environ[MULTIPROCESS_DIR_VAR] = directory
+    values.ValueClass = values.MultiProcessValue()
+
+
 class WeightedHistogram:
     """A labelled histogram (one model_name) that can observe one value many times at once:
-    ``observe(value, times)`` costs one bucket search, not ``times``."""
+    ``observe(value, times)`` costs one bucket search, not ``times``. A prometheus_client
+    Histogram underneath, so that multiprocess mode covers it too; its bucket and sum values are
+    advanced directly (its own ``observe`` counts one observation at a time)."""
 
     def __init__(self, name: str, doc: str, model_name: str, buckets, registry: CollectorRegistry):
-        self.name, self.doc, self.model_name = name, doc, model_name
-        self.bounds = tuple(buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf only)
-        self.sum = 0.0
-        registry.register(self)
+        self._child = Histogram(name, doc, ["model_name"], buckets=buckets, registry=registry).labels(model_name)
+        self.bounds = tuple(self._child._upper_bounds)  # the given bounds, then +Inf
 
     def observe(self, value: float, times: int = 1) -> None:
         if times <= 0:
             return
-        i = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
-        self.counts[i] += times
-        self.sum += value * times
-
-    def collect(self):
-        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
-        cumulative, running = [], 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts):
-            running += n
-            cumulative.append(("+Inf" if bound == float("inf") else str(bound), running))
-        family.add_metric([self.model_name], cumulative, self.sum)
-        yield family
-
-    def describe(self):
-        return [HistogramMetricFamily(self.name, self.doc, labels=["model_name"])]
-
-
-class CacheConfigInfo:
-    """vLLM's cache_config_info: a gauge of 1 whose labels are the KV cache's settings."""
-
-    def __init__(self, name: str, labels: dict[str, str], registry: CollectorRegistry):
-        self.name, self.labels = name, labels
-        registry.register(self)
-
-    def collect(self):
-        family = GaugeMetricFamily(self.name, "Information of the KV cache's configuration.", labels=list(self.labels))
-        family.add_metric(list(self.labels.values()), 1.0)
-        yield family
-
-    def describe(self):
-        return [GaugeMetricFamily(self.name, "Information of the KV cache's configuration.", labels=list(self.labels))]
+        self._child._buckets[bisect.bisect_left(self.bounds, value)].inc(times)  # the first bound >= value
+        self._child._sum.inc(value * times)
 
 
 _COUNTERS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries", "prefix_hits")
@@ -126,11 +117,12 @@ def _per_position(snapshot: EngineSnapshot, positions: int) -> tuple[int, ...]:
 
 
 class _EngineSeries:
-    """One engine's counters (the samples of one ``engine`` label), and the snapshot it sent
-    last: what the gauges read and what the next snapshot's counts are told from."""
+    """One engine's gauges and counters (the samples of one ``engine`` label), and the snapshot
+    it sent last: what the next snapshot's counts are told from."""
 
     def __init__(self, start: EngineSnapshot):
         self.snapshot = start
+        self.gauges: tuple = ()  # running, waiting, KV-cache usage
         self.counters: tuple = ()
         self.spec_counters: tuple = ()
         self.accepted_by_position: tuple = ()
@@ -138,22 +130,28 @@ class _EngineSeries:
 
 class ServerMetrics:
     def __init__(self, model_name: str, start: EngineSnapshot | Sequence[EngineSnapshot], log_stats_interval: float = 10.0,
-                 num_speculative_tokens: int = 0, engine_info=None):
+                 num_speculative_tokens: int = 0, engine_info=None, *, records_engines: bool = True,
+                 multiprocess_dir: str | None = None):
         """``start``: the engine's snapshot when the server starts (what it counted loading and
         warming up is not the server's), or one per data-parallel replica. ``num_speculative_tokens``:
         the engine's draft length, 0 when it does not speculate (no speculation counters then, as in
         vLLM). ``engine_info`` (an EngineInfo): the model length the token histograms reach, and the
-        cache settings of cache_config_info."""
+        cache settings of cache_config_info. With several API servers: ``records_engines``, whether
+        this one counts the engines' snapshots and logs the stats lines; ``multiprocess_dir``, the
+        directory they all share (``share_metrics_across_processes``), which ``render`` reads."""
         starts = [start] if isinstance(start, EngineSnapshot) else list(start)
         self.model_name = model_name
+        self.records_engines = records_engines
+        self.multiprocess_dir = multiprocess_dir
+        self.log_stats_interval = log_stats_interval
         self.registry = CollectorRegistry()
         self.engines = [_EngineSeries(s) for s in starts]
         reg, labels, engine_labels = self.registry, ["model_name"], ["model_name", "engine"]
 
-        def engine_gauge(name: str, doc: str, read) -> None:
-            family = Gauge(PREFIX + name, doc, engine_labels, registry=reg)
-            for i, series in enumerate(self.engines):
-                family.labels(model_name, str(i)).set_function(functools.partial(read, series))
+        def engine_gauge(name: str, doc: str) -> list[Gauge]:
+            # set from each snapshot; across API servers, the latest value set is the value
+            family = Gauge(PREFIX + name, doc, engine_labels, registry=reg, multiprocess_mode="mostrecent")
+            return [family.labels(model_name, str(i)) for i in range(len(self.engines))]
 
         def engine_counter(name: str, doc: str) -> list[Counter]:
             family = Counter(PREFIX + name, doc, engine_labels, registry=reg)
@@ -162,12 +160,15 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
 
-        engine_gauge("num_requests_running", "Number of requests (sequences) in the running batch.",
-                     lambda e: e.snapshot.running)
-        engine_gauge("num_requests_waiting", "Number of requests (sequences) waiting to be scheduled.",
-                     lambda e: e.snapshot.waiting)
-        engine_gauge("kv_cache_usage_perc", "KV-cache usage: 1 means all blocks are held.",
-                     lambda e: e.snapshot.kv_cache_usage)
+        gauges = list(zip(
+            engine_gauge("num_requests_running", "Number of requests (sequences) in the running batch."),
+            engine_gauge("num_requests_waiting", "Number of requests (sequences) waiting to be scheduled."),
+            engine_gauge("kv_cache_usage_perc", "KV-cache usage: 1 means all blocks are held."),
+        ))
+        for series, series_gauges in zip(self.engines, gauges):
+            series.gauges = series_gauges
+            if records_engines:
+                _set_gauges(series)
         by_engine = list(zip(
             engine_counter("prompt_tokens_total", "Number of prefill tokens processed."),
             engine_counter("generation_tokens_total", "Number of generation tokens processed."),
@@ -226,12 +227,15 @@ class ServerMetrics:
         self.iteration_tokens = weighted("iteration_tokens_total", "Number of tokens (prompt and generated) per "
                                          "engine step.", _ITERATION_BUCKETS)
         if engine_info is not None:
-            CacheConfigInfo(PREFIX + "cache_config_info", {
-                "block_size": str(engine_info.block_size), "num_gpu_blocks": str(engine_info.num_blocks),
-                "max_model_len": str(engine_info.max_model_len), "model_name": model_name}, reg)
+            # vLLM's: a gauge of 1 whose labels are the KV cache's settings
+            cache = {"block_size": str(engine_info.block_size), "num_gpu_blocks": str(engine_info.num_blocks),
+                     "max_model_len": str(engine_info.max_model_len), "model_name": model_name}
+            Gauge(PREFIX + "cache_config_info", "Information of the KV cache's configuration.", list(cache),
+                  registry=reg, multiprocess_mode="max").labels(**cache).set(1.0)
         many = len(self.engines) > 1
         self._logs = [StatsLog(log_stats_interval, s.snapshot, num_speculative_tokens,
-                               f"Engine {i:03d}: " if many else "") for i, s in enumerate(self.engines)]
+                               f"Engine {i:03d}: " if many else "")
+                      for i, s in enumerate(self.engines)] if records_engines else []
 
     @property
     def snapshot(self) -> EngineSnapshot:
@@ -241,6 +245,8 @@ class ServerMetrics:
     def on_snapshot(self, snapshot: EngineSnapshot, engine: int = 0) -> None:
         """Engine ``engine``'s state after a step: gauges now, counters advanced by what it
         counted since its previous snapshot."""
+        if not self.records_engines:
+            return
         series = self.engines[engine]
         seen = series.snapshot
         pairs = [*zip(series.counters, _counts(snapshot), _counts(seen)),
@@ -256,10 +262,11 @@ class ServerMetrics:
                       + snapshot.generation_tokens - seen.generation_tokens)
             self.iteration_tokens.observe(tokens / steps, steps)
         series.snapshot = snapshot
+        _set_gauges(series)
         self._logs[engine].after_step(snapshot)
 
     def seconds_to_next_log(self) -> float:
-        return min(log.seconds_to_next() for log in self._logs)
+        return min((log.seconds_to_next() for log in self._logs), default=self.log_stats_interval)
 
     def log_if_due(self) -> None:
         for log, series in zip(self._logs, self.engines):
@@ -301,7 +308,20 @@ class ServerMetrics:
         self._success.labels(self.model_name, "abort").inc(completions)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text /metrics sends: this server's, or every API server's that shares the
+        multiprocess directory."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        everyone = CollectorRegistry()
+        MultiProcessCollector(everyone, path=self.multiprocess_dir)
+        return generate_latest(everyone)
+
+
+def _set_gauges(series: _EngineSeries) -> None:
+    running, waiting, usage = series.gauges
+    running.set(series.snapshot.running)
+    waiting.set(series.snapshot.waiting)
+    usage.set(series.snapshot.kv_cache_usage)
 
 
 class StatsLog:

@@ -31,6 +31,13 @@ class ServerConfig:
     host: str = _option("127.0.0.1", "address to listen on: 127.0.0.1 (the default) serves this machine "
                                      "only; 0.0.0.0 every interface (vLLM's default)")
     port: int = _option(8000, "TCP port to listen on (0: any free port; the log names it)")
+    # vLLM's flag. vLLM's default is the data-parallel size; here it is 1 however many replicas
+    # run, so that one prefix-aware router sees every request (each API server routes its own).
+    api_server_count: int = _option(
+        1, "HTTP front-end processes sharing the port, as vLLM's flag: each takes the connections it accepts, "
+           "parses, detokenizes and streams their requests, and talks to the engine processes itself. One "
+           "process cannot keep up with a GPU's full-load streaming: use 4 there (README); the waiting limits "
+           "then hold per process, and with --data-parallel-size each one routes its own requests")
     api_key: str | None = dataclasses.field(default=None, repr=False, metadata={"help": (
         f"clients must send 'Authorization: Bearer KEY' to every route but /health, /metrics, /version and "
         f"the API's description (/openapi.json, /docs, /redoc); unset: ${API_KEY_VAR}, else no key is needed")})
@@ -75,7 +82,7 @@ class ServerConfig:
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
             raise InvalidOptionError(f"port must be an integer in 0..65535, got {self.port!r}")
-        for name in ("max_waiting_requests", "max_waiting_prompt_tokens"):
+        for name in ("api_server_count", "max_waiting_requests", "max_waiting_prompt_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidOptionError(f"{name} must be an integer >= 1, got {value!r}")

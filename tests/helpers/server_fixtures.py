@@ -52,8 +52,61 @@ def child_pids(pid: int) -> list[int]:
 
 
 def engine_pids(server_pid: int) -> list[int]:
-    """A server's engine processes (multiprocessing's spawned children), one per replica."""
-    return [c for c in child_pids(server_pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+    """A server's engine processes (multiprocessing's spawned children, but its API servers),
+    one per replica."""
+    spawned = [c for c in child_pids(server_pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+    return [c for c in spawned if "LISTEN" not in tcp_sockets(c).values()]
+
+
+def api_server_pids(server_pid: int) -> list[int]:
+    """The API-server processes of a server run with --api-server-count: its children that
+    listen on a TCP port."""
+    return [c for c in child_pids(server_pid) if "LISTEN" in tcp_sockets(c).values()]
+
+
+_TCP_STATES = {"01": "ESTABLISHED", "0A": "LISTEN"}
+
+
+def tcp_table() -> dict[int, tuple[int, int, str]]:
+    """Every TCP socket of this machine (Linux's /proc/net/tcp and tcp6), by inode: (local port,
+    remote port, state)."""
+    table = {}
+    for name in ("tcp", "tcp6"):
+        lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+        for line in lines:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
+            if inode:  # 0: not (yet) accepted by any process
+                table[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16),
+                                _TCP_STATES.get(state, state))
+    return table
+
+
+def tcp_sockets(pid: int, table: dict | None = None) -> dict[int, str]:
+    """The TCP sockets process ``pid`` holds: inode -> state ("LISTEN", "ESTABLISHED", ...)."""
+    table = tcp_table() if table is None else table
+    held = {}
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return held
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inode = int(target[8:-1])
+            if inode in table:
+                held[inode] = table[inode][2]
+    return held
+
+
+def connections_by_pid(pids, port: int) -> dict[int, list[int]]:
+    """For each of ``pids``, the client ports of the connections to ``port`` it has accepted."""
+    table = tcp_table()
+    return {pid: sorted(table[inode][1] for inode, state in tcp_sockets(pid, table).items()
+                        if state == "ESTABLISHED" and table[inode][0] == port) for pid in pids}
 
 
 def process_exists(pid: int) -> bool:

@@ -77,6 +77,9 @@ def add_parser(subparsers):
     serving.add_argument("--client-processes", type=int, metavar="N",
                          help="client processes sending the requests (default 1 on a CPU; on a GPU half the "
                               "cores, up to 8: one process reads about 13k chunks/s)")
+    serving.add_argument("--api-server-count", type=int, metavar="N",
+                         help="the server's --api-server-count: HTTP processes streaming the responses "
+                              "(default: serve's, 1; README says what full-load streaming needs)")
     add_build_arguments(p.add_argument_group("build", BUILD_GROUP), for_source=True)
     add_engine_arguments(p.add_argument_group("engine options"))
     p.add_argument("--no-cuda-graphs", dest="enforce_eager", action="store_true",
@@ -240,7 +243,7 @@ def _run_serving(args, engine: str, device, prefix_shape) -> int:
         max_input_len=args.max_input_len, max_output_len=args.max_output_len,
         served_model_name=args.served_model_name,
         client_processes=args.client_processes or serving.default_client_processes(device.type),
-        prefix_repetition=prefix_shape)
+        prefix_repetition=prefix_shape, api_server_count=args.api_server_count)
     if prefix_shape is not None:
         from compiled_llm.cli.bench.routing_comparison import run_routing_comparison
 

@@ -164,6 +164,8 @@ def run_routing_comparison(engine: str, device, engine_options: dict, options: S
                "--max-waiting-prompt-tokens", str(sum(len(p) for p in prompts))]
     if options.served_model_name:
         waiting += ["--served-model-name", options.served_model_name]
+    if options.api_server_count is not None:  # each API server routes its own requests
+        waiting += ["--api-server-count", str(options.api_server_count)]
     results = []
     for setup in routing_setups(dp, engine_options.get("num_blocks")):
         args = [*option_flags({"device": device.type, **common}), *setup.flags(), *waiting]

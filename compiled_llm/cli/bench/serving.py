@@ -7,7 +7,7 @@ One run:
    (``workloads.compiled_throughput``); the LLM is then freed, since on a GPU the server must not
    find a second KV cache beside its own;
 2. the server: ``compiled-llm serve ENGINE`` as a subprocess on a free 127.0.0.1 port, with the
-   bench's engine options, warmed up with the workload's prompt lengths and every decode batch
+   bench's engine options (and ``--api-server-count`` when given), warmed up with the workload's prompt lengths and every decode batch
    size up to the number of requests;
 3. for each request rate: every request sent to ``/v1/completions`` with ``stream: true`` (token-id
    prompts, temperature 0.6, ``ignore_eos``), at a Poisson rate (exponential gaps from a seeded
@@ -66,6 +66,7 @@ class ServingOptions:
     max_output_len: int = 1024
     served_model_name: str | None = None
     client_processes: int = 1
+    api_server_count: int | None = None  # the server's --api-server-count; None: serve's default
     seed: int = 0
     # the prefix_repetition dataset's shape (``prefix_repetition.py``); None: the throughput
     # workload's requests (lengths drawn up to max_input_len / max_output_len)
@@ -85,6 +86,8 @@ class ServingOptions:
             raise InvalidOptionError(f"client_processes must be >= 1, got {self.client_processes}")
         if self.prefix_repetition is not None:
             self.prefix_repetition.users(self.num_requests)  # a whole number of requests per prefix
+        if self.api_server_count is not None and self.api_server_count < 1:
+            raise InvalidOptionError(f"api_server_count must be >= 1, got {self.api_server_count}")
 
 
 def parse_rate(text: str) -> float:
@@ -210,6 +213,8 @@ def run_serving(engine: str, device, engine_options: dict, options: ServingOptio
             "--max-waiting-prompt-tokens", str(sum(len(p) for p in prompts))]
     if options.served_model_name:
         args += ["--served-model-name", options.served_model_name]
+    if options.api_server_count is not None:
+        args += ["--api-server-count", str(options.api_server_count)]
     results = [offline]
     with launched_server(engine, args, start_timeout_s) as server:
         model = options.served_model_name or served_model(server.base_url)

@@ -21,10 +21,11 @@ The hot path is cheap at hundreds of streams and a step every few milliseconds:
   short turn, not for a chunk to every running stream. A request's first output, and calls that
   are not streamed, are woken at once.
 
-Admission control counts the requests accepted but not yet scheduled (and their prompt tokens),
-as the core reports them leaving its waiting queue; past ``max_waiting_requests`` or
-``max_waiting_prompt_tokens`` a call is refused with ``ServiceUnavailableError`` (HTTP 503 +
-Retry-After), and so is every call once ``drain`` has begun. A request past its timeout is
+Admission control counts the requests accepted but not yet scheduled, and their prompt tokens
+(each API server its own, when there are several), as the core reports them leaving its waiting
+queue; past ``max_waiting_requests`` or ``max_waiting_prompt_tokens`` a call is refused with
+``ServiceUnavailableError`` (HTTP 503 + Retry-After), and so is every call once ``drain`` has
+begun. A request past its timeout is
 aborted (finish reason "abort"). ``RequestGroup.abort`` tells the core, which frees the
 request's blocks before its next step.
 
@@ -209,7 +210,7 @@ class AsyncEngine:
 
     def __init__(self, core: EngineCoreClient | DataParallelClient, *, max_waiting_requests: int = 1024,
                  max_waiting_prompt_tokens: int = 1 << 20, request_timeout: float | None = None, metrics=None,
-                 on_failure: Callable[[str], None] | None = None):
+                 on_failure: Callable[[str], None] | None = None, request_id_prefix: str = ""):
         self.core = core
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_prompt_tokens = max_waiting_prompt_tokens
@@ -219,6 +220,8 @@ class AsyncEngine:
         self.failure: str | None = None  # why the engine core stopped, once it has
         self.on_failure = on_failure  # called with that reason, once, when it does
         self._ids = itertools.count()
+        # the engine's request ids: unique among the API servers that share it ("1-", "2-", ...)
+        self.request_id_prefix = request_id_prefix
         self._requests: dict[str, _Request] = {}  # requests in the engine (not closed)
         # admission: requests accepted but not yet scheduled, id -> prompt tokens
         self._unscheduled: dict[str, int] = {}
@@ -321,7 +324,7 @@ class AsyncEngine:
         tokenizer = self.core.tokenizer
         entries, records = [], []
         for (text, ids, params), n in zip(requests, lengths):
-            rid = str(next(self._ids))
+            rid = f"{self.request_id_prefix}{next(self._ids)}"
             records.append(_Request(rid, OutputAssembler(rid, text, ids, params, tokenizer), params.n, params=params))
             entries.append((rid, text, ids, OutputAssembler.engine_params(params, tokenizer)))
             self._unscheduled[rid] = n

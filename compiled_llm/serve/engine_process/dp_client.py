@@ -27,12 +27,10 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import select
 from typing import Callable, Sequence
 
-from compiled_llm.errors import CompiledLLMError
 from compiled_llm.serve.engine_process.dp_router import ReplicaRouter, RouterConfig, make_router
-from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient, StartingEngine
+from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient, StartingEngine, wait_all
 from compiled_llm.serve.engine_process.engine_messages import EngineSnapshot
 from compiled_llm.serve.llm_engine import LLMEngine
 
@@ -80,29 +78,10 @@ class DataParallelClient:
     def start_processes(cls, loads: Sequence[Callable[[], LLMEngine]],
                         load_balance_method: str = "prefix_aware") -> "DataParallelClient":
         """One engine process per ``loads[i]``, loading at the same time; once all are ready, the
-        client over them, routing by ``load_balance_method``. The first that cannot start, or an interrupt, stops all the others at
-        once (loading may take minutes), and its reason is raised, naming the replica."""
-        starting = [StartingEngine(load) for load in loads]
-        ready: dict[int, EngineCoreClient] = {}
-        try:
-            while len(ready) < len(starting):
-                for i, engine in enumerate(starting):
-                    if i in ready:
-                        continue
-                    try:
-                        client = engine.poll()
-                    except CompiledLLMError as error:
-                        raise type(error)(f"data-parallel replica {i} of {len(loads)}: {error}") from error
-                    if client is not None:
-                        ready[i] = client
-                pending = [e.channel.read_fd for i, e in enumerate(starting) if i not in ready]
-                if pending:
-                    select.select(pending, [], [], 1.0)
-        except BaseException:
-            for engine in starting:
-                engine.stop()
-            raise
-        return cls([ready[i] for i in range(len(starting))], load_balance_method=load_balance_method)
+        client over them, routing by ``load_balance_method`` (``wait_all``: the first that cannot
+        start, or an interrupt, stops all the others at once, and its reason is raised, naming the
+        replica)."""
+        return cls(wait_all([StartingEngine(load) for load in loads]), load_balance_method=load_balance_method)
 
     @classmethod
     def in_threads(cls, engines: Sequence[LLMEngine], router: ReplicaRouter | None = None,

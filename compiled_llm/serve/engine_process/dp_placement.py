@@ -73,11 +73,12 @@ class ReplicaPlacement:
             torch.set_num_threads(self.cpu_threads)
 
 
-def replica_placements(data_parallel_size: int, device: str, ranks: int) -> list[ReplicaPlacement]:
+def replica_placements(data_parallel_size: int, device: str, ranks: int,
+                       cpus: int | None = None) -> list[ReplicaPlacement]:
     """Where each of ``data_parallel_size`` replicas runs, each an engine of ``ranks`` processes
     (``engine_world_size``) on ``device`` (a build's device: "auto", "cuda", "cpu"): on CUDA its
-    own ``ranks`` GPUs of those visible, on a CPU its share of this process's cores. One-line
-    errors when the GPUs are too few or ``device`` names one."""
+    own ``ranks`` GPUs of those visible, on a CPU its share of ``cpus`` cores (unset: this
+    process's). One-line errors when the GPUs are too few or ``device`` names one."""
     from compiled_llm.model.placement import resolve_device
 
     check_replica_device(device, data_parallel_size)
@@ -87,7 +88,7 @@ def replica_placements(data_parallel_size: int, device: str, ranks: int) -> list
         gpus = visible_gpus(os.environ.get(VISIBLE_DEVICES_VAR), torch.cuda.device_count())
         return [ReplicaPlacement(visible_devices=v) for v in replica_gpus(data_parallel_size, ranks, gpus)]
     # every rank of every replica is a process with its own thread pool
-    threads = replica_cpu_threads(data_parallel_size * ranks, len(os.sched_getaffinity(0)))
+    threads = replica_cpu_threads(data_parallel_size * ranks, cpus or len(os.sched_getaffinity(0)))
     return [ReplicaPlacement(cpu_threads=threads) for _ in range(data_parallel_size)]
 
 

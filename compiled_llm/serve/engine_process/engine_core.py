@@ -16,6 +16,17 @@ request's failure in ``add_request`` or in a step reaches its caller as an error
 requests carry on, as in ``EngineLoop``. ``LLM`` over data-parallel replicas drives engine
 processes too, and asks them for what it asks an engine in its own process (``CALLS``: the stats,
 the CUDA graphs captured); a call that touches the device waits until no request is in flight.
+
+Front ends. With one API server (``compiled-llm serve``'s default) the process that started the
+engine is its only front end, over one channel: it submits, reads every step's message, and its
+"shutdown", or its going away, stops the engine. With ``--api-server-count N`` the engine also
+takes one channel per API-server process (``front_ends``): each submits its own requests (their
+ids unique per front end) and hears back only about them: their outputs and errors, which of
+them were scheduled, with the engine's snapshot; the first front end also hears of every step
+(it alone counts the engine's counters and logs the stats lines, ``ServerMetrics``). The owner's
+channel then carries only "ready" and "shutdown". A front end that goes away has its requests
+aborted (nobody would read them) and the engine serves the others on; whether the server carries
+on without it is the owner's call (``serve.openai.api_servers``: it does not).
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import select
 import signal
 import sys
 import traceback
-from typing import Callable
+from typing import Callable, Sequence
 
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.serve.engine_process.engine_messages import EngineInfo, EngineSnapshot, encode_output
@@ -45,9 +56,15 @@ CALLS: dict[str, tuple[Callable[[LLMEngine], object], bool]] = {
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, channel: MessageChannel):
+    def __init__(self, engine: LLMEngine, channel: MessageChannel, front_ends: Sequence[MessageChannel] = ()):
+        """``channel``: the owner's (the process that started the engine); ``front_ends``: the
+        API servers' channels, when they are not the owner's (module docstring)."""
         self.engine = engine
         self.channel = channel
+        # the channels requests come over; None once that front end has gone
+        self.front_ends: list[MessageChannel | None] = list(front_ends) or [channel]
+        self._several = bool(front_ends)
+        self._owner: dict[str, int] = {}  # request id -> its front end, with several of them
         self._running: set[str] = set()  # requests in the engine
         self._waiting: set[str] = set()  # added, not yet seen leaving the waiting queue
         self._outputs: list = []
@@ -57,11 +74,14 @@ class EngineCore:
         self._idle_calls: list[tuple] = []  # calls waiting for the engine to be idle
 
     def run(self) -> None:
-        """Until the front end says shutdown or goes away."""
+        """Until the owner says shutdown or goes away."""
         engine = self.engine
         while True:
-            for message in self.channel.receive():
-                self._apply(message)
+            if self._several:
+                self._receive_all()
+            else:
+                for message in self.channel.receive():
+                    self._apply(0, message)
             if self._stop or self.channel.closed:
                 break
             busy = engine.has_unfinished_requests()
@@ -75,22 +95,57 @@ class EngineCore:
             if not busy:
                 self._wait()
         self._report()
-        self.channel.flush()
+        for channel in self.channels():
+            channel.flush()
+
+    def channels(self) -> list[MessageChannel]:
+        """The owner's channel and the front ends' still open."""
+        return [self.channel, *(c for c in self.front_ends if c is not None and c is not self.channel)]
+
+    def _receive_all(self) -> None:
+        for message in self.channel.receive():
+            if message[0] == "shutdown":
+                self._stop = True
+        for index, channel in enumerate(self.front_ends):
+            if channel is None:
+                continue
+            for message in channel.receive():
+                self._apply(index, message)
+            if channel.closed:
+                self._front_end_gone(index)
+
+    def _front_end_gone(self, index: int) -> None:
+        """A front end's channel closed (its process ended): abort its requests, forget it."""
+        self.front_ends[index].close()
+        self.front_ends[index] = None
+        mine = [rid for rid, owner in self._owner.items() if owner == index]
+        for rid in mine:
+            self.engine.abort_request(rid)
+            self._running.discard(rid)
+            self._waiting.discard(rid)
+            del self._owner[rid]
+        if mine:  # else it stopped as told, its requests done
+            logger.warning("API server %d went away; aborted its %d requests", index, len(mine))
 
     def _wait(self) -> None:
-        """Sleep until a command arrives (or the pipe takes more of what is waiting to go)."""
-        writers = [self.channel.write_fd] if self.channel.pending else []
-        readable, writable, _ = select.select([self.channel.read_fd], writers, [])
-        if writable:
-            self.channel.flush()
+        """Sleep until a command arrives (or a pipe takes more of what is waiting to go)."""
+        channels = self.channels()
+        readers = [c.read_fd for c in channels]
+        writers = [c.write_fd for c in channels if c.pending]
+        _, writable, _ = select.select(readers, writers, [])
+        for channel in channels:
+            if channel.write_fd in writable:
+                channel.flush()
 
     # ---- commands ------------------------------------------------------------------------------
 
-    def _apply(self, message: tuple) -> None:
+    def _apply(self, front_end: int, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
             _, requests, stream = message
             for request_id, text, ids, params in requests:
+                if self._several:
+                    self._owner[request_id] = front_end
                 try:
                     self.engine.add_request(None, request_id=request_id, stream=stream,
                                             _validated=(text, ids, params))
@@ -111,7 +166,8 @@ class EngineCore:
             else:
                 self._call(call_id, method)
         elif kind == "shutdown":
-            self._stop = True
+            if not self._several:  # a front end of several does not stop the engine the others use
+                self._stop = True
         else:
             raise ValueError(f"unknown command {kind!r}")
 
@@ -173,18 +229,46 @@ class EngineCore:
         scheduled = self._scheduled()
         if not (self._outputs or self._errors or scheduled or self._stepped):
             return
-        self.channel.send(("step", self._outputs, self._errors, scheduled, EngineSnapshot.of(self.engine)))
+        snapshot = EngineSnapshot.of(self.engine)
+        if self._several:
+            self._report_to_each(scheduled, snapshot)
+        else:
+            self.channel.send(("step", self._outputs, self._errors, scheduled, snapshot))
         self._outputs, self._errors, self._stepped = [], [], False
 
+    def _report_to_each(self, scheduled: list[str], snapshot: EngineSnapshot) -> None:
+        """Each front end's share of a step: its requests' outputs, errors and scheduling, sent
+        when it has any (the first front end's every step, for the engine's metrics)."""
+        shares = [([], [], []) for _ in self.front_ends]
+        owner = self._owner
+        for delta in self._outputs:
+            index = owner.pop(delta[0], None) if delta[1] else owner.get(delta[0])
+            if index is not None:  # None: its front end has gone
+                shares[index][0].append(delta)
+        for error in self._errors:
+            index = owner.pop(error[0], None)
+            if index is not None:
+                shares[index][1].append(error)
+        for rid in scheduled:
+            index = owner.get(rid)
+            if index is not None:
+                shares[index][2].append(rid)
+        for index, (channel, (outputs, errors, left)) in enumerate(zip(self.front_ends, shares)):
+            if channel is not None and (index == 0 or outputs or errors or left):
+                channel.send(("step", outputs, errors, left, snapshot))
 
-def run_engine_process(load: Callable[[], LLMEngine], read_fd: int, write_fd: int) -> None:
-    """A spawned engine process's main: load the engine, say ready (or why not), serve the
-    front end until it says shutdown or goes away. Interrupts are the front end's to handle
-    (Ctrl-C reaches the whole process group): this process ends when told, or when its pipe
-    closes."""
+
+def run_engine_process(load: Callable[[], LLMEngine], read_fd: int, write_fd: int,
+                       front_end_fds: Sequence[tuple[int, int]] = ()) -> None:
+    """A spawned engine process's main: load the engine, say ready (or why not) to its owner,
+    serve the front ends (the owner itself, or one channel per API server of
+    ``front_end_fds``: (read, write) descriptors) until the owner says shutdown or goes away.
+    Interrupts are the front end's to handle (Ctrl-C reaches the whole process group): this
+    process ends when told, or when its owner's pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     channel = MessageChannel(read_fd, write_fd)
+    front_ends = [MessageChannel(r, w) for r, w in front_end_fds]
     try:
         engine = load()
     except Exception as e:
@@ -201,8 +285,10 @@ def run_engine_process(load: Callable[[], LLMEngine], read_fd: int, write_fd: in
 
     gc.collect()
     gc.freeze()
-    EngineCore(engine, channel).run()
-    _flush_before_exit(channel)
+    core = EngineCore(engine, channel, front_ends)
+    core.run()
+    for c in core.channels():
+        _flush_before_exit(c)
     st = engine.stats
     logger.info("engine stopped: %d steps, %d with prompts (%.2f s), %d decode (%.2f s), %d tokens generated",
                 st.steps, st.prefill_steps, st.prefill_s, st.decode_steps, st.decode_s, st.generated_tokens)

@@ -12,6 +12,11 @@ channel's file descriptor is watched by the loop: no thread, nothing to wake) an
 ``on_message``; ``send`` never blocks (what the pipe cannot take yet goes when it can). If the
 engine process dies, ``on_message`` gets ``("lost", reason)``. ``close`` tells it to stop and
 waits for it; a process that does not stop is killed, so none outlives the server.
+
+With several API-server processes (``--api-server-count``), ``StartingEngine(load, api_servers=N)``
+also makes one pair of pipes per API server, whose ends it hands on (``api_server_ends``); each
+API server's process makes its client of them with ``attach``. Such a client never stops the
+engine: ``close`` closes its own channel, and the process that started the engine stops it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import os
 import select
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from compiled_llm.errors import CompiledLLMError, EngineError
 from compiled_llm.serve.engine_process.engine_core import EngineCore, run_engine_process
@@ -37,7 +42,8 @@ logger = logging.getLogger("compiled_llm.serve.engine_process.engine_core_client
 
 class EngineCoreClient:
     def __init__(self, channel: MessageChannel, info: EngineInfo, tokenizer, snapshot: EngineSnapshot, *,
-                 process: multiprocessing.process.BaseProcess | None = None, thread: threading.Thread | None = None):
+                 process: multiprocessing.process.BaseProcess | None = None, thread: threading.Thread | None = None,
+                 owns_engine: bool = True):
         self.channel = channel
         self.info = info
         self.tokenizer = tokenizer
@@ -50,6 +56,7 @@ class EngineCoreClient:
         )
         self._process = process
         self._thread = thread
+        self.owns_engine = owns_engine  # close() stops the engine (else it only closes this channel)
         self._aio: asyncio.AbstractEventLoop | None = None
         self._on_message: Callable[[tuple], None] | None = None
         self._writing = False  # the loop watches the channel for room to write
@@ -81,11 +88,22 @@ class EngineCoreClient:
         return cls(MessageChannel(outputs_r, commands_w), EngineInfo.of(engine), engine.tokenizer,
                    EngineSnapshot.of(engine), thread=thread)
 
+    @classmethod
+    def attach(cls, ends: tuple, info: EngineInfo, tokenizer, snapshot: EngineSnapshot) -> "EngineCoreClient":
+        """In an API server's process: the client over its pair of ``StartingEngine.api_server_ends``
+        (multiprocessing connections, as they arrive in a spawned process), with what the engine
+        reported when it became ready."""
+        outputs, commands = ends
+        return cls(MessageChannel(_take_fd(outputs), _take_fd(commands)), info, tokenizer, snapshot,
+                   owns_engine=False)
+
     @property
     def alive(self) -> bool:
         if self._process is not None:
             return self._process.is_alive()
-        return self._thread is not None and self._thread.is_alive()
+        if self._thread is not None:
+            return self._thread.is_alive()
+        return not self._lost
 
     # what the server asks of its engines, as of ``DataParallelClient``'s: one replica here
 
@@ -138,19 +156,22 @@ class EngineCoreClient:
 
     def _exit_reason(self) -> str:
         if self._process is None:
-            return "the engine thread stopped"
+            return "the engine thread stopped" if self._thread is not None else "the engine process exited"
         self._process.join(1.0)
         return f"the engine process exited (exit code {self._process.exitcode})"
 
     async def close(self, timeout: float = 30.0) -> None:
-        """Tell the engine to stop, and wait up to ``timeout`` seconds for it (then kill it)."""
+        """Tell the engine to stop, and wait up to ``timeout`` seconds for it (then kill it); a
+        client that does not own its engine (``attach``) sends what is still waiting to go and
+        closes its channel."""
         if self._aio is not None and not self._lost:
             self._aio.remove_reader(self.channel.read_fd)
             self._lost = True
         if self._writing:
             self._aio.remove_writer(self.channel.write_fd)
             self._writing = False
-        self.send(("shutdown",))
+        if self.owns_engine:
+            self.send(("shutdown",))
         deadline = time.monotonic() + timeout
         while not self.channel.flush() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -198,18 +219,28 @@ class EngineCoreClient:
 
 class StartingEngine:
     """An engine process spawned and loading: ``poll`` (never blocks) or ``wait`` for it to say
-    ready, ``stop`` it. Several start at once this way (data-parallel replicas), and one that
-    fails, or an interrupt, stops the others without waiting for them to load."""
+    ready, ``stop`` it. Several start at once this way (data-parallel replicas, ``wait_all``), and
+    one that fails, or an interrupt, stops the others without waiting for them to load.
+    ``api_servers``: the API-server processes that will talk to it besides this one, each over
+    a pair of pipes of its own: ``api_server_ends[i]`` (outputs to read, commands to write),
+    multiprocessing connections to hand to API server i's process (and close here then)."""
 
-    def __init__(self, load: Callable[[], LLMEngine]):
+    def __init__(self, load: Callable[[], LLMEngine], api_servers: int = 0):
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         commands_r, commands_w = ctx.Pipe(duplex=False)
         outputs_r, outputs_w = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_engine_process_main, args=(load, commands_r, outputs_w),
+        engine_ends, self.api_server_ends = [], []
+        for _ in range(api_servers):
+            their_commands_r, their_commands_w = ctx.Pipe(duplex=False)
+            their_outputs_r, their_outputs_w = ctx.Pipe(duplex=False)
+            engine_ends.append((their_commands_r, their_outputs_w))
+            self.api_server_ends.append((their_outputs_r, their_commands_w))
+        self.process = ctx.Process(target=_engine_process_main, args=(load, commands_r, outputs_w, engine_ends),
                                    name="compiled_llm-engine", daemon=True)
         self.process.start()
-        commands_r.close()  # the child's ends: closed here, so either side sees the other go
-        outputs_w.close()
+        # the child's ends: closed here, so either side sees the other go
+        for end in (commands_r, outputs_w, *(e for pair in engine_ends for e in pair)):
+            end.close()
         self.channel = MessageChannel(_take_fd(outputs_r), _take_fd(commands_w))
 
     def poll(self) -> EngineCoreClient | None:
@@ -239,7 +270,44 @@ class StartingEngine:
         return client
 
     def stop(self) -> None:
+        self.close_api_server_ends()
         _stop_process(self.process, self.channel)
+
+    def close_api_server_ends(self) -> None:
+        """Close this process's copies of the API servers' ends (once their processes hold
+        theirs), so that the engine sees an API server go when its process ends."""
+        for pair in self.api_server_ends:
+            for end in pair:
+                end.close()
+
+
+def wait_all(starting: Sequence[StartingEngine]) -> list[EngineCoreClient]:
+    """Wait until every engine of ``starting`` (loading at the same time) is ready: their
+    clients, in order. The first that cannot start, or an interrupt, stops all the others at
+    once (loading may take minutes), and its reason is raised, naming the data-parallel replica
+    when there are several."""
+    ready: dict[int, EngineCoreClient] = {}
+    try:
+        while len(ready) < len(starting):
+            for i, engine in enumerate(starting):
+                if i in ready:
+                    continue
+                try:
+                    client = engine.poll()
+                except CompiledLLMError as error:
+                    if len(starting) == 1:
+                        raise
+                    raise type(error)(f"data-parallel replica {i} of {len(starting)}: {error}") from error
+                if client is not None:
+                    ready[i] = client
+            pending = [e.channel.read_fd for i, e in enumerate(starting) if i not in ready]
+            if pending:
+                select.select(pending, [], [], 1.0)
+    except BaseException:
+        for engine in starting:
+            engine.stop()
+        raise
+    return [ready[i] for i in range(len(starting))]
 
 
 def _take_fd(connection) -> int:
@@ -249,8 +317,9 @@ def _take_fd(connection) -> int:
     return fd
 
 
-def _engine_process_main(load, commands, outputs) -> None:
-    run_engine_process(load, _take_fd(commands), _take_fd(outputs))
+def _engine_process_main(load, commands, outputs, api_server_ends=()) -> None:
+    run_engine_process(load, _take_fd(commands), _take_fd(outputs),
+                       [(_take_fd(r), _take_fd(w)) for r, w in api_server_ends])
 
 
 def _stop_process(process, channel: MessageChannel | None) -> None:

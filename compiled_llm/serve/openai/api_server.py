@@ -14,17 +14,24 @@ is OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``: 400 for i
 Allow) for a method a route does not take, 500 once the engine has stopped, 503 with
 Retry-After when the waiting queue is full or the server is shutting down, 504 when a request
 times out. ``/openapi.json`` lists exactly these (``openapi``).
+
+With ``--api-server-count N`` the app runs in N processes on the one port
+(``api_servers``), each given its place (``ApiServerProcess``): its engine request ids are its
+own, /metrics reports the whole server, and /health this process and its engines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import importlib.metadata
 import logging
 import signal
+import socket
 import time
+from typing import Callable
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -133,19 +140,35 @@ def package_version() -> str:
         return "unknown"
 
 
+@dataclasses.dataclass(frozen=True)
+class ApiServerProcess:
+    """Which of the server's API-server processes an app runs in (``--api-server-count``): the
+    ``index``-th of ``count``. Its engine request ids start with ``index``; the first alone counts
+    the engines' metrics and logs the stats lines; /metrics reads every process's values from
+    ``metrics_dir``; ``created`` is the server's start (every process's model card says the same)."""
+
+    index: int
+    count: int
+    metrics_dir: str
+    created: int
+
+
 def build_app(core: EngineCoreClient | DataParallelClient, config: ServerConfig = ServerConfig(),
-              model_name: str | None = None) -> FastAPI:
+              model_name: str | None = None, api_server: ApiServerProcess | None = None) -> FastAPI:
     """The app serving ``core``'s engine (or its replicas); its lifespan starts reading the core
     and stops it. Clients name the model ``config.served_model_name``, else ``model_name``, else
-    the engine's name."""
+    the engine's name. ``api_server``: where it runs when the server runs several."""
     info = core.info
     name = config.served_model_name or model_name or info.name
     metrics = ServerMetrics(name, core.start_snapshots, config.log_stats_interval, info.num_speculative_tokens,
-                            engine_info=info)
+                            engine_info=info, records_engines=api_server is None or api_server.index == 0,
+                            multiprocess_dir=api_server and api_server.metrics_dir)
     async_engine = AsyncEngine(core, max_waiting_requests=config.max_waiting_requests,
                                max_waiting_prompt_tokens=config.max_waiting_prompt_tokens,
-                               request_timeout=config.request_timeout, metrics=metrics)
-    state = ServerState(core, async_engine, metrics, config, name, int(time.time()))
+                               request_timeout=config.request_timeout, metrics=metrics,
+                               request_id_prefix="" if api_server is None else f"{api_server.index}-")
+    created = int(time.time()) if api_server is None else api_server.created
+    state = ServerState(core, async_engine, metrics, config, name, created)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -264,18 +287,21 @@ def build_app(core: EngineCoreClient | DataParallelClient, config: ServerConfig 
 # ---- running it ---------------------------------------------------------------------------------
 
 
-def serve(core: EngineCoreClient | DataParallelClient, config: ServerConfig, model_name: str | None = None) -> int:
+def serve(core: EngineCoreClient | DataParallelClient, config: ServerConfig, model_name: str | None = None, *,
+          api_server: ApiServerProcess | None = None, sock: socket.socket | None = None,
+          on_ready: Callable[[], None] | None = None) -> int:
     """Serve until SIGTERM (refuse new requests with 503, let running ones finish for up to
     ``config.shutdown_timeout`` seconds, abort the rest, stop the engine core, return 0),
     Ctrl-C (abort all, and uvicorn re-raises the interrupt), or the engine process's death
     (running requests fail, then return 1: a supervisor restarts a server that exits, as vLLM's
-    does when its engine core dies)."""
-    app = build_app(core, config, model_name)
+    does when its engine core dies). As one of several API servers (``api_server``): on the
+    listening socket ``sock`` they share, calling ``on_ready`` once it accepts connections."""
+    app = build_app(core, config, model_name, api_server)
     # after the drain, connections get a few seconds to send their last bytes
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                access_log=config.access_log, lifespan="on", timeout_graceful_shutdown=5)
-    server = DrainingServer(uv_config, app.state.server)
-    server.run()
+    server = DrainingServer(uv_config, app.state.server, on_ready=on_ready)
+    server.run(sockets=None if sock is None else [sock])
     return 0 if app.state.server.async_engine.failure is None else 1
 
 
@@ -284,13 +310,20 @@ class DrainingServer(uvicorn.Server):
     own SIGTERM would stop accepting connections at once, and re-raise the signal so the
     process dies of it). Ctrl-C, or a second SIGTERM, aborts every request and stops. When the
     engine process dies, the server stops once the failed requests have had their errors sent
-    (at most ``FAILED_REQUESTS_GRACE`` seconds)."""
+    (at most ``FAILED_REQUESTS_GRACE`` seconds).
+
+    One of several API servers (``on_ready`` given) is told by the process that started it, which
+    may pass on a signal the process group got too (Ctrl-C, a supervisor's SIGTERM to every
+    process): each signal counts once (SIGTERM drains, SIGINT aborts), and instead of the ready
+    line it calls ``on_ready`` (that process logs one line for them all)."""
 
     FAILED_REQUESTS_GRACE = 2.0
 
-    def __init__(self, config: uvicorn.Config, state: ServerState):
+    def __init__(self, config: uvicorn.Config, state: ServerState, on_ready: Callable[[], None] | None = None):
         super().__init__(config)
         self.state = state
+        self.on_ready = on_ready
+        self._signals_seen: set[int] = set()
         self._aio: asyncio.AbstractEventLoop | None = None
         self._drain_requested = False
         self._drain_task: asyncio.Task | None = None
@@ -315,9 +348,16 @@ class DrainingServer(uvicorn.Server):
             # full passes, which would otherwise pause every stream for milliseconds at a time
             gc.collect()
             gc.freeze()
-            _log_ready(self, self.state)
+            if self.on_ready is None:
+                _log_ready(self, self.state)
+            else:
+                self.on_ready()
 
     def handle_exit(self, sig, frame):
+        if self.on_ready is not None:
+            if sig in self._signals_seen:
+                return
+            self._signals_seen.add(sig)
         if sig == signal.SIGTERM and self._aio is not None and not self._drain_requested:
             self._drain_requested = True
             self._aio.call_soon_threadsafe(self._start_drain)  # a signal handler must not touch the loop itself
@@ -331,7 +371,8 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         grace = self.state.config.shutdown_timeout
-        logger.info("SIGTERM: refusing new requests, letting running ones finish for up to %g s", grace)
+        if self.on_ready is None:  # else the process that started this one has said so
+            logger.info("SIGTERM: refusing new requests, letting running ones finish for up to %g s", grace)
         try:
             await self.state.async_engine.drain(grace)
         finally:
@@ -344,6 +385,12 @@ def _log_ready(server: uvicorn.Server, state: ServerState) -> None:
         for sock in s.sockets or ():
             host, port = sock.getsockname()[:2]
             break
+    log_ready(state.model_name, host, port, state.config)
+
+
+def log_ready(model_name: str, host: str, port: int, config: ServerConfig, api_servers: int = 1) -> None:
+    """The line that says the server is up, and where."""
     shown = f"[{host}]" if ":" in host else host
-    logger.info("serving %r at http://%s:%d/v1 (OpenAI API; /health, /metrics)%s", state.model_name, shown, port,
-                "" if state.config.api_key is None else ", API key required")
+    logger.info("serving %r at http://%s:%d/v1 (OpenAI API; /health, /metrics)%s%s", model_name, shown, port,
+                "" if config.api_key is None else ", API key required",
+                "" if api_servers == 1 else f", {api_servers} API server processes")

@@ -90,6 +90,9 @@ class RayServeConfig:
         if unknown:
             raise InvalidOptionError(f"unknown engine option {unknown[0]!r}")
         ServerConfig(**self.server_options)  # refused here, with its own message, before any replica starts
+        if self.server_options.get("api_server_count", 1) != 1:
+            raise InvalidOptionError("api_server_count is compiled-llm serve's; under Ray Serve its HTTP proxies and "
+                                     "num_replicas spread the requests")
         PrefixRoutingConfig(**self.routing)
 
     @classmethod

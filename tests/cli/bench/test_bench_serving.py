@@ -140,6 +140,8 @@ def test_options_are_checked_and_passed_to_the_server_as_flags():
     assert serving.parse_rate("inf") == math.inf and serving.parse_rate("2.5") == 2.5
     with pytest.raises(InvalidOptionError, match="max_input_len"):
         serving.ServingOptions(max_input_len=50)
+    with pytest.raises(InvalidOptionError, match="api_server_count must be >= 1, got 0"):
+        serving.ServingOptions(api_server_count=0)
     flags = server_launcher.option_flags({"max_num_seqs": 8, "enforce_eager": True, "enable_prefix_caching": False,
                                   "num_blocks": None, "device": "cpu"})
     assert flags == ["--max-num-seqs", "8", "--enforce-eager", "--no-enable-prefix-caching", "--device", "cpu"]

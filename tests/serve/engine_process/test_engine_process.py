@@ -354,3 +354,104 @@ def test_a_later_prompts_first_token_is_not_paced_behind_running_streams():
         await engine.stop()
 
     asyncio.run(scenario())
+
+
+# ---- several API servers over the same engines -----------------------------------------------------------
+
+
+def engine_cores_in_threads(engines, api_servers: int):
+    """Each engine stepped by an EngineCore in a thread, with the owner's channel and one per
+    API server (``--api-server-count``): (the owners' channels, for each API server its clients
+    of the engines, the threads)."""
+    from compiled_llm.serve.engine_process.engine_core import EngineCore
+    from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
+    from compiled_llm.serve.engine_process.engine_messages import EngineInfo, EngineSnapshot
+    from compiled_llm.serve.engine_process.message_channel import MessageChannel
+
+    def pair():
+        """Two ends of a pair of pipes: (this side's, the engine's)."""
+        (to_engine_r, to_engine_w), (from_engine_r, from_engine_w) = os.pipe(), os.pipe()
+        return MessageChannel(from_engine_r, to_engine_w), MessageChannel(to_engine_r, from_engine_w)
+
+    owners, clients, threads = [], [[] for _ in range(api_servers)], []
+    for engine in engines:
+        owner, owner_end = pair()
+        ends = []
+        for k in range(api_servers):
+            mine, theirs = pair()
+            ends.append(theirs)
+            clients[k].append(EngineCoreClient(mine, EngineInfo.of(engine), engine.tokenizer,
+                                               EngineSnapshot.of(engine), owns_engine=False))
+        threads.append(threading.Thread(target=EngineCore(engine, owner_end, ends).run, daemon=True))
+        threads[-1].start()
+        owners.append(owner)
+    return owners, clients, threads
+
+
+def test_two_api_servers_over_two_replicas_hear_only_of_their_own_requests_and_one_that_goes_has_its_aborted(
+        llm, lively_oracle):
+    """What --api-server-count 2 --data-parallel-size 2 runs, in threads: each API server's
+    requests, numbered its own way, reach both replicas and come back to it alone, equal to
+    transformers' greedy; an API server that goes away has its running request aborted, and the
+    other serves on."""
+    from compiled_llm.serve.engine_process.async_engine import AsyncEngine
+    from compiled_llm.serve.engine_process.dp_client import DataParallelClient
+    from compiled_llm.serve.llm import LLM
+    from compiled_llm.serve.sampling_params import SamplingParams
+
+    engines = [LLM.from_loaded(llm.model).engine for _ in range(2)]
+    owners, clients, threads = engine_cores_in_threads(engines, api_servers=2)
+    tokenizer = llm.engine.tokenizer
+    prompts = [tokenizer.encode(f"{p} {i}") for i, p in enumerate(["Once upon a time", "hello world"] * 4)]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    heard = [[], []]  # (replica, request id) of every output each API server was sent
+
+    def listening(k: int, on_message):
+        def on(message):
+            if message[0] == "step":
+                heard[k] += [(message[-1], encoded[0]) for encoded in message[1]]
+            on_message(message)
+        return on
+
+    async def tokens(front, ids, params) -> list[int]:
+        group = front.submit([clients[0][0].validator.validate(ids, params)], stream=True)
+        try:
+            return (await group.results())[0].outputs[0].token_ids
+        finally:
+            group.release()
+
+    async def main():
+        fronts = [AsyncEngine(DataParallelClient(clients[k]), request_id_prefix=f"{k}-") for k in (0, 1)]
+        for k, front in enumerate(fronts):
+            front._on_message = listening(k, front._on_message)
+            front.start()
+        got = await asyncio.gather(*(tokens(fronts[i % 2], ids, greedy) for i, ids in enumerate(prompts)))
+        # API server 1 goes (its process ended: its channels close) with a long request running
+        long = fronts[1].submit([clients[1][0].validator.validate(
+            prompts[0], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))], stream=True)
+        await long.next_outputs()
+        for client in clients[1]:
+            client.channel.close()
+        after = await tokens(fronts[0], prompts[1], greedy)
+        await fronts[0].stop()
+        return got, after
+
+    try:
+        got, after = asyncio.run(main())
+        wait_for = time.monotonic() + 10
+        while any(e.has_unfinished_requests() for e in engines) and time.monotonic() < wait_for:
+            time.sleep(0.05)
+        assert not any(e.has_unfinished_requests() for e in engines)
+        # the long one was aborted within a few steps of its API server's going, not run to 400 tokens
+        assert sum(e.stats.generated_tokens for e in engines) < len(prompts) * 10 + 10 + 100
+    finally:
+        for owner in owners:
+            owner.send(("shutdown",))
+        for thread in threads:
+            thread.join(10)
+    assert got == [lively_oracle(ids, 10)[0] for ids in prompts]
+    assert after == lively_oracle(prompts[1], 10)[0]
+    for k in (0, 1):
+        assert {replica for replica, _ in heard[k]} == {0, 1}
+        assert all(rid.startswith(f"{k}-") for _, rid in heard[k])
+    assert not any(t.is_alive() for t in threads)
