@@ -91,13 +91,14 @@ def replica_loads(args, build: BuildConfig, api_servers: int = 1) -> list:
     """The loader of each data-parallel replica's engine process: the same engine, each replica
     an engine of its own (data_parallel_size 1) placed as ``dp_placement.replica_placements``
     says (its own GPUs, or on a CPU its share of the cores the API servers leave,
-    ``engine_cpus``). Replicas that are Ray actors (the ray backend) take the GPUs Ray gives
-    them."""
+    ``engine_cpus``). Replicas that are Ray actors (the ray backend) are placed by the cluster,
+    whatever the device: the GPU Ray gives each, or on a CPU the CPUs of its bundle
+    (``ray_replicas.replica_cpu_placement``), not this machine's."""
     from compiled_llm.serve.engine_process.dp_placement import (check_replica_device, engine_world_size,
                                                                 replica_placements)
 
     one = argparse.Namespace(**{**vars(args), "data_parallel_size": 1})
-    if args.distributed_executor_backend == "ray" and build.device != "cpu":
+    if args.distributed_executor_backend == "ray":
         check_replica_device(build.device, args.data_parallel_size)
         return [functools.partial(load_engine, one) for _ in range(args.data_parallel_size)]
     ranks = engine_world_size(args.source, build, build_options(args, for_source=True))

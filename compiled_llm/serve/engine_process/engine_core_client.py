@@ -10,7 +10,8 @@ same messages.
 On the event loop, ``start(on_message)`` reads the engine's messages as they arrive (the
 channel's file descriptor is watched by the loop: no thread, nothing to wake) and hands each to
 ``on_message``; ``send`` never blocks (what the pipe cannot take yet goes when it can). If the
-engine process dies, ``on_message`` gets ``("lost", reason)``. ``close`` tells it to stop and
+engine process dies, ``on_message`` gets ``("lost", reason)``, the reason worked out off the
+loop (it may take waiting for the process, or for Ray, to say how the engine ended). ``close`` tells it to stop and
 waits for it; a process that does not stop is killed, so none outlives the server.
 
 With several API-server processes (``--api-server-count``), ``StartingEngine(load, api_servers=N)``
@@ -30,7 +31,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from compiled_llm.errors import CompiledLLMError, EngineError
+from compiled_llm.errors import CompiledLLMError, EngineError, first_line
 from compiled_llm.serve.engine_process.engine_core import EngineCore, run_engine_process
 from compiled_llm.serve.engine_process.engine_messages import EngineInfo, EngineSnapshot
 from compiled_llm.serve.llm_engine import LLMEngine
@@ -152,9 +153,28 @@ class EngineCoreClient:
         if self.channel.closed and not self._lost:
             self._lost = True
             self._aio.remove_reader(self.channel.read_fd)
-            self._on_message(("lost", self._exit_reason()))
+            self._report_lost()
+
+    def _report_lost(self) -> None:
+        """Hand on ``("lost", reason)`` from the loop once the reason is known. It is worked out
+        in a thread: that waits (for the process to exit; for Ray to see a replica's actor end,
+        and to release it), and the loop serves the other replicas' streams and /health meanwhile."""
+        loop, on_message = self._aio, self._on_message
+
+        def work() -> None:
+            try:
+                reason = self._exit_reason()
+            except Exception as e:  # noqa: BLE001 - the engine is gone all the same
+                reason = f"the engine stopped ({type(e).__name__}: {first_line(e, 300)})"
+            try:
+                loop.call_soon_threadsafe(on_message, ("lost", reason))
+            except RuntimeError:  # the loop has closed: the server is gone, nobody is left to tell
+                pass
+
+        threading.Thread(target=work, name="compiled_llm-engine-lost", daemon=True).start()
 
     def _exit_reason(self) -> str:
+        """Why the engine is gone, in one line (called off the event loop: it may wait)."""
         if self._process is None:
             return "the engine thread stopped" if self._thread is not None else "the engine process exited"
         self._process.join(1.0)

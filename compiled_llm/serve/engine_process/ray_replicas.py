@@ -12,11 +12,18 @@ On GPUs Ray gives each actor its GPU (``CUDA_VISIBLE_DEVICES``); the engine dire
 the same path on every node that runs a replica (as the model path is for vLLM).
 
 Connection: the front end listens on an ephemeral port of its node's IP (the one Ray reports),
-one listener per replica; the actor connects and first sends a random token that the front end
-gave it. The front end reads nothing else (no pickle) from a connection before it has the
-token, and takes one connection per replica. From then on the socket is the replica's
-``MessageChannel`` at both ends, the messages those of an engine process's pipes
-(``run_engine_process`` runs in the actor as in a spawned process).
+one listener per replica (``ReplicaListener``); the actor connects and first sends a random
+token that the front end gave it. The front end reads nothing else (no pickle) from a
+connection before it has the token, and takes one connection per replica. From then on the
+socket (``TCP_NODELAY`` at both ends) is the replica's ``MessageChannel`` at both ends, the
+messages those of an engine process's pipes (``run_engine_process`` runs in the actor as in a
+spawned process).
+
+Settings: an actor takes the front end's log level and engine cache (``replica_settings``), as a
+spawned engine process inherits them, and nothing else of its environment: an actor's creation
+arguments are kept in Ray's GCS, so the server's API key must not be among them. On a CPU a
+replica runs torch on as many threads as its bundle has CPUs (``replica_cpu_placement``), as
+Ray gives its other ranks: the cluster, not the front end's machine, says what it may use.
 
 Lifetime: the actor serves until the front end says shutdown or goes away (the socket closes),
 or its engine's ranks fail; then its call returns and the front end kills it and removes its
@@ -30,6 +37,7 @@ Ray is imported inside functions only: it is an optional extra (``compiled_llm[r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
@@ -39,12 +47,14 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
+from compiled_llm.cache_dir import CACHE_DIR_ENV
 from compiled_llm.errors import CompiledLLMError, EngineError, InvalidOptionError, first_line
 from compiled_llm.serve.engine_process.dp_client import DataParallelClient
+from compiled_llm.serve.engine_process.dp_placement import ReplicaPlacement
 from compiled_llm.serve.engine_process.engine_core import run_engine_process
 from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
 from compiled_llm.serve.engine_process.message_channel import MessageChannel
@@ -54,10 +64,14 @@ from compiled_llm.serve.llm_engine import LLMEngine
 
 logger = logging.getLogger("compiled_llm.serve.engine_process.ray_replicas")
 
-SETTINGS_PREFIX = "COMPILED_LLM_"  # the environment variables a replica takes from the front end
+# The front end's environment variables a replica takes: the CLI's log level and the engine
+# cache's directory. Only these (never the API key): they travel in the actor's creation
+# arguments, which Ray's GCS keeps where anyone who reaches the cluster can read them.
+REPLICA_SETTINGS = ("COMPILED_LLM_LOGGING_LEVEL", CACHE_DIR_ENV)
 TOKEN_BYTES = 32
 CONNECT_TIMEOUT_S = 60.0  # an actor that has started reaches the front end within this, or never
 _TOKEN_WAIT_S = 5.0  # a connection that has not sent its token by then is not the replica
+_MAX_UNPROVEN = 8  # connections waiting to send a token: a flood drops the oldest, not the replica's
 _END_WAIT_S = 2.0  # how long a lost replica's actor may take to be seen dead, for its reason
 
 
@@ -75,6 +89,104 @@ def replica_device_type(device: str, cluster_gpus: float) -> str:
     return "cuda" if device.startswith("cuda") else "cpu"
 
 
+def replica_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` (the front end's environment) that a replica's actor sets."""
+    return {name: environ[name] for name in REPLICA_SETTINGS if name in environ}
+
+
+def replica_cpu_placement(device_type: str, assigned: Mapping[str, float]) -> ReplicaPlacement | None:
+    """A replica actor's share of its node (``assigned``: the resources Ray gave it): on a CPU one
+    torch thread per CPU of its bundle, so that the replicas and ranks Ray packs on a node do not
+    each spin a thread per core; on GPUs nothing (Ray shows the actor its GPU)."""
+    if device_type != "cpu":
+        return None
+    return ReplicaPlacement(cpu_threads=max(1, int(assigned.get("CPU", 1))))
+
+
+def connect_to_front_end(address: tuple[str, int], token: bytes) -> int:
+    """The actor's end: connect, prove to be the replica, and hand over the socket's descriptor
+    (non-blocking). ``TCP_NODELAY``: the messages are small and each one waited for (a step's
+    tokens); Nagle's algorithm would hold one back while an earlier one is unacknowledged."""
+    with socket.create_connection(address, timeout=CONNECT_TIMEOUT_S) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(token)
+        sock.setblocking(False)
+        return sock.detach()
+
+
+@dataclasses.dataclass(eq=False)
+class _Unproven:
+    """A connection to a replica's listener that has not sent the whole token yet."""
+
+    conn: socket.socket
+    peer: tuple
+    drop_by: float  # time.monotonic()
+    got: bytes = b""
+
+
+class ReplicaListener:
+    """The front end's end of one replica's connection: a listener on an ephemeral port of
+    ``node_ip`` that takes the first connection to send ``token`` and drops any other. ``accept``
+    never blocks: a connection's token is read as it arrives, over calls, so a stray connection
+    that sends nothing holds nothing up (it is dropped after ``_TOKEN_WAIT_S``)."""
+
+    def __init__(self, node_ip: str, token: bytes, index: int):
+        self._token = token
+        self._index = index
+        family = socket.AF_INET6 if ":" in node_ip else socket.AF_INET
+        self._sock = socket.create_server((node_ip, 0), family=family, backlog=8)
+        self._sock.setblocking(False)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._unproven: list[_Unproven] = []
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def accept(self) -> int | None:
+        """The replica's connection, once it has sent the token: its descriptor (non-blocking,
+        ``TCP_NODELAY``, now the caller's; the listener is closed). None until then."""
+        while True:
+            try:
+                conn, peer = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            conn.setblocking(False)
+            self._unproven.append(_Unproven(conn, peer, time.monotonic() + _TOKEN_WAIT_S))
+            if len(self._unproven) > _MAX_UNPROVEN:
+                self._drop(self._unproven[0])
+        for pending in list(self._unproven):
+            try:
+                chunk = pending.conn.recv(TOKEN_BYTES - len(pending.got))
+            except (BlockingIOError, InterruptedError):
+                if time.monotonic() > pending.drop_by:
+                    self._drop(pending)
+                continue
+            except OSError:
+                chunk = b""
+            pending.got += chunk
+            if not chunk or (len(pending.got) == TOKEN_BYTES and not hmac.compare_digest(pending.got, self._token)):
+                self._drop(pending)
+            elif len(pending.got) == TOKEN_BYTES:
+                self._unproven.remove(pending)
+                pending.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                fd = pending.conn.detach()
+                self.close()
+                return fd
+        return None
+
+    def _drop(self, pending: _Unproven) -> None:
+        self._unproven.remove(pending)
+        pending.conn.close()
+        logger.warning("data-parallel replica %d: dropped a connection from %s that is not the replica",
+                       self._index, pending.peer)
+
+    def close(self) -> None:
+        self._sock.close()
+        for pending in self._unproven:
+            pending.conn.close()
+        self._unproven.clear()
+
+
 class EngineCoreActor:
     """A replica's engine core inside a Ray actor (``ray.remote`` wraps it when replicas start,
     so this module imports without Ray)."""
@@ -82,20 +194,23 @@ class EngineCoreActor:
     def __init__(self, sys_path: list[str], settings: dict[str, str]):
         # ``load`` arrives pickled by name: find it where the front end does
         sys.path.extend(p for p in sys_path if p not in sys.path)
-        # the front end's own settings (log level, engine cache), as a spawned engine inherits them
+        # the front end's log level and engine cache (``replica_settings``), as a spawned engine inherits them
         os.environ.update(settings)
 
     def pid(self) -> int:
         return os.getpid()
 
-    def serve(self, load: Callable[[], LLMEngine], address: tuple[str, int], token: bytes, groups: list) -> None:
-        """Connect to the front end, load the engine (its ranks in ``groups``) and serve it until
-        the front end says shutdown or goes away, or the engine's ranks fail."""
+    def serve(self, load: Callable[[], LLMEngine], address: tuple[str, int], token: bytes, groups: list,
+              device_type: str) -> None:
+        """Connect to the front end, load the engine (its ranks in ``groups``, on ``device_type``)
+        and serve it until the front end says shutdown or goes away, or the engine's ranks fail."""
+        import ray
+
+        placement = replica_cpu_placement(device_type, ray.get_runtime_context().get_assigned_resources())
+        if placement is not None:
+            placement.apply()
         place_ranks_in(groups)
-        with socket.create_connection(address, timeout=CONNECT_TIMEOUT_S) as sock:
-            sock.sendall(token)
-            sock.setblocking(False)
-            fd = sock.detach()
+        fd = connect_to_front_end(address, token)
         engines: list[LLMEngine] = []
 
         def loaded() -> LLMEngine:
@@ -157,17 +272,23 @@ class RayReplica:
         if self._released:
             return
         self._released = True
-        from ray.util.placement_group import remove_placement_group
+        release_ray_objects(self._ray, self.actor, self.groups)
 
+
+def release_ray_objects(ray, actor, groups: list) -> None:
+    """Kill ``actor`` (None: none was made) and remove ``groups``; what is already gone is passed over."""
+    from ray.util.placement_group import remove_placement_group
+
+    if actor is not None:
         try:
-            self._ray.kill(self.actor, no_restart=True)
+            ray.kill(actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        for group in self.groups:
-            try:
-                remove_placement_group(group)
-            except Exception:  # noqa: BLE001 - already removed
-                pass
+    for group in groups:
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001 - already removed
+            pass
 
 
 class RayEngineCoreClient(EngineCoreClient):
@@ -213,6 +334,8 @@ class RayEngineCoreClient(EngineCoreClient):
         self._readable()
 
     def _exit_reason(self) -> str:
+        # off the loop (``_report_lost``): the actor closes its socket before it stops its engine,
+        # so Ray takes a while to see it end
         reason = self.replica.end_reason()
         self.replica.release()  # its resources go back to the cluster now, not at shutdown
         return reason
@@ -237,22 +360,28 @@ class StartingRayReplica:
         self.index = index
         self.channel: MessageChannel | None = None
         self._token = secrets.token_bytes(TOKEN_BYTES)
-        family = socket.AF_INET6 if ":" in node_ip else socket.AF_INET
-        self._listener = socket.create_server((node_ip, 0), family=family, backlog=8)
-        self._listener.setblocking(False)
-        groups = [placement_group(b, strategy="STRICT_PACK", name=f"compiled_llm-dp{index}-stage{stage}")
-                  for stage, b in enumerate(bundles)]
-        self._ready_refs = [g.ready() for g in groups]
+        self._listener = ReplicaListener(node_ip, self._token, index)
         self._placed = False
         self._place_by = time.monotonic() + PLACEMENT_TIMEOUT_S
         self._bundles = bundles
-        gpu = "GPU" in bundles[0][0]
-        actor = ray.remote(EngineCoreActor).options(
-            num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0, max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(groups[0], placement_group_bundle_index=0),
-        ).remote(list(sys.path), {k: v for k, v in os.environ.items() if k.startswith(SETTINGS_PREFIX)})
-        pid_ref = actor.pid.remote()
-        serving = actor.serve.remote(load, self._listener.getsockname()[:2], self._token, groups)
+        groups: list = []
+        actor = None
+        try:  # what is made before a failure (or an interrupt) here is nobody else's to stop
+            for stage, b in enumerate(bundles):
+                groups.append(placement_group(b, strategy="STRICT_PACK", name=f"compiled_llm-dp{index}-stage{stage}"))
+            self._ready_refs = [g.ready() for g in groups]
+            gpu = "GPU" in bundles[0][0]
+            actor = ray.remote(EngineCoreActor).options(
+                num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(groups[0], placement_group_bundle_index=0),
+            ).remote(list(sys.path), replica_settings(os.environ))
+            pid_ref = actor.pid.remote()
+            serving = actor.serve.remote(load, self._listener.address, self._token, groups,
+                                         "cuda" if gpu else "cpu")
+        except BaseException:
+            self._listener.close()
+            release_ray_objects(ray, actor, groups)
+            raise
         self.replica = RayReplica(ray, index, actor, serving, pid_ref, groups)
 
     def fileno(self) -> int:
@@ -296,25 +425,9 @@ class StartingRayReplica:
                 f"{self._ray.available_resources().get(unit, 0):g} {unit} free in all"))
 
     def _accept(self) -> None:
-        """Take the connection that sends the replica's token; drop any other."""
-        try:
-            conn, peer = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        with conn:
-            conn.settimeout(_TOKEN_WAIT_S)
-            try:
-                got = _receive_exactly(conn, TOKEN_BYTES)
-            except OSError:
-                got = b""
-            if not hmac.compare_digest(got, self._token):
-                logger.warning("data-parallel replica %d: dropped a connection from %s that is not the replica",
-                               self.index, peer)
-                return
-            conn.setblocking(False)
-            fd = conn.detach()
-        self._listener.close()
-        self.channel = MessageChannel(fd, fd)
+        fd = self._listener.accept()
+        if fd is not None:
+            self.channel = MessageChannel(fd, fd)
 
     def _stopped(self, error: Exception) -> Exception:
         self.stop()
@@ -325,16 +438,6 @@ class StartingRayReplica:
         if self.channel is not None:
             self.channel.close()
         self.replica.release()
-
-
-def _receive_exactly(conn: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 def start_ray_replicas(loads: Sequence[Callable[[], LLMEngine]], tensor_parallel_size: int,

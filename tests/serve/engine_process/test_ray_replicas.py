@@ -5,6 +5,8 @@ each replica's rank 1 is a Ray actor too. One server for the module, started aft
 test; the tests run in order, the last two each kill an actor.
 
 - A replica that cannot load stops the others and is named; no actor or placement group stays.
+- A replica whose start fails partway (here its second stage's placement group) leaves neither
+  its listener nor the groups made before.
 - 16 concurrent requests, streamed and not, get transformers' greedy text, both replicas serve,
   /health reports both live, no engine process is spawned beside the server, and each replica
   holds a strictly packed placement group of a bundle per rank.
@@ -81,6 +83,26 @@ def test_a_replica_that_cannot_load_stops_the_others_and_names_itself(  # before
         start_ray_replicas([loader(lively_bpe_engine), loader(missing)], 1, 1, "cpu")
     wait_until(lambda: not alive_actors("EngineCoreActor") and not live_placement_groups(), 15.0,
                "the replicas stopped")
+
+
+def test_a_replica_whose_start_fails_partway_leaves_no_listener_and_no_placement_group(  # before the server
+        ray_cluster, monkeypatch):
+    from compiled_llm.serve.engine_process import ray_replicas
+
+    listeners = []
+
+    class RecordedListener(ray_replicas.ReplicaListener):
+        def __init__(self, *args):
+            super().__init__(*args)
+            listeners.append(self)
+
+    monkeypatch.setattr(ray_replicas, "ReplicaListener", RecordedListener)
+    stage_1_refused = [[{"CPU": 1.0}], [{}]]  # Ray refuses an empty bundle, once stage 0's group is made
+    with pytest.raises(ValueError):
+        ray_replicas.StartingRayReplica(ray, 0, print, stage_1_refused, "127.0.0.1")
+    (listener,) = listeners
+    assert listener.fileno() == -1
+    wait_until(lambda: not live_placement_groups(), 15.0, "stage 0's placement group removed")
 
 
 def test_concurrent_requests_get_transformers_greedy_text_from_two_actor_replicas_each_in_a_group_of_its_own(
