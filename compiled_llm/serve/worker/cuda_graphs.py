@@ -165,7 +165,17 @@ class StepGraphs:
                 # collects garbage and empties the allocator's cache, which mid-run costs far
                 # more than the capture itself
                 g = torch.cuda.CUDAGraph()
-                g.capture_begin(pool=self.pool)
+                # Thread-local capture mode, not torch's default global one: in a multi-rank
+                # engine other threads touch CUDA while this one captures. NCCL's watchdog
+                # polls the events of the works in flight: the eager run above enqueued the
+                # stage's collectives, and a later pipeline stage posted every lane's receive
+                # before its first lane captures (``PipelineLanes.run``). Under global mode such
+                # a query, or any unsafe call, from another thread is an error that breaks the
+                # capture (whether torch's watchdog steps aside depends on its version).
+                # Nothing else is enqueued on this thread until capture_end (the lanes post
+                # and wait for their messages outside the capture), and thread-local mode still
+                # refuses unsafe calls made here, the thread whose work the graph records.
+                g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     for static, o in zip(self.outputs, _tensors(self._forward(bucket))):
                         static[: o.shape[0]].copy_(o)
