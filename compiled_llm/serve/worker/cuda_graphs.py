@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import time
 import warnings
 from typing import Callable
@@ -64,6 +65,18 @@ def _syncs_raise():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphsSummary:
+    """What one set of graphs (``StepGraphs``) of a rank holds: its buckets, those captured, and
+    whether a capture failed (every bucket eager) or ran out of memory (``eager_from`` and up)."""
+
+    name: str
+    buckets: tuple[int, ...]
+    captured: tuple[int, ...]
+    failed: bool
+    eager_from: int | None
 
 
 class StepGraphs:
@@ -123,6 +136,9 @@ class StepGraphs:
         if bucket in self.graphs:
             return True
         return not self._too_large(bucket) and self._capture(bucket)
+
+    def summary(self, name: str) -> GraphsSummary:
+        return GraphsSummary(name, tuple(self.buckets), tuple(sorted(self.graphs)), self.failed, self.eager_from)
 
     def capture_all(self) -> bool:
         """Capture every bucket now (benchmarks do before they time). False when graphs are off
