@@ -25,8 +25,9 @@ The header is read on the host, which waits for the stage before: this is how pr
 them itself, so every rank knows every shape, and each micro-batch replays a CUDA graph of
 ``run_micro_batch`` on fixed buffers, received into and sent from with ``receive_into`` and
 ``send_static`` (``serve/worker/pipeline_lanes.py``). The fixed buffers' per-token shapes and
-dtypes are what the header path received first (``input_specs``, ``logits_spec``): every
-engine runs a step that way (its KV-sizing step) before any decode step.
+dtypes are what the header path received first (``input_specs``, ``logits_spec``; with what
+the stage's program returned, ``output_specs``): every engine runs a step that way (its
+KV-sizing step) before any decode step, and sizes its KV cache around those buffers.
 """
 
 from __future__ import annotations
@@ -145,9 +146,11 @@ class PipelineStage:
         self._rows_gm: torch.fx.GraphModule | None = None
         # the engine (rank 0, stage 0) answers for the last stage, whose graph selects the rows
         self.yields_chosen_rows = yields_chosen_rows
-        # what the header path received last: the activations (stage > 0), the logits (rank 0)
+        # what the header path received last: the activations (stage > 0), the logits (rank 0);
+        # and what the stage's program returned (what its decode graphs write, ``pipeline_lanes``)
         self.input_specs: list[Spec] | None = None
         self.logits_spec: Spec | None = None
+        self.output_specs: list[Spec] | None = None
 
     def __call__(self, params: dict[str, Tensor], batch: PackedBatch, kv_cache: Tensor) -> Tensor:
         return self._step(params, batch, kv_cache, None)
@@ -179,6 +182,7 @@ class PipelineStage:
                 self.input_specs = [spec_of(t) for t in inputs]
             chosen = micro_batches.rows_within(rows, mb) if self.is_last and rows is not None else None
             out = self.run_micro_batch(params, mb.batch, kv_cache, inputs, chosen)
+            self.output_specs = [spec_of(t) for t in out]
             if not self.is_last:
                 sending += send_tensors(out, self.next)
             elif self.sends_logits:

@@ -30,7 +30,8 @@ from compiled_llm.serve.core.block_manager import BlockManager, cdiv, hybrid_kv_
 from compiled_llm.serve.core.detokenizer import IncrementalDetokenizer
 from compiled_llm.serve.executor.multiproc import MultiprocExecutor
 from compiled_llm.engine.loaded_model import LoadedModel
-from compiled_llm.serve.worker.model_runner import ModelRunner, _label, profile_step
+from compiled_llm.serve.worker import pipeline_lanes
+from compiled_llm.serve.worker.model_runner import ModelRunner, RankGraphs, _label, profile_step
 from compiled_llm.serve.core.request_validator import RequestValidator
 from compiled_llm.serve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from compiled_llm.serve.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -154,12 +155,15 @@ class LLMEngine:
         max_num_seqs = config.max_num_seqs
         t0 = time.perf_counter()
         num_blocks = config.num_blocks
+        graphs_on = not config.enforce_eager and self.device.type == "cuda"
         if num_blocks is None and self.device.type == "cuda":
             # a pipeline stage's cache holds its layers only; stage 0 (this rank) holds the most
-            # (earlier stages take the extra layers), so its block count fits every stage's
+            # (earlier stages take the extra layers), so its block count fits every stage's. The
+            # decode lanes' buffers, made later, are held back: the most any rank's hold (rank 0's
+            # logits, the last stage's graph outputs)
             num_blocks, self._stats.memory = kvc.gpu_num_blocks(
                 mc, bs, model.dtype, self.device, config.gpu_memory_utilization, self.profile_largest_step,
-                model.kv_layers,
+                model.kv_layers, reserved=lambda: max(self.lane_bytes(graphs_on), default=0),
             )
             # Blocks beyond what every sequence can hold at once, twice over (the second half keeps
             # prefixes cached), would only cost start-up time: a tiny model on a large GPU would
@@ -199,7 +203,7 @@ class LLMEngine:
         runner_options = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                               max_model_len=self.max_model_len)
         # captured bucket by bucket on first use, so none stands before the first token
-        graph_tokens = prefill_graph_tokens if not config.enforce_eager and self.device.type == "cuda" else None
+        graph_tokens = prefill_graph_tokens if graphs_on else None
         buckets_up_to = decode_buckets_up_to(config, self.device)
         if self.executor is not None:
             self.executor.send("make_runner", num_blocks, bs, runner_options, buckets_up_to, graph_tokens)
@@ -247,6 +251,25 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.send("capture_all_graphs", part, parts)
         return self.runner.capture_all_graphs(part, parts)
+
+    def lane_bytes(self, graphs: bool) -> list[int]:
+        """The bytes each rank's decode lanes will hold, with CUDA graphs when ``graphs``, rank 0
+        first (``pipeline_lanes.lane_bytes``: asked once a step ran the header path, as the
+        KV-sizing step does); [] for an engine without lanes (unpipelined, or whose decode steps
+        run at their own sizes: ``decode_buckets_up_to``)."""
+        up_to = decode_buckets_up_to(self.config, self.device)
+        if self.model.pp_size == 1 or up_to is None:
+            return []
+        # the runner's lanes: up to max_graph_batch_size rows, the block table of max_model_len
+        args = (min(up_to, self.config.max_num_seqs), cdiv(self.max_model_len, self.config.block_size), graphs)
+        return [pipeline_lanes.lane_bytes(self.model.program, *args), *self.executor.ask("lane_bytes", *args)]
+
+    def rank_graphs(self) -> list[RankGraphs]:
+        """Every rank's CUDA graphs, rank 0 first: the buckets each set captured, whether a capture
+        failed, and what its decode lanes hold (a rank whose capture fails runs eagerly, with a
+        warning in its own log)."""
+        others = self.executor.ask("graph_report") if self.executor is not None else []
+        return [self.runner.graph_report(), *others]
 
     def profile_largest_step(self) -> None:
         """Run the step the KV-cache sizing measures (the largest prefill, then sampling of

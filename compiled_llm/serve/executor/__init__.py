@@ -7,6 +7,7 @@ collectives inside the program (``graph/collective_ops.py``) meet there. An exec
 channel and the life of the ranks behind it:
 
     send(method, *args)          have every other rank call ``RankWorker.<method>(*args)``, in order
+    ask(method, *args)           the same, and wait for their results, rank 1 first
     run_on_ranks(fn, *args,      have every other rank call ``fn(model, state, *args)``, in the same
                  wait=True)      order: its ``LoadedModel`` and a dict it keeps for such functions;
                                  returns their results, rank 1 first (``wait=False``: returns at once,

@@ -187,6 +187,12 @@ class MultiprocExecutor(RankFailures):
     def send(self, method: str, *args) -> None:
         self._post(method, args, reply=None)
 
+    def ask(self, method: str, *args) -> list[Any]:
+        """``send``, then wait for every other rank's result, rank 1 first."""
+        self._calls += 1
+        self._post(method, args, reply=self._calls)
+        return [self._result(rank, self._calls) for rank in range(1, self.size)]
+
     def run_on_ranks(self, fn: Callable[..., Any], *args, wait: bool = True) -> list[Any] | None:
         """Have every other rank call ``fn(model, state, *args)``, in order with what ``send``
         sends: ``model`` is the rank's ``LoadedModel``, ``state`` a dict the rank keeps for such
@@ -202,11 +208,9 @@ class MultiprocExecutor(RankFailures):
             raise TypeError(f"run_on_ranks needs a function importable by name, not {fn.__module__}.{fn.__qualname__}; "
                             "define it at the top level of a module")
         if not wait:
-            self._post("run", (fn, *args), reply=None)
+            self.send("run", fn, *args)
             return None
-        self._calls += 1
-        self._post("run", (fn, *args), reply=self._calls)
-        return [self._result(rank, self._calls) for rank in range(1, self.size)]
+        return self.ask("run", fn, *args)
 
     def check(self, wait_s: float = 0.0) -> None:
         """Raise EngineError if a rank has failed or the engine was shut down; with ``wait_s``,

@@ -2,8 +2,9 @@
 executor drives (a stage's cache holds only its layers).
 
 It holds the rank's weights (``load_engine(rank=...)``), KV cache and ``ModelRunner``, and runs
-what rank 0 sends, in order: the KV-sizing step, making the runner, graph captures and the
-device part of every step (``ModelRunner.replay_step``). It samples nothing and keeps no request
+what rank 0 sends, in order: the KV-sizing step (and what its decode lanes will hold), making
+the runner, graph captures and the device part of every step (``ModelRunner.replay_step``);
+it reports its graphs when asked. It samples nothing and keeps no request
 state: every step's inputs arrive filled. Tools that drive the ranks themselves (``compare``) send
 plain functions instead (``run``), which see the rank's model and a state of their own.
 """
@@ -16,7 +17,8 @@ import torch
 
 from compiled_llm.engine.loaded_model import LoadedModel
 from compiled_llm.serve.worker import kv_cache as kvc
-from compiled_llm.serve.worker.model_runner import ModelRunner, profile_step
+from compiled_llm.serve.worker import pipeline_lanes
+from compiled_llm.serve.worker.model_runner import ModelRunner, RankGraphs, profile_step
 
 
 class RankWorker:
@@ -30,6 +32,14 @@ class RankWorker:
         m = self.model
         profile_step(m.config, m.params, m.program, num_tokens=num_tokens, num_seqs=num_seqs,
                      block_size=block_size, dtype=m.dtype, device=m.device, kv_layers=m.kv_layers)
+
+    def lane_bytes(self, max_rows: int, width: int, graphs: bool) -> int:
+        """What this stage's decode lanes will hold (``pipeline_lanes.lane_bytes``), asked by
+        rank 0 after the KV-sizing step, before it sizes the cache of every rank."""
+        return pipeline_lanes.lane_bytes(self.model.program, max_rows, width, graphs)
+
+    def graph_report(self) -> RankGraphs:
+        return self.runner.graph_report()
 
     def make_runner(self, num_blocks: int, block_size: int, runner_options: dict[str, Any],
                     decode_buckets_up_to: int | None, prefill_graph_tokens: int | None) -> None:

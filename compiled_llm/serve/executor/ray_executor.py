@@ -245,17 +245,10 @@ class RayExecutor(RankFailures):
     def send(self, method: str, *args) -> None:
         self._call(method, args)
 
-    def run_on_ranks(self, fn: Callable[..., Any], *args, wait: bool = True) -> list[Any] | None:
-        """As ``MultiprocExecutor.run_on_ranks``: ``fn(model, state, *args)`` on every other rank,
-        their results rank 1 first (``wait=False``: none, at once)."""
-        if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
-            raise TypeError(f"run_on_ranks needs a function importable by name, not {fn.__module__}.{fn.__qualname__}; "
-                            "define it at the top level of a module")
-        refs = self._call("run", (fn, *args))
-        if not wait:
-            return None
+    def ask(self, method: str, *args) -> list[Any]:
+        """As ``MultiprocExecutor.ask``: ``send``, then every other rank's result, rank 1 first."""
         results = []
-        for rank, ref in enumerate(refs, start=1):
+        for ref in self._call(method, args):
             while True:
                 done, _ = self._ray.wait([ref], timeout=_POLL_S)
                 if done:
@@ -265,6 +258,17 @@ class RayExecutor(RankFailures):
             self.check()
             results.append(self._ray.get(ref))
         return results
+
+    def run_on_ranks(self, fn: Callable[..., Any], *args, wait: bool = True) -> list[Any] | None:
+        """As ``MultiprocExecutor.run_on_ranks``: ``fn(model, state, *args)`` on every other rank,
+        their results rank 1 first (``wait=False``: none, at once)."""
+        if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
+            raise TypeError(f"run_on_ranks needs a function importable by name, not {fn.__module__}.{fn.__qualname__}; "
+                            "define it at the top level of a module")
+        if not wait:
+            self.send("run", fn, *args)
+            return None
+        return self.ask("run", fn, *args)
 
     def check(self, wait_s: float = 0.0) -> None:
         """Raise EngineError if a rank has failed or the engine was shut down; with ``wait_s``,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import time
 import warnings
 from typing import Callable
@@ -64,6 +65,18 @@ def _syncs_raise():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphsSummary:
+    """What one set of graphs (``StepGraphs``) of a rank holds: its buckets, those captured, and
+    whether a capture failed (every bucket eager) or ran out of memory (``eager_from`` and up)."""
+
+    name: str
+    buckets: tuple[int, ...]
+    captured: tuple[int, ...]
+    failed: bool
+    eager_from: int | None
 
 
 class StepGraphs:
@@ -124,6 +137,9 @@ class StepGraphs:
             return True
         return not self._too_large(bucket) and self._capture(bucket)
 
+    def summary(self, name: str) -> GraphsSummary:
+        return GraphsSummary(name, tuple(self.buckets), tuple(sorted(self.graphs)), self.failed, self.eager_from)
+
     def capture_all(self) -> bool:
         """Capture every bucket now (benchmarks do before they time). False when graphs are off
         or some bucket runs eagerly."""
@@ -165,7 +181,17 @@ class StepGraphs:
                 # collects garbage and empties the allocator's cache, which mid-run costs far
                 # more than the capture itself
                 g = torch.cuda.CUDAGraph()
-                g.capture_begin(pool=self.pool)
+                # Thread-local capture mode, not torch's default global one: in a multi-rank
+                # engine other threads touch CUDA while this one captures. NCCL's watchdog
+                # polls the events of the works in flight: the eager run above enqueued the
+                # stage's collectives, and a later pipeline stage posted every lane's receive
+                # before its first lane captures (``PipelineLanes.run``). Under global mode such
+                # a query, or any unsafe call, from another thread is an error that breaks the
+                # capture (whether torch's watchdog steps aside depends on its version).
+                # Nothing else is enqueued on this thread until capture_end (the lanes post
+                # and wait for their messages outside the capture), and thread-local mode still
+                # refuses unsafe calls made here, the thread whose work the graph records.
+                g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     for static, o in zip(self.outputs, _tensors(self._forward(bucket))):
                         static[: o.shape[0]].copy_(o)

@@ -47,9 +47,12 @@ def gpu_num_blocks(
     gpu_memory_utilization: float,
     profile_step: Callable[[], None],
     kv_layers: int | None = None,
+    reserved: Callable[[], int] | None = None,
 ) -> tuple[int, dict]:
     """Blocks that fit in the GPU budget, measured by running ``profile_step`` (the largest
-    step: max tokens prefill + sampling of max_num_seqs rows) with the weights loaded."""
+    step: max tokens prefill + sampling of max_num_seqs rows) with the weights loaded, less
+    ``reserved()`` bytes: buffers the engine makes after the cache and holds from then on (a
+    pipelined engine's decode lanes), asked after ``profile_step``, which tells their shapes."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise CompiledLLMError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     torch.cuda.synchronize(device)
@@ -61,18 +64,21 @@ def gpu_num_blocks(
     free, total = torch.cuda.mem_get_info(device)
     # memory held outside this process's torch allocator: CUDA context, other processes
     non_torch = (total - free) - torch.cuda.memory_reserved(device)
-    budget = total * gpu_memory_utilization - non_torch - peak
+    held_back = reserved() if reserved is not None else 0
+    budget = total * gpu_memory_utilization - non_torch - peak - held_back
     n = int(budget // block_bytes(config, block_size, dtype, kv_layers))
     info = {
         "total_gib": total / 2**30,
         "peak_gib": peak / 2**30,
         "non_torch_gib": non_torch / 2**30,
+        "reserved_gib": held_back / 2**30,
         "kv_gib": max(n, 0) * block_bytes(config, block_size, dtype, kv_layers) / 2**30,
     }
     if n < 1:
+        held = f", after {held_back / 2**30:.2f} GiB held for decode buffers" if held_back else ""
         raise CompiledLLMError(
             f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB at "
-            f"gpu_memory_utilization={gpu_memory_utilization}); raise it or lower max_num_batched_tokens"
+            f"gpu_memory_utilization={gpu_memory_utilization}{held}); raise it or lower max_num_batched_tokens"
         )
     return n, info
 

@@ -26,7 +26,7 @@ from compiled_llm.model.spec import PackedBatch
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.serve.worker import kv_cache as kvc
 from compiled_llm.serve.core.block_manager import cdiv
-from compiled_llm.serve.worker.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
+from compiled_llm.serve.worker.cuda_graphs import GraphsSummary, StepGraphs, decode_buckets, prefill_buckets
 from compiled_llm.serve.worker.pipeline_lanes import LanePlan, PipelineLanes
 from compiled_llm.serve.worker.request_rows import RequestRows
 from compiled_llm.serve.worker.sampler import (SamplingTensors, TokenLogprobs, greedy_ids, penalised_rows, race_candidates,
@@ -104,6 +104,19 @@ class DeviceStep:
     logits_rows: tuple[int, ...] | None = None
     # "lanes": a pipeline stage's decode step, (rows, bucket) of each lane it runs on (PipelineLanes)
     lanes: LanePlan | None = None
+
+
+@dataclass(frozen=True)
+class RankGraphs:
+    """One rank's CUDA graphs (``ModelRunner.graph_report``): each set's summary, and the bytes
+    its decode lanes' buffers hold (0 without lanes)."""
+
+    graphs: tuple[GraphsSummary, ...]
+    lane_bytes: int
+
+    @property
+    def lanes(self) -> list[GraphsSummary]:
+        return [g for g in self.graphs if g.name.startswith("lane ")]
 
 
 def _label(enabled: bool, name: str):
@@ -219,6 +232,14 @@ class ModelRunner:
     def all_graphs(self) -> list[StepGraphs]:
         """Every set of graphs the runner replays (each bucket's graph captured on first use)."""
         return [self.graphs, self.prefill_graphs, *(self.lanes.graphs if self.lanes is not None else ())]
+
+    def graph_report(self) -> RankGraphs:
+        """What this rank's graphs hold: "decode", "prefill", and each lane's ("lane 0", ...)."""
+        lanes = self.lanes.graphs if self.lanes is not None else []
+        named = [("decode", self.graphs), ("prefill", self.prefill_graphs),
+                 *((f"lane {j}", g) for j, g in enumerate(lanes))]
+        return RankGraphs(tuple(g.summary(name) for name, g in named),
+                          self.lanes.held_bytes() if self.lanes is not None else 0)
 
     @torch.inference_mode()
     def capture_all_graphs(self, part: int = 0, parts: int = 1) -> bool:

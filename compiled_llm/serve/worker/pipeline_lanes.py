@@ -21,12 +21,18 @@ tensor-parallel collectives inside the graphs meet):
     the sends    waited for on the stream: the next step's replays overwrite what they read
 
 Without graphs (a CPU, ``enforce_eager``) a lane runs its program eagerly on the same buffers.
+
+The lanes' buffers are made after the KV cache (at the first decode step, and as each graph is
+captured), and held from then on: the cache is sized around them (``lane_bytes``, each rank's;
+at a 128k vocabulary and PP=2, rank 0's logits and the last stage's graph outputs are hundreds
+of MB each).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 import torch
@@ -37,7 +43,7 @@ from compiled_llm.engine.pipeline_stage import PipelineStage, logits_group, rece
 from compiled_llm.errors import EngineError
 from compiled_llm.serve.core.block_manager import cdiv
 from compiled_llm.serve.worker.cuda_graphs import StepGraphs, decode_buckets
-from compiled_llm.serve.worker.step_inputs import StepInputs
+from compiled_llm.serve.worker.step_inputs import StepInputs, step_inputs_bytes
 
 # (real rows, bucket) of each lane a step runs on, in order: what every rank is sent
 LanePlan = tuple[tuple[int, int], ...]
@@ -56,6 +62,41 @@ def decode_micro_batches(most: int, stages: int, weight_bytes: int, kv_bytes: in
         return (m + stages - 1) * (weight_bytes + kv_bytes / m)
 
     return min(range(1, max(most, 1) + 1), key=step_time)
+
+
+def lane_rows(max_rows: int, micro_batches: int) -> list[int]:
+    """The rows each lane holds: lane j runs only in steps of more than j micro-batches, each
+    about 1/M of the step's rows, so it holds max_rows / (j + 1)."""
+    return [cdiv(max_rows, j + 1) for j in range(micro_batches)]
+
+
+def _row_bytes(specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    return sum(dtype.itemsize * math.prod(shape) for dtype, shape in specs)
+
+
+def lane_bytes(stage: PipelineStage, max_rows: int, width: int, graphs: bool) -> int:
+    """The device bytes the lanes of ``stage`` (``PipelineLanes`` of ``max_rows`` rows at
+    block-table width ``width``) hold once they have run, with CUDA graphs when ``graphs``:
+    every lane's step inputs; its received activations (stage > 0); rank 0's logits, every
+    lane's rows; and with graphs, each lane's outputs (``StepGraphs.outputs``) and, once more,
+    the largest bucket's, which its captured forward wrote into the graphs' pool, where they
+    stay (a decode step's other intermediates are far smaller than the last stage's logits).
+    The shapes are those the header path recorded (the KV-sizing step runs that way first)."""
+    needed = {"inputs": (stage.stage > 0, stage.input_specs), "logits": (stage.is_driver, stage.logits_spec),
+              "outputs": (graphs, stage.output_specs)}
+    missing = [name for name, (need, spec) in needed.items() if need and spec is None]
+    if missing:
+        raise EngineError(f"pipeline stage {stage.stage} sized its decode lanes before any step told it the shapes "
+                          f"of its {' and '.join(missing)}")
+    rows = lane_rows(max_rows, stage.micro_batches)
+    total = sum(step_inputs_bytes(r, r, width) for r in rows)
+    if stage.stage > 0:
+        total += sum(rows) * _row_bytes(stage.input_specs)
+    if stage.is_driver:
+        total += sum(rows) * _row_bytes([stage.logits_spec])
+    if graphs:
+        total += (sum(rows) + rows[0]) * _row_bytes(stage.output_specs)
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +134,7 @@ class PipelineLanes:
                  device: torch.device):
         self.stage, self.params, self.kv_cache = stage, params, kv_cache
         self.width, self.device = width, torch.device(device)
-        self.lanes = [Lane(cdiv(max_rows, j + 1), width, self.device) for j in range(stage.micro_batches)]
+        self.lanes = [Lane(rows, width, self.device) for rows in lane_rows(max_rows, stage.micro_batches)]
         self.logits: Tensor | None = None  # rank 0: the step's logits, rows of every lane in order
         self._weight_bytes = sum(params[n].nbytes for n in stage.param_names)
         # the KV one token of context holds in this stage's layers ([layers, 2, blocks, block_size, ...])
@@ -102,6 +143,13 @@ class PipelineLanes:
     @property
     def graphs(self) -> list[StepGraphs]:
         return [lane.graphs for lane in self.lanes]
+
+    def held_bytes(self) -> int:
+        """The bytes the lanes' buffers hold now (at most ``lane_bytes`` less the graphs' pool)."""
+        held = [*(lane.inputs.dev_bytes for lane in self.lanes), *(t for lane in self.lanes for t in lane.received),
+                *(t for lane in self.lanes for t in lane.graphs.outputs or ()),
+                *([self.logits] if self.logits is not None else [])]
+        return sum(t.nbytes for t in held)
 
     # ---- planning (rank 0) --------------------------------------------------------------------
 

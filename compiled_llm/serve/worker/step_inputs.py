@@ -23,17 +23,31 @@ FIELDS = (("tok", torch.int64), ("pos", torch.int64), ("slot", torch.int64), ("s
 ONE_COPY_SLACK_BYTES = 64 * 1024
 
 
+def _counts(max_tokens: int, max_seqs: int, width: int) -> dict[str, int]:
+    return {"tok": max_tokens, "pos": max_tokens, "slot": max_tokens, "sl": max_seqs, "qsl": max_seqs + 1,
+            "bt": max_seqs * width}
+
+
+def _layout(counts: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Each field's byte offset, 16-byte aligned, and the buffer's size in bytes."""
+    offset, end = {}, 0
+    for name, dtype in FIELDS:
+        end = -(-end // 16) * 16
+        offset[name] = end
+        end += counts[name] * dtype.itemsize
+    return offset, end
+
+
+def step_inputs_bytes(max_tokens: int, max_seqs: int, width: int) -> int:
+    """The bytes of a ``StepInputs``' device buffer (its host buffer has as many, pinned)."""
+    return _layout(_counts(max_tokens, max_seqs, width))[1]
+
+
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
         self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs, width
-        self.counts = {"tok": max_tokens, "pos": max_tokens, "slot": max_tokens, "sl": max_seqs,
-                       "qsl": max_seqs + 1, "bt": max_seqs * width}
-        self.offset: dict[str, int] = {}
-        end = 0
-        for name, dtype in FIELDS:
-            end = -(-end // 16) * 16
-            self.offset[name] = end
-            end += self.counts[name] * dtype.itemsize
+        self.counts = _counts(max_tokens, max_seqs, width)
+        self.offset, end = _layout(self.counts)
         self.on_device = torch.device(device).type == "cuda"
         host_bytes = torch.zeros(end, dtype=torch.uint8)
         self.host_bytes = host_bytes.pin_memory() if self.on_device else host_bytes

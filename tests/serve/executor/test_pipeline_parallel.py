@@ -9,6 +9,8 @@
   of fixed buffers, sent without headers (``serve/worker/pipeline_lanes.py``), every rank
   following rank 0's plan, give the same tokens: at PP=2 every decode step, at PP=2 x TP=2 those
   that fit the lanes, between eager ones with headers. ``compiled-llm run`` decodes with headers.
+  Rank 0 asks every rank for its graphs and what its lanes hold: what a GPU's KV sizing holds
+  back for them.
 - The engine directory holds one program per stage and one weights file per (stage, TP rank),
   each with its stage's layers only; the manifest and ``inspect`` record the pipeline size and
   each stage's layers, and an engine asked for at another pipeline size is refused.
@@ -119,7 +121,8 @@ def generate_all(model: Path | str, prompts: list[list[int]], **build) -> tuple:
     """Batched (8 at once), chunked (16-token budget) and preempted (8 blocks of 16 for 6
     requests of up to 50 tokens); also one request's prompt log-probabilities. Returns (the
     engine directory, outputs, (preemptions, all blocks free after, worker processes, decode
-    steps), the log-probabilities' output)."""
+    steps), the log-probabilities' output, (every rank's graphs as it reports them, what each
+    rank's lanes would be held back in a GPU's KV sizing without graphs))."""
     llm = LLM(str(model), device="cpu", max_num_seqs=8, max_num_batched_tokens=16, num_blocks=8, **build)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -128,10 +131,22 @@ def generate_all(model: Path | str, prompts: list[list[int]], **build) -> tuple:
                  len(llm.engine.executor._procs), llm.engine.stats.decode_steps)
         lp = llm.generate([{"prompt_token_ids": prompts[-1]}],
                           SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)[0]
+        ranks = llm.engine.rank_graphs(), llm.engine.lane_bytes(graphs=False)
     finally:
         llm.shutdown()
     assert all(p.poll() is not None for p in llm.engine.executor._procs)  # shutdown stops every stage
-    return llm.engine.model.engine_dir, outs, stats, lp
+    return llm.engine.model.engine_dir, outs, stats, lp, ranks
+
+
+def check_ranks_lanes(ranks, world_size: int) -> None:
+    """Every rank reports its two lanes (no graphs on a CPU), each holding what the KV sizing
+    would hold back for it."""
+    reports, held_back = ranks
+    assert len(reports) == len(held_back) == world_size
+    for rank, (report, expected) in enumerate(zip(reports, held_back)):
+        assert [(g.name, g.captured, g.failed) for g in report.lanes] == [("lane 0", (), False), ("lane 1", (), False)]
+        assert report.lane_bytes == expected > 0, f"rank {rank}"
+    assert held_back[0] > held_back[-1], "rank 0 holds the step's logits"
 
 
 def check_against_transformers(checkpoint, wants, outs, lp) -> None:
@@ -151,9 +166,10 @@ def check_against_transformers(checkpoint, wants, outs, lp) -> None:
 
 def test_pp2_engine_decoding_on_lanes_generates_what_transformers_does(checkpoint, wants, pp2_engine):
     with static_decode() as plans:
-        _, outs, (preemptions, all_free, workers, decode_steps), lp = generate_all(pp2_engine, wants[0],
-                                                                                   max_graph_batch_size=4)
+        _, outs, (preemptions, all_free, workers, decode_steps), lp, ranks = generate_all(pp2_engine, wants[0],
+                                                                                          max_graph_batch_size=4)
     check_against_transformers(checkpoint, wants, outs, lp)
+    check_ranks_lanes(ranks, 2)
     assert workers == 1  # stage 1; stage 0 is this process
     assert preemptions > 0 and all_free
     assert len(plans) == decode_steps > 0, "every decode step ran on the lanes"
@@ -162,8 +178,9 @@ def test_pp2_engine_decoding_on_lanes_generates_what_transformers_does(checkpoin
 
 
 def test_pp2_tp2_llm_of_a_source_generates_what_transformers_does(checkpoint, wants, pp2_tp2_run):
-    _, outs, (preemptions, all_free, workers, decode_steps), lp, plans = pp2_tp2_run
+    _, outs, (preemptions, all_free, workers, decode_steps), lp, ranks, plans = pp2_tp2_run
     check_against_transformers(checkpoint, wants, outs, lp)
+    check_ranks_lanes(ranks, 4)
     assert workers == 3  # stage 0's second TP rank, and stage 1's two
     assert preemptions > 0 and all_free
     assert 0 < len(plans) < decode_steps, "decode steps on lanes and eager ones, with headers, in one run"

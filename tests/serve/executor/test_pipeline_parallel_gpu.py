@@ -8,7 +8,10 @@ the same greedy tokens as its PP=1 engine:
 - with every decode step cut into as many micro-batches as the lanes hold (lane 1's own graphs);
 - with every graph captured before the first step (what a build's warm-up and benchmarks do);
 - eagerly (``enforce_eager``), on the same lanes.
-Each engine then shuts down in under 30 s (its graphs go before NCCL's teardown).
+Every rank is asked for its graphs (a rank whose capture fails runs eagerly, only warning in its
+own log): each captured its lanes' graphs and none failed. What each rank's lanes hold was held
+back when the KV cache was sized. Each engine then shuts down in under 30 s (its graphs go
+before NCCL's teardown).
 
 Run on a machine with two GPUs:  python -m pytest -q -s tests/serve/executor/test_pipeline_parallel_gpu.py
 (-s prints each run's decode speed).
@@ -61,8 +64,9 @@ def requests(vocab_size: int, n: int = 24, seed: int = 0):
 
 
 def run(engine, capture_first: bool = False, **options):
-    """(tokens, graphs captured, the engine's runner) of one engine over ``requests``; the
-    engine must then shut down in under 30 s."""
+    """(tokens, graphs captured on rank 0, every rank's ``RankGraphs``) of one engine over
+    ``requests``; what each rank's lanes hold must have been held back when the KV cache was
+    sized, and the engine must then shut down in under 30 s."""
     llm = LLM(str(engine), gpu_memory_utilization=0.3, **options)
     try:
         if capture_first:
@@ -73,7 +77,11 @@ def run(engine, capture_first: bool = False, **options):
         st = llm.stats
         print(f"\n  {engine.parent.name} {options or ''} capture_first={capture_first}: wall {time.perf_counter() - t0:.2f} s, "
               f"decode {st.decode_tokens / max(st.decode_s, 1e-9):,.0f} tok/s, {st.graphs_captured} graphs")
-        result = [o.outputs[0].token_ids for o in outs], st.graphs_captured, llm.engine.runner
+        ranks = llm.engine.rank_graphs()
+        held_back = st.memory["reserved_gib"] * 2**30
+        for rank, report in enumerate(ranks):
+            assert report.lane_bytes <= held_back, f"rank {rank}'s lanes hold more than the KV sizing held back"
+        result = [o.outputs[0].token_ids for o in outs], st.graphs_captured, ranks
     finally:
         t0 = time.monotonic()
         llm.shutdown()
@@ -89,28 +97,37 @@ def want(engines):
 
 
 def test_pp2_with_cuda_graphs_generates_what_pp1_does(engines, want):
-    got, graphs, runner = run(engines[2])
+    got, graphs, ranks = run(engines[2])
     assert got == want
-    assert graphs > 0 and runner.lanes is not None
-    assert not any(g.failed for g in runner.lanes.graphs), "a capture failed (see the warning)"
+    assert graphs > 0 and len(ranks) == 2
+    for rank, report in enumerate(ranks):
+        assert report.lanes and report.lane_bytes > 0, f"rank {rank} decoded on lanes"
+        assert not any(g.failed for g in report.lanes), f"a capture failed on rank {rank} (see its warning)"
+        assert report.lanes[0].captured, f"rank {rank} replayed lane 0's graphs"
 
 
 def test_pp2_cutting_every_decode_step_into_micro_batches_generates_what_pp1_does(engines, want, monkeypatch):
     """Rank 0 plans each step: as many micro-batches as the lanes hold (a tiny model's cost
     keeps its steps whole), which stage 1 follows."""
     monkeypatch.setattr(pipeline_lanes, "decode_micro_batches", lambda most, *costs: most)
-    got, graphs, runner = run(engines[2])
+    got, graphs, ranks = run(engines[2])
     assert got == want
-    assert runner.lanes.lanes[1].graphs.graphs, "lane 1 replayed graphs of its own"
+    for rank, report in enumerate(ranks):
+        assert not any(g.failed for g in report.lanes), f"a capture failed on rank {rank} (see its warning)"
+        assert report.lanes[1].captured, f"lane 1 replayed graphs of its own on rank {rank}"
 
 
 def test_pp2_capturing_every_graph_first_generates_what_pp1_does(engines, want):
-    got, graphs, runner = run(engines[2], capture_first=True)
+    got, graphs, ranks = run(engines[2], capture_first=True)
     assert got == want
-    assert graphs == sum(len(lane.graphs.buckets) for lane in runner.lanes.lanes)
+    for rank, report in enumerate(ranks):
+        assert [g.captured for g in report.lanes] == [g.buckets for g in report.lanes], f"rank {rank}"
+    assert graphs == sum(len(g.buckets) for g in ranks[0].lanes)
 
 
 def test_pp2_eager_generates_what_pp1_does(engines, want):
-    got, graphs, runner = run(engines[2], enforce_eager=True)
+    got, graphs, ranks = run(engines[2], enforce_eager=True)
     assert got == want
-    assert graphs == 0 and runner.lanes is not None  # decode steps still run headerless, on the lanes
+    assert graphs == 0
+    for report in ranks:  # decode steps still run headerless, on the lanes
+        assert len(report.lanes) == 2 and not any(g.captured for g in report.lanes)

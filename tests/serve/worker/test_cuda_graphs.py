@@ -1,15 +1,16 @@
 """StepGraphs' capture failures: a bucket whose capture runs out of GPU memory runs eagerly with
 every larger one, while smaller buckets keep their graphs; any other failure switches graphs off.
+Captures refuse unsafe CUDA calls on their own thread only: other threads (NCCL's watchdog
+polling a pipeline stage's posted receives) may go on meanwhile.
 
 The CPU tests stand in for torch.cuda's streams and graphs (a graph "replays" by counting); the
 GPU test captures real graphs."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from helpers.fake_cuda import FakeGraph, use_fake_cuda
 
 from compiled_llm.serve.worker.cuda_graphs import StepGraphs
 
@@ -17,38 +18,10 @@ BUCKETS = [1, 2, 4, 8, 16]
 VOCAB = 5
 
 
-class _FakeGraph:
-    replays = 0
-
-    def capture_begin(self, pool=None):
-        pass
-
-    def capture_end(self):
-        pass
-
-    def replay(self):
-        _FakeGraph.replays += 1
-
-
-class _FakeStream:
-    def __init__(self, device=None):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """torch.cuda's stream and graph calls StepGraphs makes, as CPU no-ops."""
-    _FakeGraph.replays = 0
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    use_fake_cuda(monkeypatch)
 
 
 def _logits(bucket: int, device="cpu") -> torch.Tensor:
@@ -89,11 +62,17 @@ def test_out_of_memory_capture_leaves_that_bucket_and_larger_ones_eager(fake_cud
         graphs.run(16, 9)
     assert calls == [16], "a bucket past the one that ran out of memory runs eagerly, no capture tried"
 
-    replays = _FakeGraph.replays
+    replays = FakeGraph.replays
     assert torch.equal(graphs.run(1, 1), _logits(1))
-    assert _FakeGraph.replays == replays + 1, "bucket 1 keeps replaying its graph"
+    assert FakeGraph.replays == replays + 1, "bucket 1 keeps replaying its graph"
     assert torch.equal(graphs.run(4, 3), _logits(4)[:3]) and 4 in graphs.graphs, "smaller buckets still capture"
     assert not graphs.capture_all() and sorted(graphs.graphs) == [1, 2, 4]
+
+
+def test_captures_refuse_unsafe_calls_on_their_own_thread_only(fake_cuda):
+    graphs = _graphs(lambda bucket: _logits(bucket))
+    assert graphs.capture_all()
+    assert FakeGraph.capture_modes == ["thread_local"] * len(BUCKETS)
 
 
 def test_a_larger_bucket_captured_before_the_failure_keeps_its_graph(fake_cuda):
@@ -112,8 +91,8 @@ def test_a_larger_bucket_captured_before_the_failure_keeps_its_graph(fake_cuda):
     with pytest.warns(RuntimeWarning, match="bucket 4 ran out of GPU memory"):
         graphs.capture(4)
     assert graphs.eager_from == 4 and 16 in graphs.graphs
-    replays = _FakeGraph.replays
-    assert torch.equal(graphs.run(16, 10), _logits(16)[:10]) and _FakeGraph.replays == replays + 1
+    replays = FakeGraph.replays
+    assert torch.equal(graphs.run(16, 10), _logits(16)[:10]) and FakeGraph.replays == replays + 1
 
 
 def test_any_other_capture_failure_switches_every_graph_off(fake_cuda):
@@ -128,8 +107,8 @@ def test_any_other_capture_failure_switches_every_graph_off(fake_cuda):
         with pytest.raises(RuntimeError):
             graphs.run(4, 4)
     assert graphs.failed and graphs.graphs == {}
-    replays = _FakeGraph.replays
-    assert torch.equal(graphs.run(1, 1), _logits(1)) and _FakeGraph.replays == replays, "bucket 1 runs eagerly now"
+    replays = FakeGraph.replays
+    assert torch.equal(graphs.run(1, 1), _logits(1)) and FakeGraph.replays == replays, "bucket 1 runs eagerly now"
 
 
 @pytest.mark.gpu

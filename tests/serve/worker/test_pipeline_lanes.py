@@ -6,7 +6,10 @@
   own lane; a step a lane cannot hold runs eagerly (no plan);
 - a step's messages: a later stage posts every lane's receive before it runs any lane, each lane
   sends on its whole bucket, the last stage sends rank 0 only its real rows of logits, which rank 0
-  receives after its own lanes, lane after lane, into consecutive rows of the step's logits.
+  receives after its own lanes, lane after lane, into consecutive rows of the step's logits;
+- what the KV-cache sizing holds back for a stage's lanes (``lane_bytes``) is what they hold
+  once they ran, graphs captured or not, plus the graphs' pool's copy of the largest bucket's
+  outputs; asked before the stage knows its shapes, it is a one-line error.
 
 Generation through lanes against transformers (PP=2, PP=2 x TP=2): tests/serve/executor/test_pipeline_parallel.py.
 """
@@ -16,10 +19,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.fake_cuda import use_fake_cuda
 
 from compiled_llm.errors import EngineError
 from compiled_llm.serve.worker import pipeline_lanes
-from compiled_llm.serve.worker.pipeline_lanes import LanePart, PipelineLanes, decode_micro_batches
+from compiled_llm.serve.worker.pipeline_lanes import LanePart, PipelineLanes, decode_micro_batches, lane_bytes
 
 WEIGHT_BYTES = 4000  # the fake stage's one weight: 1,000 float32
 KV_TOKEN_BYTES = 16  # its cache: 1 layer x (k, v) x 1 head x 2 dims x 4 bytes
@@ -40,6 +44,7 @@ class FakeStage:
         self.previous, self.next, self.last_rank = 0, 1, 1
         self.input_specs = [(torch.float32, (HIDDEN,))] if stage > 0 else None
         self.logits_spec = (torch.float32, (HIDDEN,)) if stage == 0 else None
+        self.output_specs = [(torch.float32, (HIDDEN,))]
 
     def run_micro_batch(self, params, batch, kv_cache, inputs):
         if inputs:
@@ -150,3 +155,38 @@ def test_a_decode_step_before_the_stage_knows_its_input_shapes_is_a_one_line_err
     with pytest.raises(EngineError) as e:
         lanes.run(((1, 1),))
     assert str(e.value) == "pipeline stage 1 ran a decode step before any step told it the shapes of its inputs"
+
+
+# ---- what the KV-cache sizing holds back ------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_bytes_held_back_for_a_stages_lanes_are_what_they_hold_after_a_step(stage, messages, monkeypatch):
+    """Stage 0 (rank 0) holds the step's logits, every lane's rows; stage 1 the activations it
+    receives; each lane its step inputs and, with graphs, its outputs. The graphs' pool keeps
+    what the largest bucket's captured forward wrote (16 rows of outputs) on top."""
+    max_rows, width = 16, WIDTH
+    eager = make_lanes(stage, max_rows)
+    eager.run(((16, 16),))
+    assert eager.held_bytes() == lane_bytes(eager.stage, max_rows, width, graphs=False)
+
+    use_fake_cuda(monkeypatch)  # StepGraphs' torch.cuda calls as CPU no-ops
+    graphed = make_lanes(stage, max_rows)
+    graphed.prepare_graphs(pool=None)
+    graphed.run(((8, 8), (8, 8)))  # lane 0 and lane 1 capture their bucket, making their outputs
+    assert [sorted(lane.graphs.graphs) for lane in graphed.lanes] == [[8], [8]]
+    pool_copy = 16 * HIDDEN * 4
+    assert graphed.held_bytes() + pool_copy == lane_bytes(graphed.stage, max_rows, width, graphs=True)
+    outputs = (16 + 8) * HIDDEN * 4
+    assert graphed.held_bytes() == eager.held_bytes() + outputs
+
+
+def test_sizing_lanes_before_the_stage_knows_its_shapes_is_a_one_line_error():
+    stage = make_lanes(stage=0).stage
+    stage.logits_spec = stage.output_specs = None
+    with pytest.raises(EngineError) as e:
+        lane_bytes(stage, 16, WIDTH, graphs=True)
+    assert str(e.value) == ("pipeline stage 0 sized its decode lanes before any step told it the shapes of its "
+                            "logits and outputs")
+    stage.logits_spec = (torch.float32, (HIDDEN,))
+    assert lane_bytes(stage, 16, WIDTH, graphs=False) > 0  # without graphs, the outputs' shapes are not needed
