@@ -56,7 +56,11 @@ def _module_path(item) -> str:
 
 def pytest_collection_modifyitems(items):
     """Run the modules that use ``ray_cluster`` one after another, where the first of them was,
-    so that one cluster serves them all and ends once they are done."""
+    so that one cluster serves them all and ends once they are done; the Triton interpreter
+    runs' tests go last (helpers/interpret_child.py says why)."""
+    from helpers.interpret_child import checks_last
+
+    checks_last(items)
     _ray_modules.update(_module_path(i) for i in items if "ray_cluster" in getattr(i, "fixturenames", ()))
     if not _ray_modules:
         return

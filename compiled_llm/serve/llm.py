@@ -190,6 +190,11 @@ def load_replica(model: str, options: dict, placement, log_level: int | None = N
     return LLM(model, **options).engine
 
 
+class _NotOneEngineError(InvalidOptionError, AttributeError):
+    """An LLM over data-parallel replicas asked for its one engine: a one-line option error, and an
+    AttributeError, so that ``hasattr(llm, "engine")`` and ``getattr(llm, "engine", None)`` work."""
+
+
 class LLM:
     """Load a model and serve batches of requests with continuous batching.
 
@@ -289,13 +294,14 @@ class LLM:
         self.engine.shutdown()
 
     def __getattr__(self, name: str):
-        # reached only when an attribute is missing: over replicas, the in-process engine's
-        if name in ("engine", "_loop") and self._replicas is not None:
-            raise self._not_one_engine("engine")
+        # reached when an attribute is missing, or a property raised AttributeError (the error
+        # below is one): over replicas, the in-process engine's, and what only it has
+        if name in ("engine", "_loop", "stats", "engine_loop") and self._replicas is not None:
+            raise self._not_one_engine("engine" if name == "_loop" else name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _not_one_engine(self, what: str) -> InvalidOptionError:
-        return InvalidOptionError(
+        return _NotOneEngineError(
             f"{what} is one engine's, and this LLM runs {self._replicas.num_replicas} data-parallel replicas in engine "
             "processes of their own; replica_stats() and capture_cuda_graphs() reach every replica")
 

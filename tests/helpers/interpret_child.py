@@ -166,15 +166,27 @@ sys.exit(pytest.main(sys.argv[1:]))
 _CHILD_RUNS = _ChildRuns()
 
 
+def _checks_a_child_run(item: pytest.Item) -> bool:
+    """A test of an interpreter run: its module names a cases file ``CASES``, it takes ``group``."""
+    cases = getattr(getattr(item, "module", None), "CASES", None)
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return isinstance(cases, Path) and "group" in params and item.get_closest_marker("gpu") is None
+
+
+def checks_last(items: list[pytest.Item]) -> None:
+    """Move the tests of interpreter runs to the end of the session, in place: their runs then
+    have the whole session beside the other tests to finish, and nobody waits for them."""
+    items.sort(key=_checks_a_child_run)  # stable: every other test keeps its order
+
+
 def start_child_runs(items: list[pytest.Item]) -> None:
     """Start the interpreter runs that the collected ``items`` will check (each test module of
     interpreter cases names its cases file ``CASES`` and takes a ``group`` parameter)."""
     keys = []
     for item in items:
-        cases = getattr(getattr(item, "module", None), "CASES", None)
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if isinstance(cases, Path) and "group" in params and item.get_closest_marker("gpu") is None:
-            key = (cases, _expression(cases, params["group"], _ItemRequest(item)))
+        if _checks_a_child_run(item):
+            cases = item.module.CASES
+            key = (cases, _expression(cases, item.callspec.params["group"], _ItemRequest(item)))
             if key not in keys:
                 keys.append(key)
     _CHILD_RUNS.start(keys)

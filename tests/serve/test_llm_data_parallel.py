@@ -80,6 +80,7 @@ def test_what_is_one_engines_is_refused_in_one_line(replicas):
             getattr(llm, name)
         assert str(e.value).startswith(f"{name} is one engine's, and this LLM runs 2 data-parallel replicas")
         assert "\n" not in str(e.value)
+        assert not hasattr(llm, name) and getattr(llm, name, None) is None  # an AttributeError too
     assert llm.capture_cuda_graphs() is False  # no graphs on a CPU, in either replica
     with pytest.raises(AttributeError):
         llm.no_such_attribute

@@ -220,7 +220,7 @@ class AsyncEngine:
         self.failure: str | None = None  # why the engine core stopped, once it has
         self.on_failure = on_failure  # called with that reason, once, when it does
         self._ids = itertools.count()
-        # the engine's request ids: unique among the API servers that share it ("1-", "2-", ...)
+        # the engine's request ids: unique among the API servers that share it ("0-", "1-", ...)
         self.request_id_prefix = request_id_prefix
         self._requests: dict[str, _Request] = {}  # requests in the engine (not closed)
         # admission: requests accepted but not yet scheduled, id -> prompt tokens

@@ -92,6 +92,12 @@ class EngineCore:
                 for call_id, method in calls:
                     self._call(call_id, method)
             self._report()
+            if self._several:
+                # a front end is sent a message only when it has outputs: what its pipe could
+                # not take goes now, not with its next output (its last tokens would wait for it)
+                for channel in self.channels():
+                    if channel.pending:
+                        channel.flush()
             if not busy:
                 self._wait()
         self._report()

@@ -132,12 +132,15 @@ class SyncClient:
         self._dp.start(self._on_message)
 
     def _in_loop(self, fn: Callable, *args) -> None:
-        try:
-            if not self._closed:
-                self._loop.call_soon_threadsafe(fn, *args)
-                return
-        except RuntimeError:  # the loop closed meanwhile
-            pass
+        # checked and queued under the lock that shutdown() takes to close: what is accepted is
+        # queued before the loop's stop, so it runs (and its waiters hear of the shutdown)
+        with self._close_lock:
+            try:
+                if not self._closed:
+                    self._loop.call_soon_threadsafe(fn, *args)
+                    return
+            except RuntimeError:  # the loop closed meanwhile
+                pass
         raise EngineError("this LLM has been shut down")
 
     # ---- any thread ------------------------------------------------------------------------------

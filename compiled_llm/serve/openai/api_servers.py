@@ -52,7 +52,7 @@ import tempfile
 import time
 from typing import Callable, Sequence
 
-from compiled_llm.errors import CompiledLLMError
+from compiled_llm.errors import CompiledLLMError, first_line
 from compiled_llm.serve.engine_process.dp_client import DataParallelClient
 from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient, StartingEngine, wait_all
 from compiled_llm.serve.llm_engine import LLMEngine
@@ -113,9 +113,16 @@ def serve_api_servers(loads: Sequence[Callable[[], LLMEngine]], config: ServerCo
     try:
         starting = [StartingEngine(load, api_servers=config.api_server_count) for load in loads]
         engines = wait_all(starting)
-        metrics_dir = tempfile.mkdtemp(prefix="compiled_llm_metrics_")
-        supervisor = ApiServers(sock, starting, engines, config, model_name, metrics_dir, setup)
-        return asyncio.run(supervisor.run())
+        try:
+            metrics_dir = tempfile.mkdtemp(prefix="compiled_llm_metrics_")
+            supervisor = ApiServers(sock, starting, engines, config, model_name, metrics_dir, setup)
+            return asyncio.run(supervisor.run())
+        except BaseException:
+            # an interrupt before the supervisor's loop closes them: the engines ignore SIGTERM
+            # and would hold the interpreter's exit (multiprocessing joins its children)
+            for engine in engines:
+                engine.kill()
+            raise
     finally:
         sock.close()
         if metrics_dir is not None:
@@ -297,6 +304,9 @@ def run_api_server(place: ApiServerProcess, port: int, replicas: list[tuple], co
         code = serve(core, config, model_name, api_server=place, sock=sock, on_ready=lambda: status.send("ready"))
     except KeyboardInterrupt:  # Ctrl-C: uvicorn raises it again once the server has stopped
         pass
+    except Exception as e:  # noqa: BLE001 - one line; the supervisor then stops the server
+        logger.error("API server %d could not serve: %s", place.index, first_line(e))
+        code = 1
     sys.exit(code)
 
 

@@ -89,6 +89,9 @@ class RayServeConfig:
         unknown = sorted(set(self.engine_options) - engine_names)
         if unknown:
             raise InvalidOptionError(f"unknown engine option {unknown[0]!r}")
+        if self.engine_options.get("data_parallel_size", 1) != 1:
+            raise InvalidOptionError("data_parallel_size is compiled-llm serve's; under Ray Serve each replica is one "
+                                     "engine and num_replicas (or min_replicas/max_replicas) sets how many")
         ServerConfig(**self.server_options)  # refused here, with its own message, before any replica starts
         if self.server_options.get("api_server_count", 1) != 1:
             raise InvalidOptionError("api_server_count is compiled-llm serve's; under Ray Serve its HTTP proxies and "

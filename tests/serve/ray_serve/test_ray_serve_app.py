@@ -191,6 +191,8 @@ def test_options_are_checked_before_any_replica_starts():
         RayServeConfig(model="m", engine_options={"max_num_seq": 3})
     with pytest.raises(InvalidOptionError, match="api_server_count is compiled-llm serve's"):
         RayServeConfig(model="m", server_options={"api_server_count": 2})
+    with pytest.raises(InvalidOptionError, match="data_parallel_size is compiled-llm serve's"):
+        RayServeConfig(model="m", engine_options={"data_parallel_size": 2})
     # `serve run ...:build_app key=value`: strings, typed by the option they name
     config = RayServeConfig.from_args({"model": "m", "min_replicas": "1", "max_replicas": "4", "max_num_seqs": "8",
                                        "enable_prefix_caching": "false", "device": "cpu", "api_key": "k"})
