@@ -190,6 +190,11 @@ def load_replica(model: str, options: dict, placement, log_level: int | None = N
     return LLM(model, **options).engine
 
 
+def _progress_bar(total: int, use_tqdm: bool):
+    """A bar over ``total`` requests, or None (disable=None: none when stderr is no terminal)."""
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True, disable=None) if use_tqdm else None
+
+
 class _NotOneEngineError(InvalidOptionError, AttributeError):
     """An LLM over data-parallel replicas asked for its one engine: a one-line option error, and an
     AttributeError, so that ``hasattr(llm, "engine")`` and ``getattr(llm, "engine", None)`` work."""
@@ -387,10 +392,7 @@ class LLM:
         index = {id(q): i for i, q in enumerate(queues)}
         results: list[RequestOutput | None] = [None] * len(queues)
         left = len(queues)
-        bar = None
-        if use_tqdm:
-            # disable=None: no bar when stderr is not a terminal
-            bar = tqdm(total=len(queues), desc="requests", unit="req", dynamic_ncols=True, disable=None)
+        bar = _progress_bar(len(queues), use_tqdm)
         try:
             while left:
                 self._loop.wait(lambda: bool(finished))
@@ -416,9 +418,7 @@ class LLM:
             return results  # type: ignore[return-value]
         submission = self._replicas.submit(requests)
         left = len(requests)
-        bar = None
-        if use_tqdm:
-            bar = tqdm(total=len(requests), desc="requests", unit="req", dynamic_ncols=True, disable=None)
+        bar = _progress_bar(len(requests), use_tqdm)
         try:
             while left:
                 for index, out in submission.take():  # not streamed: each output is its request's last

@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from compiled_llm.errors import EngineError, InvalidOptionError, first_line
-from compiled_llm.serve.executor.multiproc import COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, backend_for, end_group, init_group
+from compiled_llm.serve.executor.multiproc import (COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, backend_for, check_sent_by_name,
+                                                   end_group, init_group)
 from compiled_llm.serve.executor.rank_failures import RankFailures, rank_name
 
 log = logging.getLogger(__name__)
@@ -262,9 +263,7 @@ class RayExecutor(RankFailures):
     def run_on_ranks(self, fn: Callable[..., Any], *args, wait: bool = True) -> list[Any] | None:
         """As ``MultiprocExecutor.run_on_ranks``: ``fn(model, state, *args)`` on every other rank,
         their results rank 1 first (``wait=False``: none, at once)."""
-        if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
-            raise TypeError(f"run_on_ranks needs a function importable by name, not {fn.__module__}.{fn.__qualname__}; "
-                            "define it at the top level of a module")
+        check_sent_by_name(fn)
         if not wait:
             self.send("run", fn, *args)
             return None

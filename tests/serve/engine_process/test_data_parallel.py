@@ -19,11 +19,12 @@ import urllib.request
 import openai
 import pytest
 
+from helpers import replica_requests
+from helpers.replica_requests import GREEDY, answer_concurrently, generated_by_engine
 from helpers.server_fixtures import child_pids, engine_pids, process_exists, scrape, serve_process, wait_until
 
 MODEL = "lively"
 MAX_NUM_SEQS = 4
-GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}  # every request runs to max_tokens
 PROMPTS = ["The quick brown fox", "A compiler lowers", "Once upon a time", "Paged attention keeps", "hello world",
            "continuous batching of requests", "in the beginning", "tokens per second"]
 
@@ -46,8 +47,7 @@ def health(url: str) -> tuple[int, dict]:
 
 
 async def stream_text(aclient, prompt: str, max_tokens: int) -> str:
-    stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY)
-    return "".join([c.choices[0].text async for c in stream])
+    return await replica_requests.stream_text(aclient, MODEL, prompt, max_tokens)
 
 
 def test_two_replicas_start_and_health_reports_both_live_as_documented(server):
@@ -84,21 +84,8 @@ def test_32_concurrent_requests_equal_transformers_greedy_and_both_replicas_serv
     max_tokens = [16 + i % 8 for i in range(32)]
     expected = [expected_text(lively_oracle, lively_hf_tokenizer, p, n) for p, n in zip(prompts, max_tokens)]
     before = scrape(server.url, by_engine=True)
-
-    async def one(aclient, i: int) -> str:
-        if i % 4 == 3:  # some not streamed
-            out = await aclient.completions.create(model=MODEL, prompt=prompts[i], max_tokens=max_tokens[i], **GREEDY)
-            return out.choices[0].text
-        return await stream_text(aclient, prompts[i], max_tokens[i])
-
-    async def all_of_them() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=server.api_url, api_key="x", max_retries=0) as aclient:
-            return await asyncio.gather(*(one(aclient, i) for i in range(32)))
-
-    assert asyncio.run(all_of_them()) == expected
-    after = scrape(server.url, by_engine=True)
-    generated = [after[f"compiled_llm:generation_tokens_total{{engine={i}}}"]
-                 - before.get(f"compiled_llm:generation_tokens_total{{engine={i}}}", 0.0) for i in (0, 1)]
+    assert answer_concurrently(server.api_url, MODEL, prompts, max_tokens) == expected
+    generated = generated_by_engine(before, scrape(server.url, by_engine=True))
     assert sum(generated) == sum(max_tokens)
     assert min(generated) >= sum(max_tokens) / 4  # both replicas took a fair share (least loaded, no shared prefix)
 

@@ -33,11 +33,12 @@ ray = pytest.importorskip("ray")
 
 import openai  # noqa: E402
 from helpers.ray_cluster import alive_actors, live_placement_groups, process_gone  # noqa: E402
+from helpers import replica_requests  # noqa: E402
+from helpers.replica_requests import GREEDY, answer_concurrently, generated_by_engine  # noqa: E402
 from helpers.server_fixtures import engine_pids, scrape, serve_process, wait_until  # noqa: E402
 
 MODEL = "lively-tp2"
 MAX_NUM_SEQS = 4
-GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 PROMPTS = ["The quick brown fox", "A compiler lowers", "Once upon a time", "Paged attention keeps"]
 
 
@@ -61,8 +62,7 @@ def health(url: str) -> dict:
 
 
 async def stream_text(aclient, prompt: str, max_tokens: int) -> str:
-    stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY)
-    return "".join([c.choices[0].text async for c in stream])
+    return await replica_requests.stream_text(aclient, MODEL, prompt, max_tokens)
 
 
 def test_a_replica_that_cannot_load_stops_the_others_and_names_itself(  # before the server starts
@@ -119,21 +119,8 @@ def test_concurrent_requests_get_transformers_greedy_text_from_two_actor_replica
     max_tokens = [8 + i % 5 for i in range(16)]
     expected = [expected_text(lively_oracle, lively_hf_tokenizer, p, n) for p, n in zip(prompts, max_tokens)]
     before = scrape(server.url, by_engine=True)
-
-    async def one(aclient, i: int) -> str:
-        if i % 4 == 3:  # some not streamed
-            out = await aclient.completions.create(model=MODEL, prompt=prompts[i], max_tokens=max_tokens[i], **GREEDY)
-            return out.choices[0].text
-        return await stream_text(aclient, prompts[i], max_tokens[i])
-
-    async def all_of_them() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=server.api_url, api_key="x", max_retries=0) as aclient:
-            return await asyncio.gather(*(one(aclient, i) for i in range(16)))
-
-    assert asyncio.run(all_of_them()) == expected
-    after = scrape(server.url, by_engine=True)
-    generated = [after[f"compiled_llm:generation_tokens_total{{engine={i}}}"]
-                 - before.get(f"compiled_llm:generation_tokens_total{{engine={i}}}", 0.0) for i in (0, 1)]
+    assert answer_concurrently(server.api_url, MODEL, prompts, max_tokens) == expected
+    generated = generated_by_engine(before, scrape(server.url, by_engine=True))
     assert sum(generated) == sum(max_tokens) and min(generated) > 0
 
 
