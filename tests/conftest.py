@@ -113,22 +113,18 @@ def lively_oracle(lively_bpe_checkpoint, lively_hf_tokenizer):
 @pytest.fixture(scope="session")
 def lively_bpe_engine(lively_bpe_checkpoint, tmp_path_factory):
     """The lively checkpoint built into a CPU float32 engine."""
-    from compiled_llm.engine.build import build_engine
+    from helpers.lively import build_lively_engine
 
-    out = tmp_path_factory.mktemp("lively_bpe_engine") / "engine"
-    build_engine(str(lively_bpe_checkpoint[0]), out, dtype="float32", device="cpu", progress=False)
-    return out
+    return build_lively_engine(lively_bpe_checkpoint[0], tmp_path_factory.mktemp("lively_bpe_engine") / "engine")
 
 
 @pytest.fixture(scope="session")
 def lively_tp2_engine(lively_bpe_checkpoint, tmp_path_factory):
     """The lively checkpoint built into a CPU float32 engine sharded over two tensor-parallel ranks."""
-    from compiled_llm.engine.build import build_engine
+    from helpers.lively import build_lively_engine
 
-    out = tmp_path_factory.mktemp("lively_tp2_engine") / "engine"
-    build_engine(str(lively_bpe_checkpoint[0]), out, dtype="float32", device="cpu", progress=False,
-                 tensor_parallel_size=2)
-    return out
+    return build_lively_engine(lively_bpe_checkpoint[0], tmp_path_factory.mktemp("lively_tp2_engine") / "engine",
+                               tensor_parallel_size=2)
 
 
 @pytest.fixture(scope="session")

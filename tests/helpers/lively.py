@@ -60,6 +60,15 @@ class Continuation:
 
 
 @torch.no_grad()
+def build_lively_engine(checkpoint: Path, out: Path, **options) -> Path:
+    """``checkpoint`` (``make_lively_checkpoint``'s) built into a CPU float32 engine at ``out``,
+    with build ``options`` (tensor_parallel_size, pipeline_parallel_size, ...)."""
+    from compiled_llm.engine.build import build_engine
+
+    build_engine(str(checkpoint), out, dtype="float32", device="cpu", progress=False, **options)
+    return out
+
+
 def greedy_continuation(model, prompt: list[int], max_new_tokens: int) -> Continuation:
     """transformers' greedy generate, run to ``max_new_tokens`` whatever it emits."""
     ids = torch.tensor([prompt])

@@ -279,11 +279,15 @@ class StartingEngine:
         _, info, tokenizer, snapshot = message
         return EngineCoreClient(self.channel, info, tokenizer, snapshot, process=self.process)
 
+    def fileno(self) -> int:
+        """What to wait on for the engine's next word (``select``)."""
+        return self.channel.read_fd
+
     def wait(self) -> EngineCoreClient:
         """Block until ``poll`` has the client (loading may build the engine: minutes)."""
         try:
             while (client := self.poll()) is None:
-                select.select([self.channel.read_fd], [], [], 1.0)
+                select.select([self], [], [], 1.0)
         except BaseException:
             self.stop()
             raise
@@ -301,11 +305,12 @@ class StartingEngine:
                 end.close()
 
 
-def wait_all(starting: Sequence[StartingEngine]) -> list[EngineCoreClient]:
-    """Wait until every engine of ``starting`` (loading at the same time) is ready: their
-    clients, in order. The first that cannot start, or an interrupt, stops all the others at
-    once (loading may take minutes), and its reason is raised, naming the data-parallel replica
-    when there are several."""
+def wait_all(starting: Sequence, poll_s: float = 1.0) -> list[EngineCoreClient]:
+    """Wait until every engine of ``starting`` (loading at the same time: ``StartingEngine``s,
+    or anything with their ``poll``, ``stop`` and ``fileno``) is ready: their clients, in
+    order, looking again at least every ``poll_s`` seconds. The first that cannot start, or an
+    interrupt, stops all the others at once (loading may take minutes), and its reason is
+    raised, naming the data-parallel replica when there are several."""
     ready: dict[int, EngineCoreClient] = {}
     try:
         while len(ready) < len(starting):
@@ -320,9 +325,9 @@ def wait_all(starting: Sequence[StartingEngine]) -> list[EngineCoreClient]:
                     raise type(error)(f"data-parallel replica {i} of {len(starting)}: {error}") from error
                 if client is not None:
                     ready[i] = client
-            pending = [e.channel.read_fd for i, e in enumerate(starting) if i not in ready]
+            pending = [e for i, e in enumerate(starting) if i not in ready]
             if pending:
-                select.select(pending, [], [], 1.0)
+                select.select(pending, [], [], poll_s)
     except BaseException:
         for engine in starting:
             engine.stop()

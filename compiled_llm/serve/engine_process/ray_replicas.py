@@ -42,7 +42,6 @@ import hmac
 import logging
 import os
 import secrets
-import select
 import socket
 import sys
 import threading
@@ -56,7 +55,7 @@ from compiled_llm.errors import CompiledLLMError, EngineError, InvalidOptionErro
 from compiled_llm.serve.engine_process.dp_client import DataParallelClient
 from compiled_llm.serve.engine_process.dp_placement import ReplicaPlacement
 from compiled_llm.serve.engine_process.engine_core import run_engine_process
-from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient
+from compiled_llm.serve.engine_process.engine_core_client import EngineCoreClient, wait_all
 from compiled_llm.serve.engine_process.message_channel import MessageChannel
 from compiled_llm.serve.executor.ray_executor import (PLACEMENT_TIMEOUT_S, import_ray, place_ranks_in,
                                                       rank_bundles)
@@ -460,28 +459,16 @@ def start_ray_replicas(loads: Sequence[Callable[[], LLMEngine]], tensor_parallel
     bundles = replica_bundles(tensor_parallel_size, pipeline_parallel_size, device_type)
     node_ip = ray.util.get_node_ip_address()
     starting: list[StartingRayReplica] = []
-    ready: dict[int, RayEngineCoreClient] = {}
     try:
         for i, load in enumerate(loads):
             starting.append(StartingRayReplica(ray, i, load, bundles, node_ip))
-        while len(ready) < len(starting):
-            for engine in starting:
-                if engine.index in ready:
-                    continue
-                try:
-                    client = engine.poll()
-                except CompiledLLMError as error:
-                    raise type(error)(f"data-parallel replica {engine.index} of {len(loads)}: {error}") from None
-                if client is not None:
-                    ready[engine.index] = client
-            pending = [e for e in starting if e.index not in ready]
-            if pending:
-                select.select(pending, [], [], 0.5)
     except BaseException:
         for engine in starting:
             engine.stop()
         raise
+    # every half second: a connection's token may arrive after the poll that accepted it
+    ready = wait_all(starting, poll_s=0.5)
     logger.info("%d data-parallel replicas run as Ray actors, each %d pipeline stage(s) x %d tensor-parallel "
                 "rank(s) on %s", len(loads), pipeline_parallel_size, tensor_parallel_size, device_type)
-    return DataParallelClient([ready[i] for i in range(len(starting))], load_balance_method=load_balance_method)
+    return DataParallelClient(ready, load_balance_method=load_balance_method)
 

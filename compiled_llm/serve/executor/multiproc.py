@@ -126,13 +126,6 @@ def end_group(device: torch.device) -> None:
     dist.destroy_process_group()
 
 
-def check_sent_by_name(fn: Callable) -> None:
-    """``run_on_ranks``' function travels by module and name: TypeError, in one line, for one the
-    other ranks cannot import (their __main__ is not the caller's, a nested function has no name)."""
-    if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
-        raise TypeError(f"run_on_ranks needs a function importable by name, not {fn.__module__}.{fn.__qualname__}; "
-                        "define it at the top level of a module")
-
 
 class MultiprocExecutor(RankFailures):
     def __init__(self, engine_dir: Path, size: int, device: torch.device, timeout_s: float | None = None,
@@ -211,7 +204,10 @@ class MultiprocExecutor(RankFailures):
         results are dropped: what a function that meets rank 0 in a collective needs, since
         rank 0 must run its own side before any rank returns. A function that raises fails the
         ranks as a dying rank does: ``EngineError`` naming the rank, now or at the next call."""
-        check_sent_by_name(fn)
+        if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
+            # the ranks find fn by module and name; theirs is not the caller's __main__
+            raise TypeError(f"run_on_ranks needs a function importable by name, not {fn.__module__}.{fn.__qualname__}; "
+                            "define it at the top level of a module")
         if not wait:
             self.send("run", fn, *args)
             return None

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from compiled_llm.errors import EngineError, InvalidOptionError, first_line
-from compiled_llm.serve.executor.multiproc import (COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, backend_for, check_sent_by_name,
+from compiled_llm.serve.executor.multiproc import (COLLECTIVE_TIMEOUT_S, LOAD_TIMEOUT_S, MultiprocExecutor, backend_for,
                                                    end_group, init_group)
 from compiled_llm.serve.executor.rank_failures import RankFailures, rank_name
 
@@ -260,14 +260,8 @@ class RayExecutor(RankFailures):
             results.append(self._ray.get(ref))
         return results
 
-    def run_on_ranks(self, fn: Callable[..., Any], *args, wait: bool = True) -> list[Any] | None:
-        """As ``MultiprocExecutor.run_on_ranks``: ``fn(model, state, *args)`` on every other rank,
-        their results rank 1 first (``wait=False``: none, at once)."""
-        check_sent_by_name(fn)
-        if not wait:
-            self.send("run", fn, *args)
-            return None
-        return self.ask("run", fn, *args)
+    # ``fn(model, state, *args)`` on every other rank, built on send and ask as the other's
+    run_on_ranks = MultiprocExecutor.run_on_ranks
 
     def check(self, wait_s: float = 0.0) -> None:
         """Raise EngineError if a rank has failed or the engine was shut down; with ``wait_s``,

@@ -25,13 +25,12 @@ ray = pytest.importorskip("ray")
 
 import openai  # noqa: E402
 from helpers.rank_kill import kill_mid_generate  # noqa: E402
-from helpers.lively import greedy_continuation  # noqa: E402
+from helpers.lively import build_lively_engine, greedy_continuation  # noqa: E402
 from helpers.ray_cluster import alive_actors, live_placement_groups, process_gone  # noqa: E402
 from helpers.server_fixtures import serve_process  # noqa: E402
 
 from compiled_llm import LLM, SamplingParams  # noqa: E402
 from compiled_llm.engine.artifact import load_engine  # noqa: E402
-from compiled_llm.engine.build import build_engine  # noqa: E402
 from compiled_llm.errors import EngineError  # noqa: E402
 from compiled_llm.serve.executor.ray_executor import RayExecutor  # noqa: E402
 
@@ -48,10 +47,8 @@ def tp2(lively_tp2_engine, lively_bpe_checkpoint):
 @pytest.fixture(scope="module")
 def pp2_engine(lively_bpe_checkpoint, tmp_path_factory):
     """The lively checkpoint built into two pipeline stages (a layer each)."""
-    out = tmp_path_factory.mktemp("ray-pp2") / "engine"
-    build_engine(str(lively_bpe_checkpoint[0]), out, dtype="float32", device="cpu", progress=False,
-                 pipeline_parallel_size=2)
-    return out
+    return build_lively_engine(lively_bpe_checkpoint[0], tmp_path_factory.mktemp("ray-pp2") / "engine",
+                               pipeline_parallel_size=2)
 
 
 @pytest.fixture(scope="module")
