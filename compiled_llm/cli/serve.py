@@ -41,7 +41,7 @@ def add_parser(subparsers):
             "ones finish for up to --shutdown-timeout seconds, and exits 0; if the engine process "
             "dies, running requests fail and the server exits 1 (with --data-parallel-size N, a dead "
             "replica's requests fail or start again elsewhere, and the server exits 1 when none is left). "
-            "--api-server-count N runs N HTTP processes on the one port (for full-load streaming)."
+            "--api-server-count N runs N HTTP processes on the one port."
         ),
     )
     p.add_argument("source", metavar="ENGINE|SOURCE",

@@ -35,9 +35,9 @@ class ServerConfig:
     # run, so that one prefix-aware router sees every request (each API server routes its own).
     api_server_count: int = _option(
         1, "HTTP front-end processes sharing the port, as vLLM's flag: each takes the connections it accepts, "
-           "parses, detokenizes and streams their requests, and talks to the engine processes itself. One "
-           "process cannot keep up with a GPU's full-load streaming: use 4 there (README); the waiting limits "
-           "then hold per process, and with --data-parallel-size each one routes its own requests")
+           "parses, detokenizes and streams their requests, and talks to the engine processes itself. 1 was the "
+           "fastest measured with one GPU engine under full-load streaming (README); the waiting limits hold "
+           "per process, and with --data-parallel-size each one routes its own requests")
     api_key: str | None = dataclasses.field(default=None, repr=False, metadata={"help": (
         f"clients must send 'Authorization: Bearer KEY' to every route but /health, /metrics, /version and "
         f"the API's description (/openapi.json, /docs, /redoc); unset: ${API_KEY_VAR}, else no key is needed")})

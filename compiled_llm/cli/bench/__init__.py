@@ -76,10 +76,10 @@ def add_parser(subparsers):
                              help=f"prefix_repetition: {what} (default {default})")
     serving.add_argument("--client-processes", type=int, metavar="N",
                          help="client processes sending the requests (default 1 on a CPU; on a GPU half the "
-                              "cores, up to 8: one process reads about 13k chunks/s)")
+                              "cores, up to 8: one process reads about 20k chunks/s)")
     serving.add_argument("--api-server-count", type=int, metavar="N",
                          help="the server's --api-server-count: HTTP processes streaming the responses "
-                              "(default: serve's, 1; README says what full-load streaming needs)")
+                              "(default: serve's, 1)")
     add_build_arguments(p.add_argument_group("build", BUILD_GROUP), for_source=True)
     add_engine_arguments(p.add_argument_group("engine options"))
     p.add_argument("--no-cuda-graphs", dest="enforce_eager", action="store_true",

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from compiled_llm.cli.bench.sse_client import RequestRecord, http_module, stream_one
+from compiled_llm.cli.bench.sse_client import RequestRecord, fetch, stream_one
 from compiled_llm.errors import CompiledLLMError
 
 
@@ -117,38 +117,25 @@ def run_load(load: ClientLoad, start_time: float) -> ClientReport:
 
 
 async def _run_load(load: ClientLoad, start_time: float) -> ClientReport:
-    http = http_module()
-
-    n = len(load.bodies)
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if load.api_key:
         headers["Authorization"] = f"Bearer {load.api_key}"
-    limits = http.Limits(max_connections=n, max_keepalive_connections=n)
-    # read: the longest wait for a queued request's first bytes
-    timeout = http.Timeout(connect=60.0, read=900.0, write=60.0, pool=None)
-    async with http.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-        url = load.base_url + "/v1/completions"
-        delay = start_time - time.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        began, cpu0, t0 = time.time(), time.process_time(), time.perf_counter()
-        records = await asyncio.gather(*(
-            stream_one(client, url, body, plen, at, t0, headers)
-            for body, plen, at in zip(load.bodies, load.prompt_lens, load.send_at)))
-        return ClientReport(list(records), time.process_time() - cpu0, time.perf_counter() - t0, began, time.time())
+    url = load.base_url + "/v1/completions"
+    delay = start_time - time.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    began, cpu0, t0 = time.time(), time.process_time(), time.perf_counter()
+    records = await asyncio.gather(*(
+        stream_one(url, body, plen, at, t0, headers)
+        for body, plen, at in zip(load.bodies, load.prompt_lens, load.send_at)))
+    return ClientReport(list(records), time.process_time() - cpu0, time.perf_counter() - t0, began, time.time())
 
 
 def warm_up_client(base_url: str) -> None:
-    """One request (GET /health) through the HTTP client in this process. A process's first
-    request pays for the client library's lazy set-up (tens of ms), which must not land in the
-    first timed request's TTFT."""
-    http = http_module()
-
-    async def get():
-        async with http.AsyncClient(trust_env=False) as client:
-            await client.get(base_url + "/health")
-
+    """One request (GET /health) through this process's client. A process's first connection
+    pays for lazy set-up (the event loop's, the resolver's) that must not land in the first
+    timed request's TTFT."""
     try:
-        asyncio.run(get())
-    except http.HTTPError:
+        asyncio.run(fetch(base_url + "/health", b"", {}, lambda piece, now: None))
+    except CompiledLLMError:
         pass  # a server that does not answer fails the run itself, with its own message

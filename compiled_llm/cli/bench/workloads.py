@@ -105,15 +105,21 @@ def compiled_latency(llm, new_tokens: int = 256, repeats: int = 3) -> Result:
                   note=_replicas_note(llm) + (f"CUDA graphs: {graphs} buckets" if graphs else "eager decode"))
 
 
-def compiled_throughput(llm, num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> Result:
+def compiled_throughput(llm, num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
+                        shift: int = 0) -> Result:
+    """``shift``: every prompt id moved by it (the same lengths): a second measurement on one
+    engine passes an even shift of its own, so that neither it nor its warm-up (shifted by one
+    more) finds an earlier run's prompts in the prefix cache."""
     from compiled_llm.serve.sampling_params import SamplingParams
 
     prompts, max_tokens = throughput_requests(num_requests, max_input_len, max_output_len, llm.model.config.vocab_size)
+    vocab = min(llm.model.config.vocab_size, 10_001)
+    if shift:
+        prompts = [[(t + shift) % vocab for t in p] for p in prompts]
     params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, detokenize=False) for n in max_tokens]
     # Warm-up with the workload's own shapes: full-budget mixed prefill steps and decode batches
     # of every size, so no kernel variant is first compiled inside the timed run. The prompts
     # are shifted by one id: the measured run must not find them in the prefix cache.
-    vocab = min(llm.model.config.vocab_size, 10_001)
     warm = [{"prompt_token_ids": [(t + 1) % vocab for t in p]} for p in prompts[:64]]
     llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True, detokenize=False), use_tqdm=False)
     # graphs are captured when their batch size first runs; a steady-state run has them all

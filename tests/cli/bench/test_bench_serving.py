@@ -11,7 +11,7 @@ import pytest
 
 from compiled_llm.cli.bench import load_generator, server_launcher, serving, serving_report, sse_client
 from compiled_llm.cli.bench.workloads import Result, throughput_requests
-from compiled_llm.errors import InvalidOptionError
+from compiled_llm.errors import CompiledLLMError, InvalidOptionError
 
 
 def sse(*payloads: str, newline: str = "\n") -> bytes:
@@ -50,6 +50,101 @@ def test_sse_events_come_out_whole_wherever_the_bytes_are_split(newline):
 
 def test_sse_multi_line_data_is_joined_with_newlines():
     assert sse_client.SSEDecoder().feed(b"data: a\ndata:b\n\n") == [b"a\nb"]
+
+
+def chunked(*pieces: bytes) -> bytes:
+    """``pieces`` in HTTP/1.1's chunked transfer coding, a size extension on the first."""
+    out = b""
+    for i, piece in enumerate(pieces):
+        out += b"%x%s\r\n%s\r\n" % (len(piece), b";ext=1" if i == 0 else b"", piece)
+    return out + b"0\r\n\r\n"
+
+
+def test_chunked_body_comes_out_whole_wherever_the_bytes_are_split():
+    body_pieces = [sse(completion_chunk("Hel")), b"", sse(completion_chunk("lo", "length", 2)) * 9, sse("[DONE]")]
+    body_pieces = [p for p in body_pieces if p]  # a zero-size chunk would end the body
+    wire = chunked(*body_pieces) + b"bytes after the body"
+    expected = b"".join(body_pieces)
+    for cut in range(1, len(wire)):
+        decoder = sse_client.ChunkedDecoder()
+        got = decoder.feed(wire[:cut]) + decoder.feed(wire[cut:])
+        assert got == expected and decoder.done, f"split at byte {cut}"
+    decoder = sse_client.ChunkedDecoder()
+    assert b"".join(decoder.feed(bytes([b])) for b in wire) == expected and decoder.done
+
+
+def test_chunked_body_with_a_bad_size_is_an_error():
+    with pytest.raises(CompiledLLMError, match="malformed chunk size"):
+        sse_client.ChunkedDecoder().feed(b"zz\r\nabc")
+
+
+def test_only_plain_http_urls_are_requested():
+    host, port, request = sse_client.http_request("POST", "http://127.0.0.1:8123/v1/completions?x=1", b"{}",
+                                                  {"Accept": "text/event-stream"})
+    assert (host, port) == ("127.0.0.1", 8123)
+    assert request.startswith(b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: 127.0.0.1:8123\r\n")
+    assert b"Content-Length: 2\r\n" in request and request.endswith(b"\r\n\r\n{}")
+    with pytest.raises(CompiledLLMError, match="plain http only"):
+        sse_client.http_request("GET", "https://example.com/health")
+
+
+def serve_raw(responses: list[bytes]):
+    """A server on a free port that answers its i-th connection with ``responses[i]`` (written in
+    pieces, then the connection closed); (base url, the asyncio server) inside a running loop."""
+    import asyncio
+
+    async def start():
+        remaining = list(responses)
+
+        async def answer(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            response = remaining.pop(0)
+            for i in range(0, len(response), 7):
+                writer.write(response[i:i + 7])
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", server
+
+    return start()
+
+
+def test_stream_one_times_a_chunked_stream_and_names_what_went_wrong():
+    import asyncio
+
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    stream = chunked(sse(completion_chunk("Hel", completion_tokens=1)),
+                     sse(completion_chunk("lo", "length", 2)), sse(usage_chunk(2)), sse("[DONE]"))
+    error = json.dumps({"error": {"message": "max_tokens must be at least 1", "type": "x"}}).encode()
+    responses = [
+        head + stream,
+        b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%s" % (len(error), error),
+        head + stream[:40],  # broken off mid-stream
+    ]
+
+    async def run():
+        base, server = await serve_raw(responses)
+        async with server:
+            url = base + "/v1/completions"
+            return [await sse_client.stream_one(url, b"{}", 7, 0.0, 0.0, {}) for _ in responses]
+
+    ok, refused, broken = asyncio.run(run())
+    assert ok.ok and ok.output_tokens == 2 and ok.finish_reason == "length" and ok.chunks == 4, ok.error
+    assert len(ok.itl) == 1 and 0 < ok.ttft <= ok.e2e
+    assert not refused.ok and refused.error == "HTTP 400: max_tokens must be at least 1"
+    assert not broken.ok and "closed the connection before the response's end" in broken.error
+
+
+def test_stream_one_to_a_port_nobody_listens_on_fails_in_one_line():
+    import asyncio
+    import socket
+
+    with socket.socket() as s:  # a port just freed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    record = asyncio.run(sse_client.stream_one(f"http://127.0.0.1:{port}/v1/completions", b"{}", 7, 0.0, 0.0, {}))
+    assert not record.ok and record.error.startswith(f"cannot connect to 127.0.0.1:{port}")
 
 
 # ---- per-request timing -----------------------------------------------------------------------
