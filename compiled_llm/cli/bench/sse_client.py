@@ -100,6 +100,9 @@ class StreamTimer:
         except ValueError:
             self.error = f"an event that is not JSON: {data[:80]!r}"
             return
+        if not isinstance(chunk, dict):
+            self.error = f"an event that is not a JSON object: {data[:80]!r}"
+            return
         if "error" in chunk:
             error = chunk["error"]
             self.error = str(error.get("message", error) if isinstance(error, dict) else error)
@@ -173,18 +176,20 @@ class ChunkedDecoder:
                 self._left -= take
                 if self._left == 0:
                     self._left = -2
-            elif self._left < 0:
-                skip = min(-self._left, n - i)
-                i += skip
-                self._left += skip
+            elif self._left < 0:  # the CRLF that closes a chunk's data
+                if buf[i:i + 1] != b"\r\n"[2 + self._left:3 + self._left]:
+                    raise CompiledLLMError(f"a chunk's data is not followed by CRLF: {buf[i:i + 8]!r}")
+                i += 1
+                self._left += 1
             else:
                 end = buf.find(b"\r\n", i)
                 if end < 0:
                     break
-                try:  # a size in hex, maybe with extensions (";name=value"), which carry nothing here
-                    size = int(buf[i:end].split(b";", 1)[0], 16)
-                except ValueError:
-                    raise CompiledLLMError(f"a malformed chunk size in the response: {buf[i:end][:40]!r}") from None
+                # a size in hex, maybe with extensions (";name=value"), which carry nothing here
+                digits = buf[i:end].split(b";", 1)[0].strip()
+                if not digits or digits.strip(b"0123456789abcdefABCDEF"):
+                    raise CompiledLLMError(f"a malformed chunk size in the response: {buf[i:end][:40]!r}")
+                size = int(digits, 16)
                 i = end + 2
                 if size == 0:  # trailers, if any, carry nothing the benchmark reads
                     self.done = True
@@ -233,6 +238,14 @@ class _ResponseProtocol(asyncio.Protocol):
         transport.write(self._request)
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._read(data)
+        except Exception as e:  # a body the client cannot read: the request fails with why
+            self.complete = False
+            self._finish(e if isinstance(e, CompiledLLMError)
+                         else CompiledLLMError(f"an unreadable response: {type(e).__name__}: {e}"))
+
+    def _read(self, data: bytes) -> None:
         now = self.last_read = time.perf_counter()
         if self.status is None:
             self._head += data
@@ -253,7 +266,10 @@ class _ResponseProtocol(asyncio.Protocol):
                 if name == b"transfer-encoding" and b"chunked" in value.lower():
                     self._chunked = ChunkedDecoder()
                 elif name == b"content-length":
-                    self._length = int(value.strip())
+                    try:
+                        self._length = int(value.strip())
+                    except ValueError:
+                        raise CompiledLLMError(f"a malformed Content-Length: {value[:40]!r}") from None
         if self._chunked is not None:
             data = self._chunked.feed(data)
             self.complete = self._chunked.done
@@ -277,8 +293,8 @@ class _ResponseProtocol(asyncio.Protocol):
     def _finish(self, exc) -> None:
         if not self.done.done():
             self.done.set_result(exc)
-        if self.transport is not None:
-            self.transport.close()
+        if self.transport is not None:  # abort: what is left of the request need not be sent
+            self.transport.abort()
 
 
 async def fetch(url: str, body: bytes, headers: dict, on_body, connect_timeout: float = 60.0,
@@ -302,7 +318,7 @@ async def fetch(url: str, body: bytes, headers: dict, on_body, connect_timeout: 
                 raise CompiledLLMError(f"nothing from the server for {read_timeout:g} s")
             await asyncio.wait([done], timeout=read_timeout - idle)
     finally:
-        transport.close()
+        transport.abort()
     exc = done.result()
     if isinstance(exc, CompiledLLMError):
         raise exc

@@ -73,9 +73,15 @@ def test_chunked_body_comes_out_whole_wherever_the_bytes_are_split():
     assert b"".join(decoder.feed(bytes([b])) for b in wire) == expected and decoder.done
 
 
-def test_chunked_body_with_a_bad_size_is_an_error():
-    with pytest.raises(CompiledLLMError, match="malformed chunk size"):
-        sse_client.ChunkedDecoder().feed(b"zz\r\nabc")
+@pytest.mark.parametrize("wire, error", [
+    (b"zz\r\nabc", "malformed chunk size"),
+    (b"0x5\r\nabcde\r\n", "malformed chunk size"),
+    (b"\r\nabc", "malformed chunk size"),
+    (b"3\r\nabcXY4\r\n", "not followed by CRLF"),
+])
+def test_chunked_body_with_bad_framing_is_an_error(wire, error):
+    with pytest.raises(CompiledLLMError, match=error):
+        sse_client.ChunkedDecoder().feed(wire)
 
 
 def test_only_plain_http_urls_are_requested():
@@ -121,6 +127,8 @@ def test_stream_one_times_a_chunked_stream_and_names_what_went_wrong():
         head + stream,
         b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%s" % (len(error), error),
         head + stream[:40],  # broken off mid-stream
+        head + stream[:60] + b"XY" + stream[60:],  # a chunk's framing broken
+        head + chunked(sse("[1, 2]"), sse(completion_chunk("lo", "length", 2)), sse("[DONE]")),
     ]
 
     async def run():
@@ -129,11 +137,13 @@ def test_stream_one_times_a_chunked_stream_and_names_what_went_wrong():
             url = base + "/v1/completions"
             return [await sse_client.stream_one(url, b"{}", 7, 0.0, 0.0, {}) for _ in responses]
 
-    ok, refused, broken = asyncio.run(run())
+    ok, refused, broken, misframed, not_an_object = asyncio.run(run())
     assert ok.ok and ok.output_tokens == 2 and ok.finish_reason == "length" and ok.chunks == 4, ok.error
     assert len(ok.itl) == 1 and 0 < ok.ttft <= ok.e2e
     assert not refused.ok and refused.error == "HTTP 400: max_tokens must be at least 1"
     assert not broken.ok and "closed the connection before the response's end" in broken.error
+    assert not misframed.ok and ("CRLF" in misframed.error or "chunk size" in misframed.error)
+    assert not not_an_object.ok and "not a JSON object" in not_an_object.error
 
 
 def test_stream_one_to_a_port_nobody_listens_on_fails_in_one_line():
