@@ -4,11 +4,11 @@ a client in another process, in the style of vLLM's serving benchmark.
 One run:
 
 1. offline reference: ``LLM.generate`` on the same requests in this process
-   (``workloads.compiled_throughput``, the median of three runs); the LLM is then freed, since on a GPU the server must not
-   find a second KV cache beside its own;
+   (``workloads.compiled_throughput``, the median of three runs); the LLM is then freed, since
+   on a GPU the server must not find a second KV cache beside its own;
 2. the server: ``compiled-llm serve ENGINE`` as a subprocess on a free 127.0.0.1 port, with the
-   bench's engine options (and ``--api-server-count`` when given), warmed up with the workload's prompt lengths and every decode batch
-   size up to the number of requests;
+   bench's engine options (and ``--api-server-count`` when given), warmed up with the workload's
+   prompt lengths and every decode batch size up to the number of requests;
 3. for each request rate: every request sent to ``/v1/completions`` with ``stream: true`` (token-id
    prompts, temperature 0.6, ``ignore_eos``), at a Poisson rate (exponential gaps from a seeded
    RNG) or all at once (``inf``). Each run's prompts are shifted by one token id from the
@@ -20,10 +20,10 @@ steps a slow reader missed); TPOT, (e2e - TTFT) / (output tokens - 1); e2e. Outp
 server's ``usage`` count (``stream_options.include_usage``).
 
 The client is an asyncio protocol per request, with its own HTTP/1.1 and SSE parsing, constant
-work per byte (``sse_client.py``). A GPU server streams tens of thousands of chunks a second, more than one
-Python process reads, so the client can run in several processes (``client_processes``) whose
-records are merged (``load_generator.py``); each run reports the chunks the client handled per
-CPU second, and warns when a client process was saturated.
+work per byte (``sse_client.py``). A GPU server streams tens of thousands of chunks a second,
+more than one Python process reads, so the client can run in several processes
+(``client_processes``) whose records are merged (``load_generator.py``); each run reports the
+chunks the client handled per CPU second, and warns when a client process was saturated.
 
 With ``--dataset-name prefix_repetition`` the requests are that dataset's instead, and the run
 compares servers rather than a server with offline generation (``routing_comparison.py``: DP=1
@@ -133,9 +133,9 @@ def completion_body(model: str, prompt: Sequence[int], max_tokens: int) -> bytes
 
 def offline_reference(engine: str, device, engine_options: dict, options: ServingOptions) -> Result:
     """``LLM.generate`` on the workload in this process (the throughput workload's measurement,
-    the median of ``OFFLINE_RUNS`` on one engine), then the LLM freed, CUDA's cached blocks included. It is one engine whatever
-    ``data_parallel_size`` the server runs: ``vs_offline`` of a server of N replicas is their
-    speed-up over one."""
+    the median of ``OFFLINE_RUNS`` on one engine), then the LLM freed, CUDA's cached blocks
+    included. It is one engine whatever ``data_parallel_size`` the server runs: ``vs_offline``
+    of a server of N replicas is their speed-up over one."""
     import gc
 
     import torch

@@ -7,8 +7,8 @@ Why not an HTTP library: a GPU server streams tens of thousands of chunks a seco
 read, and the client must read them as they come or its own delays become the server's TTFT and
 ITL. Through httpx one process read 6k single-event chunks per CPU second on an H200's host;
 through this protocol, called straight from the event loop with no stream or task between,
-20-23k. ``http_module`` (httpx2 or httpx) still serves the bench's few
-plain requests (/health, /metrics)."""
+20-23k. ``http_module`` (httpx2 or httpx) still serves the bench's few plain requests (/health,
+/metrics)."""
 
 from __future__ import annotations
 
