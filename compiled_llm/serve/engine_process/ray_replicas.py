@@ -318,7 +318,10 @@ class RayEngineCoreClient(EngineCoreClient):
             except Exception:  # noqa: BLE001 - Ray shut down under us: the server is ending
                 return
         if not self._closing:
-            self._aio.call_soon_threadsafe(self._actor_ended)
+            try:
+                self._aio.call_soon_threadsafe(self._actor_ended)
+            except RuntimeError:  # its event loop closed meanwhile: nobody is left to tell
+                pass
 
     def _actor_ended(self) -> None:
         if self._lost:
