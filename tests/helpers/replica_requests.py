@@ -4,6 +4,7 @@ many at once, most streamed, and what each replica generated for them, from /met
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Sequence
 
 import openai
@@ -14,6 +15,15 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}  # every reque
 async def stream_text(aclient, model: str, prompt: str, max_tokens: int) -> str:
     stream = await aclient.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY)
     return "".join([c.choices[0].text async for c in stream])
+
+
+async def stream_outcome(aclient, model: str, prompt: str, max_tokens: int) -> tuple[str, str, float]:
+    """("ok", its text, when it ended) or ("error", the API error's message, when it ended): a
+    stream of a replica that may be killed under it."""
+    try:
+        return "ok", await stream_text(aclient, model, prompt, max_tokens), time.monotonic()
+    except openai.APIError as e:
+        return "error", e.message, time.monotonic()
 
 
 def answer_concurrently(api_url: str, model: str, prompts: Sequence[str], max_tokens: Sequence[int]) -> list[str]:

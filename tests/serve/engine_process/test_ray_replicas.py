@@ -61,10 +61,6 @@ def health(url: str) -> dict:
         return json.loads(r.read())
 
 
-async def stream_text(aclient, prompt: str, max_tokens: int) -> str:
-    return await replica_requests.stream_text(aclient, MODEL, prompt, max_tokens)
-
-
 def test_a_replica_that_cannot_load_stops_the_others_and_names_itself(  # before the server starts
         ray_cluster, lively_bpe_engine, tmp_path):
     import functools
@@ -131,11 +127,8 @@ def test_killing_a_replica_actor_mid_load_ends_or_retries_its_requests_and_leave
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} again {i}" for i in range(3 * MAX_NUM_SEQS)]
     max_tokens = 60
 
-    async def one(aclient, prompt: str) -> tuple[str, str, float]:
-        try:
-            return "ok", await stream_text(aclient, prompt, max_tokens), time.monotonic()
-        except openai.APIError as e:
-            return "error", e.message, time.monotonic()
+    def one(aclient, prompt: str):
+        return replica_requests.stream_outcome(aclient, MODEL, prompt, max_tokens)
 
     def both_full() -> bool:
         m = scrape(server.url, by_engine=True)
@@ -179,11 +172,8 @@ def test_killing_the_last_replicas_rank_actor_mid_load_fails_its_requests_and_th
     pids = [core.pid, rank.pid]
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} last {i}" for i in range(2 * MAX_NUM_SEQS)]
 
-    async def one(aclient, prompt: str) -> tuple[str, str, float]:
-        try:
-            return "ok", await stream_text(aclient, prompt, 60), time.monotonic()
-        except openai.APIError as e:
-            return "error", e.message, time.monotonic()
+    def one(aclient, prompt: str):
+        return replica_requests.stream_outcome(aclient, MODEL, prompt, 60)
 
     def full() -> bool:
         m = scrape(server.url)
