@@ -509,7 +509,9 @@ class LLMEngine:
             if request is None:
                 continue
             det = request.detoks[seq.index]
-            for j in range(n):  # the seq's new tokens, in order (several after a verification)
+            # the seq's new tokens, in order (several after a verification); nothing to do per
+            # token without a detokenizer or logprobs (the engine process's streams, bench runs)
+            for j in range(n if det is not None or logprobs is not None else 0):
                 token = seq.token_ids[j - n]
                 if logprobs is not None and seq.params.logprobs is not None:
                     self._add_logprobs(seq, token, logprobs[first_lp + j])
