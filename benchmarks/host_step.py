@@ -9,7 +9,8 @@ Python takes longer, the device waits. This measures that Python alone, on any m
 requests decode on a CPU engine whose program returns a fixed logits tensor (no forward), and each
 ``LLMEngine.step_deltas`` call, with the engine process's snapshot and pickled message, is timed.
 The sampler still runs (on a CPU it is a few torch ops over a tiny vocabulary, on a GPU one kernel
-launch). ``--stream``: every request streamed, as the server's are (an output every step).
+launch). ``--stream``: every request streamed, as the server's are; ``--reader-every N``: its front
+end reads every N steps, and the engine holds the streams back while it is behind.
 Prints the median and mean milliseconds a step, and a breakdown by phase.
 """
 
@@ -57,6 +58,9 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--phases", action="store_true", help="time the phases too (adds a little to each)")
+    ap.add_argument("--reader-every", type=int, default=1, metavar="N",
+                    help="with --stream: the front end reads the engine's outputs every N steps, and the "
+                         "engine holds the streams back in between, as its process does (default 1: every step)")
     args = ap.parse_args()
 
     from compiled_llm import LLM, SamplingParams
@@ -81,12 +85,14 @@ def main() -> None:
         engine.step_deltas()
     totals.clear()
     times = []
-    for _ in range(args.steps):
+    for i in range(args.steps):
+        behind = args.reader_every > 1 and i % args.reader_every != 0
         t = time.perf_counter()
-        deltas = engine.step_deltas()
+        deltas = engine.step_deltas(hold_streams=behind)
         pickle.dumps(("step", deltas, [], [], EngineSnapshot.of(engine)), protocol=pickle.HIGHEST_PROTOCOL)
         times.append(time.perf_counter() - t)
-    print(f"{args.rows} rows{', streamed' if args.stream else ''}: host time a decode step, median "
+    reader = f", read every {args.reader_every} steps" if args.stream and args.reader_every > 1 else ""
+    print(f"{args.rows} rows{', streamed' if args.stream else ''}{reader}: host time a decode step, median "
           f"{1e3 * statistics.median(times):.3f} ms, mean {1e3 * statistics.mean(times):.3f} ms ({args.steps} steps)")
     for name, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {name:28s} {1e3 * seconds / args.steps:.3f} ms")

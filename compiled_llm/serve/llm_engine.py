@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -229,6 +229,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.profile_labels = False
         self._pending = None  # (batch, handle) of a decode step queued ahead
+        # step_deltas held back the streams' new tokens: the next call that does not sends them
+        self._streams_held = False
         self._in_flight: ScheduledBatch | None = None  # the step being run, for clean-up if it fails
         self.failed_request_ids: list[str] = []  # requests the last step aborted because it raised
         self._grammars = None  # the GrammarCompiler, once a request has structured outputs
@@ -385,12 +387,31 @@ class LLMEngine:
         """One step's results: finished requests, and every new token of streaming ones."""
         return [self._output(request, indices) for request, indices in self._changes()]
 
-    def step_deltas(self) -> list[tuple]:
+    def step_deltas(self, hold_streams: bool = False) -> list[tuple]:
         """One step's results as what is new in them, the tuples the engine process sends
-        (``engine_messages``): no output objects, nothing proportional to a request's length."""
-        return [self._delta(request, indices) for request, indices in self._changes()]
+        (``engine_messages``): no output objects, nothing proportional to a request's length.
 
-    def _changes(self) -> list[tuple[_Request, list[int] | range]]:
+        ``hold_streams``: report only the requests that finished (or failed); the streams' new
+        tokens wait for the next call without it, which sends each stream everything it has not
+        sent, merged. The engine process holds them while its front ends have not read the
+        outputs already sent: building and pickling every stream's delta is Python over every
+        running row, every step, and a front end that is behind would merge them anyway."""
+        changes = self._changes(report_streams=not hold_streams)
+        deltas = [self._delta(request, indices) for request, indices in changes]
+        if hold_streams:
+            self._streams_held = True
+        elif self._streams_held:
+            self._streams_held = False
+            reported = {request.request_id for request, _ in changes}
+            for rid, request in self._requests.items():
+                if not request.stream or rid in reported:
+                    continue
+                unsent = [i for i, seq in enumerate(request.seqs) if request.sent_tokens[i] < seq.num_output_tokens]
+                if unsent:
+                    deltas.append(self._delta(request, unsent))
+        return deltas
+
+    def _changes(self, report_streams: bool = True) -> list[tuple[_Request, list[int] | range]]:
         """Run one step; the requests it finished, and the streamed ones it changed, with the
         completions that changed. With async scheduling a decode step is usually already
         queued on the device (launched by the previous call); this call queues the one after it
@@ -404,7 +425,7 @@ class LLMEngine:
         try:
             if self.executor is not None:
                 self.executor.check()
-            return self._step()
+            return self._step(report_streams)
         except BaseException:
             self.failed_request_ids = self._abandon_steps()
             if self.executor is not None:  # a rank died: say which, not how the collective broke
@@ -429,7 +450,7 @@ class LLMEngine:
             self.abort_request(rid)
         return ids
 
-    def _step(self) -> list[tuple[_Request, list[int] | range]]:
+    def _step(self, report_streams: bool = True) -> list[tuple[_Request, list[int] | range]]:
         t0 = time.perf_counter()
         ahead = None
         if self._pending is not None:
@@ -527,8 +548,8 @@ class LLMEngine:
             if seq.is_finished:
                 if det is not None:
                     det.finalize()
-            elif not request.stream:
-                continue  # nothing to report until it finishes
+            elif not (request.stream and report_streams):
+                continue  # nothing to report until it finishes (or its stream is reported again)
             changed_by_request.setdefault(seq.request_id, []).append(seq.index)
         changes = []
         for rid, indices in changed_by_request.items():

@@ -191,10 +191,17 @@ class EngineCore:
 
     # ---- stepping ------------------------------------------------------------------------------
 
+    def _front_ends_behind(self) -> bool:
+        """Every front end has yet to read outputs already sent to it: the streams' new tokens
+        wait for a later step (``LLMEngine.step_deltas(hold_streams=True)``), and go merged.
+        One that has caught up gets every step's, so no stream waits for another's reader."""
+        channels = [c for c in self.front_ends if c is not None]
+        return bool(channels) and all(c.reader_behind for c in channels)
+
     def _step(self) -> None:
         self._stepped = True
         try:
-            deltas = self.engine.step_deltas()
+            deltas = self.engine.step_deltas(hold_streams=self._front_ends_behind())
         except Exception as e:
             failed = self.engine.failed_request_ids or list(self._running)
             # a rank is gone (the error names it): no step can run again, so the core stops once

@@ -15,10 +15,13 @@ engine it started.
 
 from __future__ import annotations
 
+import array
 import fcntl
 import os
 import pickle
+import stat
 import struct
+import termios
 
 _HEADER = struct.Struct("<Q")
 _READ_SIZE = 1 << 20
@@ -35,6 +38,23 @@ def _grow_pipe(fd: int) -> None:
         pass
 
 
+# The bytes written and not yet read by the other end: FIONREAD on a pipe counts what it holds
+# (either end), TIOCOUTQ (SIOCOUTQ) on a socket what its send queue holds
+_FIONREAD = getattr(termios, "FIONREAD", 0x541B)
+_TIOCOUTQ = getattr(termios, "TIOCOUTQ", 0x5411)
+
+
+def _unread_bytes_query(fd: int) -> int | None:
+    """The ioctl that counts the bytes written on ``fd`` that the other end has not read, or
+    None where there is none (a file of another kind)."""
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISFIFO(mode):
+        return _FIONREAD
+    if stat.S_ISSOCK(mode):
+        return _TIOCOUTQ
+    return None
+
+
 class MessageChannel:
     """One end: reads messages from ``read_fd`` and writes them to ``write_fd`` (both set
     non-blocking; one socket's descriptor may be both). ``closed`` once the other end has gone
@@ -45,6 +65,7 @@ class MessageChannel:
         os.set_blocking(read_fd, False)
         os.set_blocking(write_fd, False)
         _grow_pipe(write_fd)
+        self._unread_query = _unread_bytes_query(write_fd)
         self._in = bytearray()
         self._out = bytearray()
         self.closed = False
@@ -54,6 +75,22 @@ class MessageChannel:
     def pending(self) -> bool:
         """Some sent bytes are still waiting for room in the pipe."""
         return bool(self._out)
+
+    @property
+    def reader_behind(self) -> bool:
+        """The other end has not yet read everything sent to it: bytes wait here or in the pipe
+        (or socket). An engine holds back streamed tokens while its front end is behind, and
+        sends them merged once it has caught up (``EngineCore``)."""
+        if self._out:
+            return True
+        if self._unread_query is None or self.closed:
+            return False
+        count = array.array("i", [0])
+        try:
+            fcntl.ioctl(self.write_fd, self._unread_query, count, True)
+        except OSError:
+            return False
+        return count[0] > 0
 
     def send(self, message) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)

@@ -56,6 +56,26 @@ def test_a_message_larger_than_the_pipe_goes_through_without_blocking_the_sender
     assert b.receive() == [] and b.closed
 
 
+def test_a_channel_knows_whether_its_reader_is_behind_over_a_pipe_and_a_socket():
+    import socket
+
+    from compiled_llm.serve.engine_process.message_channel import MessageChannel
+
+    a_to_b, b_to_a = os.pipe(), os.pipe()
+    left, right = socket.socketpair()
+    pairs = [(MessageChannel(b_to_a[0], a_to_b[1]), MessageChannel(a_to_b[0], b_to_a[1])),
+             (MessageChannel(left.fileno(), left.fileno()), MessageChannel(right.fileno(), right.fileno()))]
+    for sender, reader in pairs:
+        assert not sender.reader_behind
+        sender.send(("step", [1, 2, 3]))
+        sender.send(("step", [4]))
+        assert sender.reader_behind  # in the pipe (or socket), unread
+        assert reader.receive() == [("step", [1, 2, 3]), ("step", [4])]
+        assert not sender.reader_behind
+        reader.close()
+        sender.close()
+
+
 # ---- the process ---------------------------------------------------------------------------------------
 
 
@@ -228,6 +248,58 @@ def test_stop_strings_are_still_found_by_the_engine(llm):
     assert got.finish_reason == "stop" and got.stop_reason == stop
     assert got.text == want.text and got.text.endswith(stop) and "".join(pieces[0]) == want.text
     assert got.token_ids == want.token_ids
+
+
+def deltas_by_request(deltas: list[tuple]) -> dict[str, list[int]]:
+    """Each request's new token ids in ``step_deltas`` tuples (one completion each)."""
+    out: dict[str, list[int]] = {}
+    for rid, _finished, _metrics, _prompt_lp, completions in deltas:
+        for _index, _text, ids, *_ in completions:
+            out.setdefault(rid, []).extend(ids)
+    return out
+
+
+def test_streams_held_while_the_front_end_is_behind_get_their_tokens_merged_and_ends_at_once(llm):
+    from compiled_llm.serve.engine_process.engine_messages import OutputAssembler
+    from compiled_llm.serve.sampling_params import SamplingParams
+
+    engine = llm.engine
+    prompts = ["Once upon a time", "hello world", "tokens per second"]
+    lengths = [12, 8, 12]
+    expected = [llm.generate([p], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)[0].token_ids for p, n in zip(prompts, lengths)]
+    for rid, prompt, n, stream in zip(["a", "b", "whole"], prompts, lengths, [True, True, False]):
+        text, ids, p = engine.validate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        engine.add_request(None, request_id=rid, stream=stream,
+                           _validated=(text, ids, OutputAssembler.engine_params(p, engine.tokenizer)))
+    per_step = []
+    while engine.has_unfinished_requests():
+        # the front end is behind for the first 5 steps, and from the 7th on
+        step = len(per_step)
+        per_step.append(deltas_by_request(engine.step_deltas(hold_streams=not 5 <= step < 7)))
+    assert per_step[:5] == [{}] * 5
+    assert (len(per_step[5]["a"]), len(per_step[5]["b"])) == (6, 6)  # 5 held steps' tokens and the 6th's
+    assert per_step[6] == {"a": per_step[6]["a"], "b": per_step[6]["b"]} and len(per_step[6]["a"]) == 1
+    # held again from the 7th step: only ends are reported, with all their tokens since
+    ends = [(step, rid) for step, got in enumerate(per_step[7:], 7) for rid in got]
+    assert sorted(rid for _, rid in ends) == ["a", "b", "whole"]
+    received = {rid: [t for got in per_step for t in got.get(rid, [])] for rid in ("a", "b", "whole")}
+    assert [received["a"], received["b"], received["whole"]] == expected
+
+
+def test_a_held_stream_that_is_aborted_sends_nothing_more(llm):
+    from compiled_llm.serve.engine_process.engine_messages import OutputAssembler
+    from compiled_llm.serve.sampling_params import SamplingParams
+
+    engine = llm.engine
+    text, ids, p = engine.validate("Once upon a time", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.add_request(None, request_id="gone", stream=True,
+                       _validated=(text, ids, OutputAssembler.engine_params(p, engine.tokenizer)))
+    for _ in range(3):
+        assert engine.step_deltas(hold_streams=True) == []
+    assert engine.abort_request("gone").outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():  # a step queued ahead may still be in flight
+        assert engine.step_deltas() == []
 
 
 # ---- the front end's pacing --------------------------------------------------------------------------
