@@ -391,25 +391,34 @@ class LLMEngine:
         """One step's results as what is new in them, the tuples the engine process sends
         (``engine_messages``): no output objects, nothing proportional to a request's length.
 
-        ``hold_streams``: report only the requests that finished (or failed); the streams' new
-        tokens wait for the next call without it, which sends each stream everything it has not
-        sent, merged. The engine process holds them while its front ends have not read the
-        outputs already sent: building and pickling every stream's delta is Python over every
-        running row, every step, and a front end that is behind would merge them anyway."""
+        ``hold_streams``: report the streams' first tokens and the requests that finished (or
+        failed) only; the other new tokens wait for the next call without it, which sends each
+        stream everything it has not sent, merged. The engine process holds them while its front
+        ends have not read the outputs already sent: building and pickling every stream's delta
+        is Python over every running row, every step, and a front end that is behind would merge
+        them anyway."""
         changes = self._changes(report_streams=not hold_streams)
-        deltas = [self._delta(request, indices) for request, indices in changes]
         if hold_streams:
             self._streams_held = True
         elif self._streams_held:
             self._streams_held = False
-            reported = {request.request_id for request, _ in changes}
-            for rid, request in self._requests.items():
-                if not request.stream or rid in reported:
-                    continue
-                unsent = [i for i, seq in enumerate(request.seqs) if request.sent_tokens[i] < seq.num_output_tokens]
-                if unsent:
-                    deltas.append(self._delta(request, unsent))
-        return deltas
+            changes = self._with_unsent(changes)
+        return [self._delta(request, indices) for request, indices in changes]
+
+    def _with_unsent(self, changes: list[tuple[_Request, list[int] | range]]):
+        """``changes`` with every stream's completions that have tokens not yet sent (held by
+        earlier steps) added, each request once."""
+        by_request = {request.request_id: (request, indices) for request, indices in changes}
+        for rid, request in self._requests.items():
+            if not request.stream:
+                continue
+            unsent = {i for i, seq in enumerate(request.seqs) if request.sent_tokens[i] < seq.num_output_tokens}
+            if not unsent:
+                continue
+            if rid in by_request:
+                unsent.update(by_request[rid][1])
+            by_request[rid] = (request, sorted(unsent))
+        return list(by_request.values())
 
     def _changes(self, report_streams: bool = True) -> list[tuple[_Request, list[int] | range]]:
         """Run one step; the requests it finished, and the streamed ones it changed, with the
@@ -548,8 +557,8 @@ class LLMEngine:
             if seq.is_finished:
                 if det is not None:
                     det.finalize()
-            elif not (request.stream and report_streams):
-                continue  # nothing to report until it finishes (or its stream is reported again)
+            elif not request.stream or (not report_streams and request.sent_tokens[seq.index]):
+                continue  # nothing to report until it finishes (a held stream: until it is reported again)
             changed_by_request.setdefault(seq.request_id, []).append(seq.index)
         changes = []
         for rid, indices in changed_by_request.items():

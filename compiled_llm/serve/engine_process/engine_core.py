@@ -55,6 +55,11 @@ CALLS: dict[str, tuple[Callable[[LLMEngine], object], bool]] = {
 }
 
 
+# Streamed tokens are held back at most this many steps in a row (~60 ms of a small model's
+# decode): a front end that has stopped reading for longer gets them as they come again
+MAX_HELD_STEPS = 32
+
+
 class EngineCore:
     def __init__(self, engine: LLMEngine, channel: MessageChannel, front_ends: Sequence[MessageChannel] = ()):
         """``channel``: the owner's (the process that started the engine); ``front_ends``: the
@@ -72,6 +77,7 @@ class EngineCore:
         self._stepped = False
         self._stop = False
         self._idle_calls: list[tuple] = []  # calls waiting for the engine to be idle
+        self._held_steps = 0  # steps in a row whose streamed tokens were held back
 
     def run(self) -> None:
         """Until the owner says shutdown or goes away."""
@@ -191,17 +197,21 @@ class EngineCore:
 
     # ---- stepping ------------------------------------------------------------------------------
 
-    def _front_ends_behind(self) -> bool:
-        """Every front end has yet to read outputs already sent to it: the streams' new tokens
-        wait for a later step (``LLMEngine.step_deltas(hold_streams=True)``), and go merged.
-        One that has caught up gets every step's, so no stream waits for another's reader."""
+    def _hold_streams(self) -> bool:
+        """Whether this step's streamed tokens wait for a later one
+        (``LLMEngine.step_deltas(hold_streams=True)``): every front end has yet to read outputs
+        sent before the last message, and fewer than ``MAX_HELD_STEPS`` steps have been held in
+        a row. One that has caught up gets every step's tokens, so no stream waits for another
+        front end's reader."""
         channels = [c for c in self.front_ends if c is not None]
-        return bool(channels) and all(c.reader_behind for c in channels)
+        hold = bool(channels) and self._held_steps < MAX_HELD_STEPS and all(c.reader_behind for c in channels)
+        self._held_steps = self._held_steps + 1 if hold else 0
+        return hold
 
     def _step(self) -> None:
         self._stepped = True
         try:
-            deltas = self.engine.step_deltas(hold_streams=self._front_ends_behind())
+            deltas = self.engine.step_deltas(hold_streams=self._hold_streams())
         except Exception as e:
             failed = self.engine.failed_request_ids or list(self._running)
             # a rank is gone (the error names it): no step can run again, so the core stops once

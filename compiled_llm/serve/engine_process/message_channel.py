@@ -38,21 +38,15 @@ def _grow_pipe(fd: int) -> None:
         pass
 
 
-# The bytes written and not yet read by the other end: FIONREAD on a pipe counts what it holds
-# (either end), TIOCOUTQ (SIOCOUTQ) on a socket what its send queue holds
+# The bytes written to a pipe and not yet read from it (FIONREAD counts them at either end)
 _FIONREAD = getattr(termios, "FIONREAD", 0x541B)
-_TIOCOUTQ = getattr(termios, "TIOCOUTQ", 0x5411)
 
 
-def _unread_bytes_query(fd: int) -> int | None:
-    """The ioctl that counts the bytes written on ``fd`` that the other end has not read, or
-    None where there is none (a file of another kind)."""
-    mode = os.fstat(fd).st_mode
-    if stat.S_ISFIFO(mode):
-        return _FIONREAD
-    if stat.S_ISSOCK(mode):
-        return _TIOCOUTQ
-    return None
+def _counts_unread_bytes(fd: int) -> bool:
+    """Whether the bytes written on ``fd`` that the other end has not read can be counted: on a
+    pipe, yes. On a socket no: TCP's TIOCOUTQ counts what the peer's kernel has not
+    acknowledged, and a Unix socket's counts buffer memory, not bytes."""
+    return stat.S_ISFIFO(os.fstat(fd).st_mode)
 
 
 class MessageChannel:
@@ -65,7 +59,8 @@ class MessageChannel:
         os.set_blocking(read_fd, False)
         os.set_blocking(write_fd, False)
         _grow_pipe(write_fd)
-        self._unread_query = _unread_bytes_query(write_fd)
+        self._counts_unread = _counts_unread_bytes(write_fd)
+        self._last_size = 0  # bytes of the last message sent (reader_behind)
         self._in = bytearray()
         self._out = bytearray()
         self.closed = False
@@ -78,22 +73,25 @@ class MessageChannel:
 
     @property
     def reader_behind(self) -> bool:
-        """The other end has not yet read everything sent to it: bytes wait here or in the pipe
-        (or socket). An engine holds back streamed tokens while its front end is behind, and
-        sends them merged once it has caught up (``EngineCore``)."""
-        if self._out:
-            return True
-        if self._unread_query is None or self.closed:
+        """The other end has not read a message sent before the last one: bytes of it still
+        wait here or in the pipe. The last message alone unread is no sign of a slow reader (it
+        may have been sent a moment ago). An engine holds back streamed tokens while its front
+        ends are behind, and sends them merged once one has caught up (``EngineCore``). Always
+        False where the unread bytes cannot be counted (a socket)."""
+        if not self._counts_unread or self.closed:
             return False
+        if len(self._out) > self._last_size:
+            return True
         count = array.array("i", [0])
         try:
-            fcntl.ioctl(self.write_fd, self._unread_query, count, True)
+            fcntl.ioctl(self.write_fd, _FIONREAD, count, True)
         except OSError:
             return False
-        return count[0] > 0
+        return count[0] + len(self._out) > self._last_size
 
     def send(self, message) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self._last_size = _HEADER.size + len(data)
         self._out += _HEADER.pack(len(data))
         self._out += data
         self.flush()

@@ -56,24 +56,43 @@ def test_a_message_larger_than_the_pipe_goes_through_without_blocking_the_sender
     assert b.receive() == [] and b.closed
 
 
-def test_a_channel_knows_whether_its_reader_is_behind_over_a_pipe_and_a_socket():
+def test_a_channel_knows_whether_its_reader_missed_more_than_the_last_message():
+    from compiled_llm.serve.engine_process.message_channel import MessageChannel
+
+    a_to_b, b_to_a = os.pipe(), os.pipe()
+    sender, reader = MessageChannel(b_to_a[0], a_to_b[1]), MessageChannel(a_to_b[0], b_to_a[1])
+    assert not sender.reader_behind
+    sender.send(("step", [1, 2, 3]))
+    assert not sender.reader_behind  # the last message alone: sent a moment ago
+    sender.send(("step", [4]))
+    assert sender.reader_behind  # an earlier one is still unread
+    assert reader.receive() == [("step", [1, 2, 3]), ("step", [4])]
+    assert not sender.reader_behind
+    big = ("step", list(range(1_000_000)))  # more than the pipe holds: the rest waits here
+    sender.send(big)
+    sender.send(("step", [5]))
+    assert sender.pending and sender.reader_behind
+    reader.close()
+    sender.close()
+
+
+def test_a_socket_channel_never_counts_its_reader_behind():
     import socket
 
     from compiled_llm.serve.engine_process.message_channel import MessageChannel
 
-    a_to_b, b_to_a = os.pipe(), os.pipe()
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
     left, right = socket.socketpair()
-    pairs = [(MessageChannel(b_to_a[0], a_to_b[1]), MessageChannel(a_to_b[0], b_to_a[1])),
-             (MessageChannel(left.fileno(), left.fileno()), MessageChannel(right.fileno(), right.fileno()))]
-    for sender, reader in pairs:
+    for sock in (client, left):
+        sender = MessageChannel(sock.fileno(), sock.fileno())
+        for _ in range(3):  # unread by the peer, but a socket cannot count unread bytes
+            sender.send(("step", list(range(1000))))
         assert not sender.reader_behind
-        sender.send(("step", [1, 2, 3]))
-        sender.send(("step", [4]))
-        assert sender.reader_behind  # in the pipe (or socket), unread
-        assert reader.receive() == [("step", [1, 2, 3]), ("step", [4])]
-        assert not sender.reader_behind
-        reader.close()
         sender.close()
+    for s in (peer, server, right):
+        s.close()
 
 
 # ---- the process ---------------------------------------------------------------------------------------
@@ -277,12 +296,12 @@ def test_streams_held_while_the_front_end_is_behind_get_their_tokens_merged_and_
         # the front end is behind for the first 5 steps, and from the 7th on
         step = len(per_step)
         per_step.append(deltas_by_request(engine.step_deltas(hold_streams=not 5 <= step < 7)))
-    assert per_step[:5] == [{}] * 5
-    assert (len(per_step[5]["a"]), len(per_step[5]["b"])) == (6, 6)  # 5 held steps' tokens and the 6th's
-    assert per_step[6] == {"a": per_step[6]["a"], "b": per_step[6]["b"]} and len(per_step[6]["a"]) == 1
+    assert per_step[0] == {"a": expected[0][:1], "b": expected[1][:1]}  # first tokens are never held
+    assert per_step[1:5] == [{}] * 4
+    assert (len(per_step[5]["a"]), len(per_step[5]["b"])) == (5, 5)  # 4 held steps' tokens and the 6th's
+    assert set(per_step[6]) == {"a", "b"} and len(per_step[6]["a"]) == 1
     # held again from the 7th step: only ends are reported, with all their tokens since
-    ends = [(step, rid) for step, got in enumerate(per_step[7:], 7) for rid in got]
-    assert sorted(rid for _, rid in ends) == ["a", "b", "whole"]
+    assert sorted(rid for got in per_step[7:] for rid in got) == ["a", "b", "whole"]
     received = {rid: [t for got in per_step for t in got.get(rid, [])] for rid in ("a", "b", "whole")}
     assert [received["a"], received["b"], received["whole"]] == expected
 
@@ -295,6 +314,8 @@ def test_a_held_stream_that_is_aborted_sends_nothing_more(llm):
     text, ids, p = engine.validate("Once upon a time", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     engine.add_request(None, request_id="gone", stream=True,
                        _validated=(text, ids, OutputAssembler.engine_params(p, engine.tokenizer)))
+    first = engine.step_deltas(hold_streams=True)  # the first token goes out even so
+    assert [(rid, len(completions[0][2])) for rid, _, _, _, completions in first] == [("gone", 1)]
     for _ in range(3):
         assert engine.step_deltas(hold_streams=True) == []
     assert engine.abort_request("gone").outputs[0].finish_reason == "abort"
