@@ -11,7 +11,10 @@ its loop. Tests also run it in a thread (``EngineCoreClient.in_thread``), throug
 messages.
 
 The loop: take the commands that have arrived (submissions, aborts), run one step while anything
-is unfinished, send one message with what changed, and sleep in ``select`` only when idle. A
+is unfinished, send one message with what changed, and sleep in ``select`` only when idle. While
+every front end has yet to read an earlier message than the last, the streams' new tokens wait
+(their first tokens and ends do not) and go merged once one has caught up: a busy front end
+merges them anyway, and building every stream's delta every step is Python over every row. A
 request's failure in ``add_request`` or in a step reaches its caller as an error; the other
 requests carry on, as in ``EngineLoop``. ``LLM`` over data-parallel replicas drives engine
 processes too, and asks them for what it asks an engine in its own process (``CALLS``: the stats,
