@@ -31,6 +31,10 @@ from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.export import capture, param_placeholder_names
 from compiled_llm.kernels import registry
+from compiled_llm.megakernel import scheduler
+from compiled_llm.megakernel.check import check_schedule
+from compiled_llm.megakernel.lowering import lower_decode
+from compiled_llm.megakernel.schedule import DEFAULT_NUM_SMS
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.placement import dtype_name, resolve_device, resolve_dtype
@@ -199,6 +203,10 @@ def build_engine(
     with _Stage("load", times, progress):
         src = resolve_source(str(source))
         resolved, dev, torch_dtype = resolve_config(config, src)
+        if resolved.decode_backend == "megakernel" and dev.type != "cpu":
+            raise CompiledLLMError("--decode-backend megakernel builds for --device cpu only for now: its schedule "
+                                   "runs in the CPU interpreter, and the persistent GPU kernel that runs it is not "
+                                   "written yet; build with --decode-backend per-op")
         sharding.plan(src.config, size)  # refuses a shape that does not split, before any work
         pipeline_split.check_size(src.config.num_layers, stages)
         if size > 1 and "shard" not in passes:
@@ -265,6 +273,8 @@ def build_engine(
                 stage_seconds=times,
                 generation_config=generation,
             )
+            if resolved.decode_backend == "megakernel":
+                manifest["megakernel"] = artifact.write_schedule(work, decode_schedule(lowered))
             if first_stages is not None:
                 manifest["pipeline"] = {"size": stages, "stages": [_stage_entry(k, s) for k, s in enumerate(first_stages)]}
                 manifest["program"] = manifest["pipeline"]["stages"][0]
@@ -292,6 +302,15 @@ def build_engine(
     finally:
         engine_output.discard_work_dir(work)
     return artifact.read_manifest(out_dir)
+
+
+def decode_schedule(lowered: Lowered, num_sms: int = DEFAULT_NUM_SMS):
+    """The megakernel schedule of the lowered program's decode step, checked (a schedule the
+    scheduler got wrong fails the build, not a step)."""
+    shapes = {n: tuple(t.shape) for n, t in lowered.params.items()}
+    made = scheduler.schedule(lower_decode(lowered.gm, shapes, num_sms), scheduler.Machine(num_sms))
+    check_schedule(made)
+    return made
 
 
 def _file_contents(params: dict, dummy: bool) -> tuple[dict, dict | None]:
