@@ -57,7 +57,7 @@ from compiled_llm.graph.logits_rows import yields_chosen_rows
 from compiled_llm.graph.serialize import graph_from_json, graph_to_json
 from compiled_llm.kernels import registry
 from compiled_llm.megakernel.check import check_schedule, check_weights
-from compiled_llm.megakernel.program import MegakernelProgram
+from compiled_llm.megakernel.program import MegakernelProgram, check_fits
 from compiled_llm.megakernel.schedule import Schedule, schedule_from_json, schedule_to_json
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
@@ -572,6 +572,7 @@ def load_engine(
         if build_config(manifest).decode_backend == "megakernel":
             schedule = load_schedule(engine_dir, manifest)
             check_weights(schedule, {n: tuple(t.shape) for n, t in params.items()}, config.num_layers)
+            check_fits(schedule, dev)
             program = MegakernelProgram(program, schedule)
     else:
         layers = range(entry["first_layer"], entry["first_layer"] + entry["num_layers"])

@@ -203,10 +203,6 @@ def build_engine(
     with _Stage("load", times, progress):
         src = resolve_source(str(source))
         resolved, dev, torch_dtype = resolve_config(config, src)
-        if resolved.decode_backend == "megakernel" and dev.type != "cpu":
-            raise CompiledLLMError("--decode-backend megakernel builds for --device cpu only for now: its schedule "
-                                   "runs in the CPU interpreter, and the persistent GPU kernel that runs it is not "
-                                   "written yet; build with --decode-backend per-op")
         sharding.plan(src.config, size)  # refuses a shape that does not split, before any work
         pipeline_split.check_size(src.config.num_layers, stages)
         if size > 1 and "shard" not in passes:
@@ -274,7 +270,7 @@ def build_engine(
                 generation_config=generation,
             )
             if resolved.decode_backend == "megakernel":
-                manifest["megakernel"] = artifact.write_schedule(work, decode_schedule(lowered))
+                manifest["megakernel"] = artifact.write_schedule(work, decode_schedule(lowered, schedule_sms(dev)))
             if first_stages is not None:
                 manifest["pipeline"] = {"size": stages, "stages": [_stage_entry(k, s) for k, s in enumerate(first_stages)]}
                 manifest["program"] = manifest["pipeline"]["stages"][0]
@@ -302,6 +298,14 @@ def build_engine(
     finally:
         engine_output.discard_work_dir(work)
     return artifact.read_manifest(out_dir)
+
+
+def schedule_sms(dev: torch.device) -> int:
+    """The SMs a megakernel schedule is made for: the build GPU's (the persistent kernel runs one
+    program an SM, all resident), DEFAULT_NUM_SMS on a CPU."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return DEFAULT_NUM_SMS
 
 
 def decode_schedule(lowered: Lowered, num_sms: int = DEFAULT_NUM_SMS):

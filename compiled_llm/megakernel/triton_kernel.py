@@ -436,7 +436,7 @@ def launch(enc: E.Encoded, counters: torch.Tensor, num_sms: int, token_ids, posi
     zeroes it on the stream); the outputs land in the buffers ``enc`` was made over."""
     S = token_ids.shape[0]
     L, two, nb, bs, hkv, hd = kv_cache.shape
-    assert kv_cache.is_contiguous() and block_tables.is_contiguous()
+    assert kv_cache.is_contiguous() and block_tables.stride(-1) == 1
     megakernel[(num_sms,)](
         enc.sm_ranges, enc.instructions, enc.wait_counters, enc.wait_values, enc.bump_counters, counters,
         enc.op_addrs, enc.op_ints, enc.op_floats,
