@@ -68,6 +68,7 @@ class Encoded:
     num_counters: int
     max_head_dim: int  # the widest head (the kernel's head block)
     max_tiles: int  # the most lm_head tiles (the argmax's block)
+    aligned: bool  # every weight starts 16-byte aligned and its rows are multiples of 16 elements
 
 
 def is_kv(name: str) -> bool:
@@ -188,6 +189,8 @@ def encode(s: Schedule, params: Mapping[str, Tensor], buffers: Mapping[str, Tens
         return (t if len(x) else torch.zeros((0, width) if width else (1,), dtype=torch.int32)).to(device)
 
     heads = [op.attrs["head_dim"] for op in s.ops if op.kind in ("qkv_rope", "attention")]
+    weights = [params[op.params["weight"]] for op in s.ops if "weight" in op.params]
+    aligned = all(w.data_ptr() % 16 == 0 and w.shape[1] % 16 == 0 for w in weights)
     return Encoded(
         sm_ranges=i32(ranges), instructions=i32(records, INS_FIELDS),
         wait_counters=i32(wc), wait_values=i32(wv), bump_counters=i32(bumps),
@@ -195,4 +198,4 @@ def encode(s: Schedule, params: Mapping[str, Tensor], buffers: Mapping[str, Tens
         op_ints=torch.tensor([t[1] for t in tables], dtype=torch.int32).to(device),
         op_floats=torch.tensor([t[2] for t in tables], dtype=torch.float32).to(device),
         num_counters=s.num_counters, max_head_dim=max(heads, default=2),
-        max_tiles=max((op.tiles for op in s.ops if op.kind == "lm_head"), default=1))
+        max_tiles=max((op.tiles for op in s.ops if op.kind == "lm_head"), default=1), aligned=aligned)

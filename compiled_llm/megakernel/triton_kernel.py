@@ -21,7 +21,11 @@ the call's. The model dtype is the KV cache's element type.
 
 Reads of what other SMs wrote this step (activations, the KV cache) use ``cache_modifier=".cg"``
 (L2, not the SM's non-coherent L1), so they never see a stale L1 line whatever the acquire
-does to L1; weights are loaded ``evict_first``.
+does to L1; weights are loaded ``evict_first``. Pointers made from integers carry no alignment,
+so when every weight is 16-byte aligned with rows of a multiple of 16 elements (``ALIGNED``,
+checked by the encoding) the weight tiles are hinted so (``multiple_of``/``max_contiguous``, K
+rewritten as ``K // 16 * 16``): their loads compile to 16-byte vectors (the sm_90 compile test
+checks it); otherwise they are element loads.
 
 Math. Each kind computes interpreter.py's math with fp32 accumulation and the reference's
 rounding points: rms_norm's ``x * rstd`` rounded, times the weight rounded; a linear's sums
@@ -97,10 +101,12 @@ def _rstd(x_ptr, K, eps, S, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, wrows, wmask, K, S,
-          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr):
+          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
     """[ROWS, BLOCK_N] fp32: x (rms-normed with ``rstd`` and weight ``nw_ptr`` when has_norm,
     rounded as rms_norm_ref rounds) times weight rows ``wrows`` (``wmask``: which exist) of
     w [*, K]; rows of x at and past S are 0."""
+    if ALIGNED:  # K is a multiple of 16 (the encoding checked): say so, for whole-vector masks
+        K = K // 16 * 16
     rows = tl.arange(0, ROWS)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
     w_rows = w_ptr + wrows.to(tl.int64)[:, None] * K
@@ -112,7 +118,10 @@ def _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, wrows, wmask, K, S,
         if has_norm:
             nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
             x = _round(_round(x * rstd[:, None], DT) * nw[None, :], DT)
-        w = tl.load(w_rows + ks[None, :], mask=wmask[:, None] & kmask[None, :], other=0.0,
+        w_tile = w_rows + ks[None, :]
+        if ALIGNED:  # 16-byte vectors along K (the encoding checked the weights' alignment)
+            w_tile = tl.max_contiguous(tl.multiple_of(w_tile, [1, 16]), [1, BLOCK_K])
+        w = tl.load(w_tile, mask=wmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
         acc += x[:, None, :] * w[None, :, :]
     return tl.sum(acc, 2)
@@ -147,7 +156,7 @@ def _embed(op_addr, op_int, op, c0, c1, token_ids, S, ROWS: tl.constexpr, BLOCK_
 @triton.jit
 def _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv_ptr, kv_layer_stride,
               kv_half_stride, S, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-              DT: tl.constexpr):
+              DT: tl.constexpr, ALIGNED: tl.constexpr):
     base = op_int + op * _NI
     K = tl.load(base + _I_K)
     nh = tl.load(base + _I_HEADS)
@@ -163,8 +172,8 @@ def _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv
         rstd = _rstd(x_ptr, K, tl.load(op_flt + op * _NFL + _F_NORM_EPS), S, ROWS, BLOCK_K)
     hs = tl.arange(0, BLOCK_H)
     hmask = hs < half
-    y1 = _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, c0 + hs, hmask, K, S, ROWS, BLOCK_H, BLOCK_K, DT)
-    y2 = _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, c0 + half + hs, hmask, K, S, ROWS, BLOCK_H, BLOCK_K, DT)
+    y1 = _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, c0 + hs, hmask, K, S, ROWS, BLOCK_H, BLOCK_K, DT, ALIGNED)
+    y2 = _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, c0 + half + hs, hmask, K, S, ROWS, BLOCK_H, BLOCK_K, DT, ALIGNED)
     if tl.load(base + _I_HAS_BIAS) != 0:
         b_ptr = _ptr(op_addr, op, _A_BIAS, DT)
         y1 += tl.load(b_ptr + c0 + hs, mask=hmask, other=0.0).to(tl.float32)[None, :]
@@ -264,7 +273,7 @@ def _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_str
 
 @triton.jit
 def _glu(op_addr, op_int, op_flt, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-         DT: tl.constexpr):
+         DT: tl.constexpr, ALIGNED: tl.constexpr):
     base = op_int + op * _NI
     K = tl.load(base + _I_K)
     inter = tl.load(base + _I_N)
@@ -278,8 +287,8 @@ def _glu(op_addr, op_int, op_flt, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl
     for n0 in range(c0, c1, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < c1
-        gate = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT), DT)
-        up = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, inter + cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT), DT)
+        gate = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED), DT)
+        up = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, inter + cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED), DT)
         if gelu:
             a = 0.5 * gate * (1.0 + _tanh(_SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)))
         else:
@@ -290,7 +299,7 @@ def _glu(op_addr, op_int, op_flt, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl
 
 @triton.jit
 def _linear(op_addr, op_int, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            DT: tl.constexpr):
+            DT: tl.constexpr, ALIGNED: tl.constexpr):
     base = op_int + op * _NI
     K = tl.load(base + _I_K)
     N = tl.load(base + _I_N)
@@ -305,7 +314,7 @@ def _linear(op_addr, op_int, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.cons
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < c1
         m = (rows < S)[:, None] & cmask[None, :]
-        y = _gemv(x_ptr, x_ptr, False, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT)
+        y = _gemv(x_ptr, x_ptr, False, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
         if has_bias:
             b_ptr = _ptr(op_addr, op, _A_BIAS, DT)
             y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -319,7 +328,7 @@ def _linear(op_addr, op_int, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit
 def _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, DT: tl.constexpr):
+             BLOCK_K: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
     base = op_int + op * _NI
     K = tl.load(base + _I_K)
     N = tl.load(base + _I_N)
@@ -336,7 +345,7 @@ def _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS: tl.constexpr, B
     for n0 in range(c0, c1, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < c1
-        logits = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT), DT)
+        logits = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED), DT)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], logits.to(DT), mask=rmask[:, None] & cmask[None, :])
         vals = tl.where(cmask[None, :], logits, float("-inf"))
         chunk_val = tl.max(vals, 1)
@@ -377,7 +386,7 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
                token_ids, positions, slot_mapping, seq_lens, block_tables, bt_stride,
                kv_ptr, kv_layer_stride, kv_half_stride, block_size, S,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr):
+               BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, ALIGNED: tl.constexpr):
     DT: tl.constexpr = kv_ptr.dtype.element_ty
     sm = tl.program_id(0)
     first = tl.load(sm_ranges + 2 * sm)
@@ -404,16 +413,16 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
             _embed(op_addr, op_int, op, c0, c1, token_ids, S, ROWS, BLOCK_N, DT)
         elif kind == _K_QKV:
             _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv_ptr, kv_layer_stride,
-                      kv_half_stride, S, ROWS, BLOCK_K, BLOCK_H, DT)
+                      kv_half_stride, S, ROWS, BLOCK_K, BLOCK_H, DT, ALIGNED)
         elif kind == _K_ATTN:
             _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_stride, kv_ptr, kv_layer_stride,
                        kv_half_stride, block_size, S, BLOCK_D, BLOCK_L, DT)
         elif kind == _K_GLU:
-            _glu(op_addr, op_int, op_flt, op, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT)
+            _glu(op_addr, op_int, op_flt, op, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
         elif kind == _K_LINEAR:
-            _linear(op_addr, op_int, op, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT)
+            _linear(op_addr, op_int, op, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
         elif kind == _K_LM_HEAD:
-            _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT)
+            _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
         elif kind == _K_ARGMAX:
             _argmax(op_addr, op_int, op, S, ROWS, BLOCK_V)
         tl.debug_barrier()
@@ -427,7 +436,7 @@ def block_sizes(rows: int, enc: E.Encoded) -> dict:
     return dict(ROWS=ROWS, BLOCK_N=16, BLOCK_K=max(32, 512 // ROWS),
                 BLOCK_H=triton.next_power_of_2(max(enc.max_head_dim // 2, 1)),
                 BLOCK_D=triton.next_power_of_2(enc.max_head_dim), BLOCK_L=32,
-                BLOCK_V=triton.next_power_of_2(enc.max_tiles))
+                BLOCK_V=triton.next_power_of_2(enc.max_tiles), ALIGNED=enc.aligned)
 
 
 def launch(enc: E.Encoded, counters: torch.Tensor, num_sms: int, token_ids, positions, slot_mapping, seq_lens,
