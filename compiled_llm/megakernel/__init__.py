@@ -5,7 +5,8 @@ store, attention, o + residual, norm + gate/up + activation, down + residual, th
 its argmax), each cut into tiles of its output columns. The scheduler assigns the tiles to SMs
 and records what each waits for as counters in global memory that it waits on and bumps. The
 result is plain data stored in the engine, and a CPU interpreter runs it with the reference ops
-so that the dependency logic is tested on CPU like everything else.
+so that the dependency logic is tested on CPU like everything else; on a GPU one launch of
+the persistent kernel runs it.
 
 One idea a module, in the order a build uses them:
 
@@ -16,5 +17,7 @@ One idea a module, in the order a build uses them:
   check.py        a schedule's hazards: every read ordered after the writes it reads, no deadlock
   interpreter.py  runs a schedule on CPU with the reference ops, in an order the counters allow
   timeline.py     the per-SM timeline ``inspect`` shows
+  encoding.py     a schedule + weights + buffers as the flat device tables the GPU kernel reads
+  triton_kernel.py  the persistent Triton kernel: one program an SM runs its instructions
   program.py      a program whose decode steps run the schedule (the others: the per-op program)
 """
