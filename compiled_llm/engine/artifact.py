@@ -56,7 +56,7 @@ from compiled_llm.errors import EngineError
 from compiled_llm.graph.logits_rows import yields_chosen_rows
 from compiled_llm.graph.serialize import graph_from_json, graph_to_json
 from compiled_llm.kernels import registry
-from compiled_llm.megakernel.check import check_schedule, check_weights
+from compiled_llm.megakernel.check import ScheduleError, check_matches_program, check_schedule, check_weights
 from compiled_llm.megakernel.program import MegakernelProgram, check_fits
 from compiled_llm.megakernel.schedule import Schedule, schedule_from_json, schedule_to_json
 from compiled_llm.model import sharding
@@ -161,7 +161,10 @@ def load_schedule(engine_dir: Path, manifest: dict) -> Schedule:
     except (ValueError, RecursionError) as e:
         raise EngineError(f"cannot read {rel} as JSON ({type(e).__name__}); rebuild the engine") from None
     schedule = schedule_from_json(data)
-    check_schedule(schedule)
+    try:
+        check_schedule(schedule)
+    except ScheduleError as e:
+        raise EngineError(f"{rel}: {e}; rebuild the engine") from None
     return schedule
 
 
@@ -571,7 +574,12 @@ def load_engine(
         program = PortableProgram(gm, entry["param_names"])
         if build_config(manifest).decode_backend == "megakernel":
             schedule = load_schedule(engine_dir, manifest)
-            check_weights(schedule, {n: tuple(t.shape) for n, t in params.items()}, config.num_layers)
+            shapes = {n: tuple(t.shape) for n, t in params.items()}
+            try:
+                check_matches_program(schedule, gm, shapes)
+                check_weights(schedule, shapes, config.num_layers)
+            except ScheduleError as e:
+                raise EngineError(f"{manifest['megakernel']['file']}: {e}; rebuild the engine") from None
             check_fits(schedule, dev)
             program = MegakernelProgram(program, schedule)
     else:

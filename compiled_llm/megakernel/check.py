@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from compiled_llm.errors import EngineError
 from compiled_llm.megakernel import tiling
-from compiled_llm.megakernel.schedule import Schedule
+from compiled_llm.megakernel.schedule import Schedule, kv_layer
 
 # what each kind's op must carry: (inputs, outputs, attrs, weight roles)
 _SHAPE = {
@@ -47,9 +47,11 @@ def check_ops(s: Schedule) -> None:
         if missing:
             raise ScheduleError(f"op {k} ({op.label}) lacks {missing[0]}")
         for a in ("cols", "num_heads", "num_kv_heads", "head_dim"):
-            if a in op.attrs and (type(op.attrs[a]) is not int or op.attrs[a] < 1):
+            if a in attrs and (type(op.attrs[a]) is not int or op.attrs[a] < 1):
                 raise ScheduleError(f"op {k} ({op.label}) has {a} {op.attrs[a]!r}, not a positive integer")
-        if "num_heads" in op.attrs and op.attrs["num_heads"] % op.attrs["num_kv_heads"]:
+        if op.kind == "attention" and (type(op.attrs["layer"]) is not int or op.attrs["layer"] < 0):
+            raise ScheduleError(f"op {k} ({op.label}) has layer {op.attrs['layer']!r}, not a layer's index")
+        if op.kind in ("qkv_rope", "attention") and op.attrs["num_heads"] % op.attrs["num_kv_heads"]:
             raise ScheduleError(f"op {k} ({op.label}) has query heads that do not group over its KV heads")
         _check_tiling(s, k, op)
 
@@ -62,8 +64,7 @@ def _check_tiling(s: Schedule, k: int, op) -> None:
     if op.kind in ("qkv_rope", "attention"):
         nh, nkv, hd = a["num_heads"], a["num_kv_heads"], a["head_dim"]
         kv = op.outputs[1] if op.kind == "qkv_rope" else op.inputs[1]
-        layer = kv[2:]
-        if not (kv.startswith("kv") and layer.isdigit()) or (op.kind == "attention" and kv != f"kv{a['layer']}"):
+        if kv_layer(kv) is None or (op.kind == "attention" and kv_layer(kv) != a["layer"]):
             raise ScheduleError(f"op {k} ({op.label}) names {kv} as its layer's KV cache")
         q = op.outputs[0] if op.kind == "qkv_rope" else op.inputs[0]
         want = {q: nh * hd, kv: 2 * nkv}
@@ -88,6 +89,25 @@ def _check_tiling(s: Schedule, k: int, op) -> None:
                             f"of {width}")
 
 
+def check_matches_program(s: Schedule, gm, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The schedule's buffers and ops are what the program's decode step lowers to for its number
+    of SMs: only the placement and ordering of the tiles (which check_schedule proves) come from
+    the schedule's file, so a file whose ops compute something else than the program is refused."""
+    from compiled_llm.megakernel.lowering import NotCovered, lower_decode
+
+    try:
+        derived = lower_decode(gm, shapes, s.num_sms)
+    except NotCovered as e:
+        raise ScheduleError(f"the program has no megakernel form ({e})") from None
+    if derived.buffers != s.buffers or derived.logits != s.logits or derived.tokens != s.tokens:
+        raise ScheduleError("its buffers are not those of the program's decode step")
+    if len(derived.ops) != len(s.ops):
+        raise ScheduleError(f"it has {len(s.ops)} ops, the program's decode step {len(derived.ops)}")
+    for k, (mine, theirs) in enumerate(zip(s.ops, derived.ops)):
+        if mine != theirs:
+            raise ScheduleError(f"op {k} ({mine.label}) is not the program's {theirs.label} ({theirs.name})")
+
+
 def check_weights(s: Schedule, shapes: dict[str, tuple[int, ...]], num_layers: int) -> None:
     """Every weight an op reads is one the engine holds, shaped as the op reads it, and every KV
     layer one the cache has: a schedule that disagrees with its weights is refused at load, not
@@ -104,8 +124,9 @@ def check_weights(s: Schedule, shapes: dict[str, tuple[int, ...]], num_layers: i
             rows = (nh + 2 * nkv) * hd
             want = {"weight": (rows, width), "bias": (rows,), "q_norm": (hd,), "k_norm": (hd,), "norm": (width,),
                     "cos_sin": (None, hd)}
-            if int(op.outputs[1][2:]) >= num_layers:
-                raise ScheduleError(f"op {k} ({op.label}) stores into layer {op.outputs[1][2:]} of a {num_layers}-layer cache")
+            if kv_layer(op.outputs[1]) >= num_layers:
+                raise ScheduleError(f"op {k} ({op.label}) stores into layer {kv_layer(op.outputs[1])} of a "
+                                    f"{num_layers}-layer cache")
         elif op.kind == "attention" and a["layer"] >= num_layers:
             raise ScheduleError(f"op {k} ({op.label}) reads layer {a['layer']} of a {num_layers}-layer cache")
         elif op.kind in ("glu", "linear", "lm_head"):

@@ -23,7 +23,7 @@ from compiled_llm.graph.fused_ops import glu_activation_ref
 from compiled_llm.graph.ops import paged_attention_read_ref, rms_norm_ref, rotary_ref
 from compiled_llm.megakernel import tiling
 from compiled_llm.megakernel.check import ScheduleError
-from compiled_llm.megakernel.schedule import Op, Schedule
+from compiled_llm.megakernel.schedule import Op, Schedule, kv_layer
 from compiled_llm.model.spec import PackedBatch
 
 
@@ -40,10 +40,10 @@ class _Step:
     def __init__(self, s: Schedule, params: Mapping[str, Tensor], batch: PackedBatch, kv_cache: Tensor):
         self.s, self.params, self.batch, self.kv = s, params, batch, kv_cache
         rows = batch.seq_lens.shape[0]
-        dtype = next(iter(params.values())).dtype
+        dtype = kv_cache.dtype  # the model's (the cos/sin table, say, is float32 in any engine)
         self.bufs: dict[str, Tensor] = {}
         for b in s.buffers:
-            if b.name.startswith("kv") and b.name[2:].isdigit():
+            if kv_layer(b.name) is not None:
                 continue  # the KV cache itself
             if b.dtype == "int64":
                 self.bufs[b.name] = torch.full((rows, b.cols), -1, dtype=torch.int64, device=kv_cache.device)
@@ -100,7 +100,7 @@ def _qkv_rope(st: _Step, op: Op, tile: int) -> None:
     if part == "q":
         st.bufs[op.outputs[0]][:, h * hd:(h + 1) * hd] = y.reshape(-1, hd)
         return
-    layer = st.kv[int(op.outputs[1][2:])]  # [2, num_blocks, block_size, Hkv, D]
+    layer = st.kv[kv_layer(op.outputs[1])]  # [2, num_blocks, block_size, Hkv, D]
     flat = layer[0 if part == "k" else 1].view(-1, nkv, hd)
     slots = st.batch.slot_mapping
     keep = slots >= 0

@@ -251,7 +251,8 @@ class _Lowering:
 
     def on_aten_slice(self, node):
         src, dim, start, end = (list(node.args) + [None] * 4)[:4]
-        if self.env.get(src) != ("input", "query_start_loc") or dim != 0 or start != 1 or end < 2 ** 62:
+        if self.env.get(src) != ("input", "query_start_loc") or dim != 0 or start != 1 \
+                or not (end is None or end >= 2 ** 62) or node.kwargs:
             raise self.refuse(node)
         return ("seq_ends",)
 
@@ -265,7 +266,9 @@ class _Lowering:
         x, dim, index = node.args
         if dim != 0 or self.env.get(index) != ("last_rows",):
             raise self.refuse(node, "a row selection other than each sequence's last token")
-        return self.env[x] if self.env.get(x, ("",))[0] == "buf" else self.refuse(node)
+        if self.env.get(x, ("",))[0] != "buf":
+            raise self.refuse(node)
+        return self.env[x]
 
     def on_cllm_rms_norm(self, node):
         a = bound_args(node)
@@ -275,7 +278,7 @@ class _Lowering:
         x, weight, *bias = node.args
         normed = self.env.get(x)
         users = list(node.users)
-        if normed is None or normed[0] != "normed" or (bias and bias[0] is not None) \
+        if normed is None or normed[0] != "normed" or (bias and bias[0] is not None) or node.kwargs \
                 or len(users) != 1 or users[0].op != "output":
             raise self.refuse(node, "a linear other than the final norm's lm_head")
         _, src, norm, eps = normed

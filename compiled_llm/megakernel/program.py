@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compiled_llm.errors import EngineError
+from compiled_llm.errors import EngineError, first_line
 from compiled_llm.megakernel import encoding
 from compiled_llm.megakernel.interpreter import interpret, is_decode
 from compiled_llm.megakernel.schedule import Schedule
@@ -57,6 +57,7 @@ class MegakernelProgram:
         self.yields_chosen_rows = per_op.yields_chosen_rows
         self.decode_steps = 0  # steps the schedule ran (what a test asks to know it was used)
         self._device: _DeviceState | None = None
+        self._checked = False
 
     @property
     def module(self):
@@ -69,10 +70,18 @@ class MegakernelProgram:
                 self.decode_steps += 1
                 return self._run_kernel(params, batch, kv_cache)
             return self.per_op(params, batch, kv_cache)
-        if is_decode(batch, self.schedule.max_rows):
-            self.decode_steps += 1
+        if not is_decode(batch, self.schedule.max_rows):
+            return self.per_op(params, batch, kv_cache)
+        self.decode_steps += 1
+        if self._checked:
             return interpret(self.schedule, params, batch, kv_cache)[0]
-        return self.per_op(params, batch, kv_cache)
+        try:  # the first step is the schedule's last check, as the per-op program's first is its
+            logits = interpret(self.schedule, params, batch, kv_cache)[0]
+        except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as e:
+            raise EngineError(f"megakernel.json does not run on the engine's weights ({first_line(e)}); "
+                              "rebuild the engine") from None
+        self._checked = True
+        return logits
 
     def device_state(self, params: dict[str, Tensor], kv_cache: Tensor) -> _DeviceState:
         """The GPU path's buffers and encoded schedule for ``params`` (made on first use, and

@@ -15,6 +15,8 @@ hazard check (check.py) runs on what it returns before anything executes it.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Any, Mapping
 
 from compiled_llm.errors import EngineError
@@ -27,6 +29,12 @@ BUFFER_DTYPES = ("act", "float32", "int64")  # act: the model's dtype
 # the SMs a schedule is made for when the build has no GPU to ask (H100 and H200 have 132)
 DEFAULT_NUM_SMS = 132
 MAX_NUM_SMS = 1024
+KV_BUFFER = re.compile(r"kv(0|[1-9][0-9]{0,5})")  # layer L's KV cache: kv<L>
+
+
+def kv_layer(name: str) -> int | None:
+    """The layer of a KV buffer's name (``kv3`` -> 3), None for any other buffer."""
+    return int(name[2:]) if KV_BUFFER.fullmatch(name) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +139,8 @@ def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
 
 
 def _num(v: Any, what: str) -> float:
-    if type(v) not in (int, float) or v != v or v < 0:
-        raise _fail(f"{what} must be a number >= 0")
+    if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+        raise _fail(f"{what} must be a finite number >= 0")
     return float(v)
 
 
@@ -165,7 +173,9 @@ def schedule_from_json(data: Any) -> Schedule:
         raise _fail(f"format version {str(data.get('version'))[:20]!r} is not {VERSION}")
     num_sms = _int(data.get("num_sms"), "num_sms", 1, MAX_NUM_SMS)
     max_rows = _int(data.get("max_rows"), "max_rows", 1, MAX_ROWS)
-    num_counters = _int(data.get("num_counters"), "num_counters")
+    # a counter counts some ops' or tiles' ends: never more of them than ops and tiles
+    limit = len(_list(data.get("ops"), "ops")) + len(_list(data.get("instructions"), "instructions"))
+    num_counters = _int(data.get("num_counters"), "num_counters", 0, limit)
     buffers = []
     for k, b in enumerate(_list(data.get("buffers"), "buffers")):
         if not isinstance(b, list) or len(b) != 3 or b[2] not in BUFFER_DTYPES:
@@ -204,9 +214,12 @@ def schedule_from_json(data: Any) -> Schedule:
                           _int(w[1], f"instruction {k}'s wait value", 1)))
         bumps = tuple(_int(c, f"instruction {k}'s bump", 0, num_counters - 1)
                       for c in _list(i[4], f"instruction {k}'s bumps", 4096))
+        start, end = _num(i[5], f"instruction {k}'s start_us"), _num(i[6], f"instruction {k}'s end_us")
+        if end < start:
+            raise _fail(f"instruction {k} ends before it starts")
         instructions.append(Instruction(op, _int(i[1], f"instruction {k}'s tile", 0, ops[op].tiles - 1),
                                         _int(i[2], f"instruction {k}'s sm", 0, num_sms - 1), tuple(waits), bumps,
-                                        _num(i[5], f"instruction {k}'s start_us"), _num(i[6], f"instruction {k}'s end_us")))
+                                        start, end))
     sms = tuple(tuple(_int(x, f"SM {s}'s instruction", 0, len(instructions) - 1)
                       for x in _list(lst, f"SM {s}'s list")) for s, lst in enumerate(_list(data.get("sms"), "sms", MAX_NUM_SMS)))
     if len(sms) != num_sms:

@@ -24,9 +24,9 @@ def busy_share(s: Schedule) -> float:
     return busy / (total * s.num_sms) if total else 0.0
 
 
-def timeline(s: Schedule, width: int = 100, max_sms: int | None = None) -> str:
+def timeline(s: Schedule, width: int = 100) -> str:
     """The schedule as text: a header (instructions, counters, the estimated step), then one row
-    per SM (the first ``max_sms``, all when None)."""
+    per SM."""
     total = max((i.end_us for i in s.instructions), default=0.0)
     per_col = total / width if total else 1.0
     counts: dict[str, int] = {}
@@ -37,8 +37,7 @@ def timeline(s: Schedule, width: int = 100, max_sms: int | None = None) -> str:
              f"estimated step {total:.1f} us, SMs busy {busy_share(s):.0%} of it (1 column = {per_col:.2f} us)",
              "instructions: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
              LEGEND]
-    shown = s.sms if max_sms is None else s.sms[:max_sms]
-    for sm, lst in enumerate(shown):
+    for sm, lst in enumerate(s.sms):
         row = ["."] * width
         for index in lst:
             ins = s.instructions[index]
@@ -47,6 +46,4 @@ def timeline(s: Schedule, width: int = 100, max_sms: int | None = None) -> str:
             for c in range(a, b):
                 row[c] = letter(s.ops[ins.op])
         lines.append(f"SM {sm:>3} |{''.join(row)}| {len(lst)}")
-    if max_sms is not None and len(s.sms) > max_sms:
-        lines.append(f"... {len(s.sms) - max_sms} more SMs (--timeline-sms all to show them)")
     return "\n".join(lines)

@@ -287,6 +287,7 @@ def test_a_bad_value_is_one_line_naming_it(options, fragment):
     with pytest.raises(InvalidOptionError) as info:
         BuildConfig.from_options(options)
     message = str(info.value)
+    # (256: the unknown-option message lists every option's name)
     assert fragment in message and "\n" not in message and len(message) < 256
 
 

@@ -100,8 +100,28 @@ def test_a_schedule_naming_a_weight_the_engine_lacks_is_refused_at_load(megakern
     def rename(data):
         data["ops"][-2]["params"]["weight"] = "no.such.weight"
 
-    assert "reads weight 'no.such.weight', which the engine does not hold" in _tampered(
-        megakernel_engine, tmp_path, rename)
+    assert "(lm_head) is not the program's lm_head" in _tampered(megakernel_engine, tmp_path, rename)
+
+
+def _op(kind: str, n: int = 0):
+    """The n-th op of ``kind`` in a schedule's JSON."""
+    return lambda data: [o for o in data["ops"] if o["kind"] == kind][n]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: _op("glu")(d)["attrs"].update(eps="x"), "op 4 (glu.0) is not the program's glu.0"),
+    (lambda d: _op("glu")(d)["attrs"].update(activation="relu"), "is not the program's glu.0"),
+    (lambda d: _op("attention")(d)["attrs"].update(sliding_window=-3), "is not the program's attention.0"),
+    (lambda d: _op("attention", 1)(d)["attrs"].update(layer="0"), "has layer '0', not a layer's index"),
+    (lambda d: _op("linear")(d)["params"].update(norm=_op("glu")(d)["params"]["norm"]), "is not the program's"),
+    (lambda d: _op("linear")(d)["params"].update(weight=_op("linear", 2)(d)["params"]["weight"]), "is not the program's"),
+    (lambda d: d.update(logits=d["tokens"]), "its buffers are not those of the program's decode step"),
+    (lambda d: d.update(ops=[], instructions=[], sms=[[] for _ in d["sms"]], num_counters=0), "it has 0 ops"),
+    (lambda d: d.update(num_counters=10 ** 12), "num_counters must be an integer in 0.."),
+])
+def test_a_schedule_that_is_not_the_programs_decode_step_is_refused_at_load(megakernel_engine, tmp_path, change,
+                                                                           message):
+    assert message in _tampered(megakernel_engine, tmp_path, change)
 
 
 @pytest.mark.parametrize("options, flag", [

@@ -52,7 +52,8 @@ def rebuilt_megakernel(manifest: dict, dtype, device):
     lowered = lower(src.config, params, names, device.type, dtype, build_config(manifest).kernel_prefs,
                     quantization=quantization_of(manifest))
     program = PortableProgram(lowered.gm, lowered.param_names)
-    return MegakernelProgram(program, decode_schedule(lowered, manifest["megakernel"]["num_sms"])), lowered.params
+    made = decode_schedule(lowered, src.config.num_layers, manifest["megakernel"]["num_sms"])
+    return MegakernelProgram(program, made), lowered.params
 
 
 def _tables(prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[list[list[int]], int]:
