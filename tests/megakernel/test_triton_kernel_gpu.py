@@ -123,10 +123,28 @@ def test_bf16_decode_steps_give_logits_close_to_the_per_op_program(preset, rows,
     run_steps(engine_of(preset, "bfloat16", tmp_path_factory), rows, steps=4, exact=False)
 
 
-@pytest.mark.parametrize("dtype, exact", [("float32", True), ("bfloat16", False)])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_a_qwen2_5_0_5b_shaped_model_decodes_as_the_per_op_program(dtype, exact, rows, tmp_path_factory):
-    run_steps(engine_of(LARGE, dtype, tmp_path_factory), rows, steps=4, exact=exact)
+def test_a_qwen2_5_0_5b_shaped_model_decodes_as_the_per_op_program_in_fp32(rows, tmp_path_factory):
+    run_steps(engine_of(LARGE, "float32", tmp_path_factory), rows, steps=4, exact=True)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_in_bf16_the_megakernel_is_no_further_from_fp32_than_the_per_op_program(rows, tmp_path_factory):
+    """24 layers of random weights in bf16 drift from any other summation order by a few percent,
+    so the bf16 megakernel is held to the per-op bf16 program's own distance from the same model
+    run in fp32 (the bf16 weights, widened)."""
+    bf16, fp32 = engine_of(LARGE, "bfloat16", tmp_path_factory), engine_of(LARGE, "float32", tmp_path_factory)
+    widened = {n: bf16.params[n].float() for n in fp32.params}
+    mk_cache = filled_cache(bf16)
+    op_cache, ref_cache = mk_cache.clone(), mk_cache.float()
+    seqs = Sequences(rows)
+    for _ in range(4):
+        batch = seqs.batch()
+        mk = bf16.program(bf16.params, batch, mk_cache).clone()
+        op = bf16.program.per_op(bf16.params, batch, op_cache)
+        ref = fp32.program.per_op(widened, batch, ref_cache)
+        assert rel_err(mk, ref) <= 2 * rel_err(op, ref) + 1e-3
+        seqs.advance(ref.argmax(-1).tolist())
 
 
 @pytest.mark.parametrize("preset, dtype", [("tiny-qwen3", "float32"), (LARGE, "bfloat16")])
@@ -140,7 +158,7 @@ def test_every_counter_ends_at_the_number_of_tiles_that_bump_it(preset, dtype, t
             == bumpers(program.schedule)
 
 
-@pytest.mark.parametrize("preset, dtype", [("tiny-mistral", "float32"), (LARGE, "bfloat16")])
+@pytest.mark.parametrize("preset, dtype", [("tiny-mistral", "float32"), (LARGE, "float32"), ("tiny-qwen3", "bfloat16")])
 def test_a_captured_cuda_graph_replays_the_decode_steps(preset, dtype, tmp_path_factory):
     engine = engine_of(preset, dtype, tmp_path_factory)
     program, params = engine.program, engine.params
