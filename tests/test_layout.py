@@ -25,6 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("graph",),
     ("kernels",),
     ("passes",),
+    # the megakernel backend: the post-pass program's decode step as a schedule of instructions
+    ("megakernel",),
     ("engine",),
     # the runtime's rooms, in the order a step flows through them
     ("serve.sampling_params",),

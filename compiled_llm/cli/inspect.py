@@ -1,4 +1,5 @@
-"""`compiled-llm inspect ENGINE_DIR`: what the build did: passes, op histograms, kernels, IR."""
+"""`compiled-llm inspect ENGINE_DIR`: what the build did: passes, op histograms, kernels, IR, and
+a megakernel engine's schedule as a per-SM timeline."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ def add_parser(subparsers):
     p.add_argument("--pass", dest="pass_name", metavar="NAME", help="print the IR (graph code) after pass NAME")
     p.add_argument("--diff", nargs=2, metavar=("A", "B"), help="unified diff of the IR after stage A and after stage B")
     p.add_argument("--json", action="store_true", help="print passes, ops_before, ops_after and kernels as JSON")
+    p.add_argument("--timeline", action="store_true",
+                   help="a megakernel engine's decode schedule: one row per SM, its tiles on the build's time estimate")
     p.set_defaults(handler=run)
 
 
@@ -53,10 +56,19 @@ def _parallel_line(parallel: dict) -> str:
     return line + (f" ({', '.join(stages)})" if stages else "")
 
 
+def _backend_line(manifest: dict) -> str:
+    mk = manifest.get("megakernel")
+    if not mk:
+        return "decode backend: per-op"
+    return (f"decode backend: megakernel ({mk.get('instructions')} instructions on {mk.get('num_sms')} SMs, "
+            f"{mk.get('counters')} counters, estimated step {mk.get('estimated_step_us')} us; --timeline shows it)")
+
+
 def _table(manifest: dict) -> str:
     from compiled_llm.cli.build import format_summary
 
-    lines = [format_summary(manifest), _parallel_line(_parallel(manifest)), "", f"{'op':<36} {'before':>7} {'after':>7}"]
+    lines = [format_summary(manifest), _parallel_line(_parallel(manifest)), _backend_line(manifest), "",
+             f"{'op':<36} {'before':>7} {'after':>7}"]
     before, after = manifest["ops_before"], manifest["ops_after"]
     for op in sorted(set(before) | set(after), key=lambda o: (-(after.get(o, 0) + before.get(o, 0)), o)):
         lines.append(f"{op:<36} {before.get(op, 0):>7} {after.get(op, 0):>7}")
@@ -77,7 +89,20 @@ def run(args) -> int:
             "ops_after": manifest["ops_after"],
             "kernels": manifest["kernels"],
             "parallel": _parallel(manifest),
+            "megakernel": manifest.get("megakernel"),
         }, indent=1))
+        return 0
+    if args.timeline:
+        from pathlib import Path
+
+        from compiled_llm.engine.artifact import load_schedule
+        from compiled_llm.errors import CompiledLLMError
+        from compiled_llm.megakernel.timeline import timeline
+
+        if not manifest.get("megakernel"):
+            raise CompiledLLMError(f"{args.engine} runs decode steps per op: it has no megakernel schedule "
+                                   "(build it with --decode-backend megakernel)")
+        print(timeline(load_schedule(Path(args.engine), manifest)))
         return 0
     if args.pass_name:
         print(stage_file(args.engine, manifest, args.pass_name).read_text(), end="")

@@ -10,6 +10,8 @@
                            no constants (weights are inputs); a pipelined engine has one
                            program.stage<K>.json per stage instead, listed in the manifest's
                            ``pipeline`` entry with the layers each holds
+    megakernel.json        (``--decode-backend megakernel``) the decode step's schedule: ops, tiles,
+                           SMs and dependency counters as plain data (megakernel/schedule.py)
     kernels/triton/        (CUDA builds) Triton's compile cache, warmed by the build on every
                            kernel specialisation the runtime launches; GPU code (cubins)
     ir/                    IR dumps: NN_<stage>.py (graph code), NN_<stage>.ops.json (op histogram)
@@ -54,6 +56,9 @@ from compiled_llm.errors import EngineError
 from compiled_llm.graph.logits_rows import yields_chosen_rows
 from compiled_llm.graph.serialize import graph_from_json, graph_to_json
 from compiled_llm.kernels import registry
+from compiled_llm.megakernel.check import ScheduleError, check_matches_program, check_schedule, check_weights
+from compiled_llm.megakernel.program import MegakernelProgram, check_fits
+from compiled_llm.megakernel.schedule import Schedule, schedule_from_json, schedule_to_json
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.sources import checked_generation_default
@@ -64,6 +69,7 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 PROGRAM_FILE = "program.json"
+MEGAKERNEL_FILE = "megakernel.json"
 IR_DIR = "ir"
 TOKENIZER_DIR = "tokenizer"
 # First bytes of what pickle-based formats write: a pickle stream (protocol 2-5) or a zip archive
@@ -133,6 +139,33 @@ def write_program(engine_dir: Path, gm: torch.fx.GraphModule, name: str = PROGRA
     """The post-pass graph as ``program.json`` (see graph/serialize.py), or a pipeline stage's
     as ``name``."""
     (Path(engine_dir) / name).write_text(json.dumps(graph_to_json(gm), separators=(",", ":")) + "\n")
+
+
+def write_schedule(engine_dir: Path, schedule: Schedule) -> dict:
+    """The megakernel schedule as ``megakernel.json``; returns the manifest's ``megakernel`` entry."""
+    (Path(engine_dir) / MEGAKERNEL_FILE).write_text(json.dumps(schedule_to_json(schedule), separators=(",", ":")) + "\n")
+    return {"file": MEGAKERNEL_FILE, "num_sms": schedule.num_sms, "max_rows": schedule.max_rows,
+            "instructions": len(schedule.instructions), "counters": schedule.num_counters,
+            "estimated_step_us": round(max((i.end_us for i in schedule.instructions), default=0.0), 3)}
+
+
+def load_schedule(engine_dir: Path, manifest: dict) -> Schedule:
+    """The engine's megakernel schedule, refused (one line) unless it is well formed and safe
+    (megakernel/check.py)."""
+    rel = manifest["megakernel"]["file"]
+    if rel not in manifest["files"]:
+        raise EngineError(f"manifest of {engine_dir} does not list {rel}; rebuild the engine")
+    data = limits.read_capped(inside(engine_dir, rel), rel, limits.MAX_PROGRAM_BYTES)
+    try:
+        data = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise EngineError(f"cannot read {rel} as JSON ({type(e).__name__}); rebuild the engine") from None
+    schedule = schedule_from_json(data)
+    try:
+        check_schedule(schedule)
+    except ScheduleError as e:
+        raise EngineError(f"{rel}: {e}; rebuild the engine") from None
+    return schedule
 
 
 def sha256_file(path: Path) -> str:
@@ -539,6 +572,16 @@ def load_engine(
     if pp == 1:
         _check_windows(gm, config)
         program = PortableProgram(gm, entry["param_names"])
+        if build_config(manifest).decode_backend == "megakernel":
+            schedule = load_schedule(engine_dir, manifest)
+            shapes = {n: tuple(t.shape) for n, t in params.items()}
+            try:
+                check_matches_program(schedule, gm, shapes)
+                check_weights(schedule, shapes, config.num_layers)
+            except ScheduleError as e:
+                raise EngineError(f"{manifest['megakernel']['file']}: {e}; rebuild the engine") from None
+            check_fits(schedule, dev)
+            program = MegakernelProgram(program, schedule)
     else:
         layers = range(entry["first_layer"], entry["first_layer"] + entry["num_layers"])
         _check_windows(gm, config, layers)

@@ -31,6 +31,10 @@ from compiled_llm.engine.build_config import BuildConfig
 from compiled_llm.errors import CompiledLLMError
 from compiled_llm.graph.export import capture, param_placeholder_names
 from compiled_llm.kernels import registry
+from compiled_llm.megakernel import scheduler
+from compiled_llm.megakernel.check import check_schedule, check_weights
+from compiled_llm.megakernel.lowering import lower_decode
+from compiled_llm.megakernel.schedule import DEFAULT_NUM_SMS
 from compiled_llm.model import sharding
 from compiled_llm.model.config import ModelConfig
 from compiled_llm.model.placement import dtype_name, resolve_device, resolve_dtype
@@ -265,6 +269,9 @@ def build_engine(
                 stage_seconds=times,
                 generation_config=generation,
             )
+            if resolved.decode_backend == "megakernel":
+                manifest["megakernel"] = artifact.write_schedule(
+                    work, decode_schedule(lowered, src.config.num_layers, schedule_sms(dev)))
             if first_stages is not None:
                 manifest["pipeline"] = {"size": stages, "stages": [_stage_entry(k, s) for k, s in enumerate(first_stages)]}
                 manifest["program"] = manifest["pipeline"]["stages"][0]
@@ -292,6 +299,24 @@ def build_engine(
     finally:
         engine_output.discard_work_dir(work)
     return artifact.read_manifest(out_dir)
+
+
+def schedule_sms(dev: torch.device) -> int:
+    """The SMs a megakernel schedule is made for: the build GPU's (the persistent kernel runs one
+    program an SM, all resident), DEFAULT_NUM_SMS on a CPU."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+def decode_schedule(lowered: Lowered, num_layers: int, num_sms: int = DEFAULT_NUM_SMS):
+    """The megakernel schedule of the lowered program's decode step (a model of ``num_layers``),
+    checked: a schedule the scheduler got wrong fails the build, not a step."""
+    shapes = {n: tuple(t.shape) for n, t in lowered.params.items()}
+    made = scheduler.schedule(lower_decode(lowered.gm, shapes, num_sms), scheduler.Machine(num_sms))
+    check_schedule(made)
+    check_weights(made, shapes, num_layers)
+    return made
 
 
 def _file_contents(params: dict, dummy: bool) -> tuple[dict, dict | None]:

@@ -30,6 +30,9 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,3})?")
 QUANTIZATIONS = ("int8", "int4")
 # where the weights come from: the source's ("auto"), or random at load, none stored ("dummy")
 LOAD_FORMATS = ("auto", "dummy")
+# how a decode step of a few sequences runs: the post-pass program op by op, or one schedule of
+# instructions per SM (compiled_llm/megakernel)
+DECODE_BACKENDS = ("per-op", "megakernel")
 MAX_TENSOR_PARALLEL = 64
 # ranks of one engine (pipeline stages x tensor-parallel ranks): each is a process of this host
 MAX_RANKS = 64
@@ -87,6 +90,11 @@ class BuildConfig:
         1, "split the model's layers into N pipeline stages, each on its own GPU or tensor-parallel group (N "
            "processes over gloo on a CPU): one program per stage, activations sent from stage to stage",
         aliases=("-pp",))
+    decode_backend: str = _option(
+        "per-op", "how decode steps of 1-8 sequences run: per-op (the program's kernels, one launch each) or "
+                  "megakernel (the build schedules the step's tiles onto the GPU's SMs as instructions with "
+                  "dependency counters, stored in the engine; on a CPU the schedule runs in its interpreter)",
+        choices=DECODE_BACKENDS)
 
     def __post_init__(self):
         dtype = self.dtype
@@ -123,6 +131,16 @@ class BuildConfig:
                 f"unknown load_format {_shown(self.load_format)}; the choices are: {', '.join(LOAD_FORMATS)}")
         if self.load_format == "dummy" and self.quantization is not None:
             raise InvalidOptionError("load_format dummy stores no weights to quantize; drop --quantization")
+        if not isinstance(self.decode_backend, str) or self.decode_backend not in DECODE_BACKENDS:
+            raise InvalidOptionError(
+                f"unknown decode_backend {_shown(self.decode_backend)}; the choices are: {', '.join(DECODE_BACKENDS)}")
+        if self.decode_backend == "megakernel":
+            others = [f for f, on in (("--quantization", self.quantization is not None),
+                                      ("--tensor-parallel-size", size > 1), ("--pipeline-parallel-size", stages > 1))
+                      if on]
+            if others:
+                raise InvalidOptionError(f"--decode-backend megakernel does not cover {others[0]} yet; "
+                                         "build with --decode-backend per-op")
 
     # ---- as the keyword arguments of an API -------------------------------------------------
 
@@ -157,7 +175,7 @@ class BuildConfig:
             "disabled_passes": list(self.disabled_passes), "kernel_prefs": dict(self.kernel_prefs),
             "dump_ir": self.dump_ir, "quantization": self.quantization,
             "tensor_parallel_size": self.tensor_parallel_size, "load_format": self.load_format,
-            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size, "decode_backend": self.decode_backend,
         }
 
     @classmethod

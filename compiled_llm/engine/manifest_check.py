@@ -84,6 +84,10 @@ def check_current_manifest(manifest: dict, path: Path) -> ModelConfig:
     _check_program_entry(manifest["program"], path)
     if build.pipeline_parallel_size > 1:
         _check_pipeline(manifest.get("pipeline"), build.pipeline_parallel_size, config, path)
+    if build.decode_backend == "megakernel":
+        entry = manifest.get("megakernel")
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or path_problem(entry["file"]) is not None:
+            raise malformed(path, "megakernel", "a megakernel engine names its schedule's file")
     check_files_map(manifest["files"], path)
     kernels = manifest["kernels"]
     if not is_map(kernels) or len(kernels) > MAX_KERNEL_ENTRIES or any(

@@ -12,10 +12,11 @@ import torch
 from torch import Tensor
 
 from compiled_llm.engine.artifact import build_config, tp_size_of
-from compiled_llm.engine.build import lower
+from compiled_llm.engine.build import decode_schedule, lower
 from compiled_llm.engine.compare.source import quantization_of, source_of
 from compiled_llm.engine.program import PortableProgram
 from compiled_llm.graph.batch import ScheduledSeq, pack_batch
+from compiled_llm.megakernel.program import MegakernelProgram
 from compiled_llm.model.spec import forward, kv_cache_shape
 from compiled_llm.model.sources import load_source_params
 
@@ -40,6 +41,19 @@ def rebuilt_program(manifest: dict, pass_names: Sequence[str], dtype, device, ra
     lowered = lower(src.config, params, pass_names, device.type, dtype, build_config(manifest).kernel_prefs,
                     quantization=quantization_of(manifest), tp_rank=rank, tp_size=tp_size_of(manifest))
     return PortableProgram(lowered.gm, lowered.param_names), lowered.params
+
+
+def rebuilt_megakernel(manifest: dict, dtype, device):
+    """(program, params) of the engine's source rebuilt in memory with all its passes and its
+    decode steps run by a schedule made anew for as many SMs as the engine's."""
+    src = source_of(manifest)
+    params = load_source_params(src, dtype, device)
+    names = [p["name"] for p in manifest["passes"]]
+    lowered = lower(src.config, params, names, device.type, dtype, build_config(manifest).kernel_prefs,
+                    quantization=quantization_of(manifest))
+    program = PortableProgram(lowered.gm, lowered.param_names)
+    made = decode_schedule(lowered, src.config.num_layers, manifest["megakernel"]["num_sms"])
+    return MegakernelProgram(program, made), lowered.params
 
 
 def _tables(prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[list[list[int]], int]:

@@ -1,0 +1,454 @@
+"""The persistent megakernel: one Triton launch runs a whole decode step's schedule.
+
+The grid is one program an SM (``schedule.num_sms``; every program must be resident at once,
+so the runtime refuses a schedule made for more SMs than the GPU has). Program s walks its
+instructions (encoding.py: ``sm_ranges[s]`` into one flat record array) in order, and for each:
+
+  1. spins on each wait until ``counter >= value`` (an atomic add of 0 with acquire semantics,
+     so what the producing tiles wrote before their release bump is visible), then a CTA
+     barrier;
+  2. dispatches on the record's kind code and runs the tile;
+  3. CTA barrier (every thread's stores done), then adds 1 to each bump counter with release
+     semantics.
+
+Addresses. Each op has a row of int64 ``data_ptr``s (its weights and activation buffers), cast
+in the kernel to typed pointers (``.to(tl.pointer_type(dtype), bitcast=True)``), which works
+compiled and under TRITON_INTERPRET=1 (the interpreter keeps CPU tensors in place, so an address
+taken on the host is the address it reads). This keeps one launch signature for every model:
+no per-op pointer arguments, no base-tensor-plus-offset scheme. The KV cache and the step's
+inputs (tokens, positions, slots, lengths, block tables) are ordinary arguments, since they are
+the call's. The model dtype is the KV cache's element type.
+
+Reads of what other SMs wrote this step (activations, the KV cache) use ``cache_modifier=".cg"``
+(L2, not the SM's non-coherent L1), so they never see a stale L1 line whatever the acquire
+does to L1; weights are loaded ``evict_first``. Pointers made from integers carry no alignment,
+so when every weight is 16-byte aligned with rows of a multiple of 16 elements (``ALIGNED``,
+checked by the encoding) the weight tiles are hinted so (``multiple_of``/``max_contiguous``, K
+rewritten as ``K // 16 * 16``): their loads compile to 16-byte vectors (the sm_90 compile test
+checks it); otherwise they are element loads.
+
+Math. Each kind computes interpreter.py's math with fp32 accumulation and the reference's
+rounding points: rms_norm's ``x * rstd`` rounded, times the weight rounded; a linear's sums
+(+ bias) rounded, then + residual rounded; glu: gate and up rounded, act(gate) rounded, times
+up rounded; q/k norm and RoPE in fp32 from the rounded projection, rounded once each; attention
+in fp32 (online softmax), rounded once; lm_head logits rounded and the tile's best taken on the
+rounded values (first maximum). Rows are few (``ROWS``: the step's rows rounded up to a power
+of two, a compile-time constant), so the products are FMA-and-reduce tiles in the style of
+triton_gemv.py: a [ROWS, BLOCK_N, BLOCK_K] fp32 accumulator over weight tiles streamed along K,
+reduced over K once at the end, no tl.dot. A q/k/v head is computed as its two halves (two GEMVs
+of head_dim / 2 weight rows), so the neox rotation pairs column h with h + head_dim / 2 without
+moving registers. Attention runs one row at a time over BLOCK_L keys a step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled_llm.megakernel import encoding as E
+
+# the encoding's layout, as constants the jitted code can read
+_NF = tl.constexpr(E.INS_FIELDS)
+_NA = tl.constexpr(E.ADDR_SLOTS)
+_NI = tl.constexpr(E.INT_SLOTS)
+_NFL = tl.constexpr(E.FLOAT_SLOTS)
+_A_WEIGHT, _A_BIAS, _A_NORM = tl.constexpr(E.A_WEIGHT), tl.constexpr(E.A_BIAS), tl.constexpr(E.A_NORM)
+_A_Q_NORM, _A_K_NORM, _A_COS_SIN = tl.constexpr(E.A_Q_NORM), tl.constexpr(E.A_K_NORM), tl.constexpr(E.A_COS_SIN)
+_A_IN0, _A_IN1 = tl.constexpr(E.A_IN0), tl.constexpr(E.A_IN1)
+_A_OUT0, _A_OUT1, _A_OUT2 = tl.constexpr(E.A_OUT0), tl.constexpr(E.A_OUT1), tl.constexpr(E.A_OUT2)
+_I_K, _I_N, _I_HEADS, _I_KV_HEADS = tl.constexpr(E.I_K), tl.constexpr(E.I_N), tl.constexpr(E.I_HEADS), tl.constexpr(E.I_KV_HEADS)
+_I_HEAD_DIM, _I_LAYER, _I_WINDOW = tl.constexpr(E.I_HEAD_DIM), tl.constexpr(E.I_LAYER), tl.constexpr(E.I_WINDOW)
+_I_ACTIVATION, _I_HAS_BIAS = tl.constexpr(E.I_ACTIVATION), tl.constexpr(E.I_HAS_BIAS)
+_I_HAS_RESIDUAL, _I_HAS_NORM = tl.constexpr(E.I_HAS_RESIDUAL), tl.constexpr(E.I_HAS_NORM)
+_I_HAS_Q_NORM, _I_HAS_K_NORM = tl.constexpr(E.I_HAS_Q_NORM), tl.constexpr(E.I_HAS_K_NORM)
+_I_HAS_ROPE, _I_TILES = tl.constexpr(E.I_HAS_ROPE), tl.constexpr(E.I_TILES)
+_F_EPS, _F_NORM_EPS, _F_SCALE, _F_SOFTCAP = (tl.constexpr(E.F_EPS), tl.constexpr(E.F_NORM_EPS),
+                                            tl.constexpr(E.F_SCALE), tl.constexpr(E.F_SOFTCAP))
+_K_EMBED, _K_QKV, _K_ATTN, _K_GLU, _K_LINEAR, _K_LM_HEAD, _K_ARGMAX = (
+    tl.constexpr(E.KIND_CODES[k]) for k in ("embed", "qkv_rope", "attention", "glu", "linear", "lm_head", "argmax"))
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ptr(op_addr, op, slot, DT: tl.constexpr):
+    """Op ``op``'s address ``slot`` as a pointer to DT."""
+    return tl.load(op_addr + op * _NA + slot).to(tl.pointer_type(DT), bitcast=True)
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rstd(x_ptr, K, eps, S, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[ROWS] fp32: 1 / sqrt(mean(x^2) + eps) of each of the first S rows of x [*, K]."""
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        m = (rows < S)[:, None] & (ks < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc += x * x
+    return tl.rsqrt(tl.sum(acc, 1) / K + eps)
+
+
+@triton.jit
+def _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, wrows, wmask, K, S,
+          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """[ROWS, BLOCK_N] fp32: x (rms-normed with ``rstd`` and weight ``nw_ptr`` when has_norm,
+    rounded as rms_norm_ref rounds) times weight rows ``wrows`` (``wmask``: which exist) of
+    w [*, K]; rows of x at and past S are 0."""
+    if ALIGNED:  # K is a multiple of 16 (the encoding checked): say so, for whole-vector masks
+        K = K // 16 * 16
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
+    w_rows = w_ptr + wrows.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows < S)[:, None] & kmask[None, :], other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
+        if has_norm:
+            nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+            x = _round(_round(x * rstd[:, None], DT) * nw[None, :], DT)
+        w_tile = w_rows + ks[None, :]
+        if ALIGNED:  # 16-byte vectors along K (the encoding checked the weights' alignment)
+            w_tile = tl.max_contiguous(tl.multiple_of(w_tile, [1, 16]), [1, BLOCK_K])
+        w = tl.load(w_tile, mask=wmask[:, None] & kmask[None, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
+    return tl.sum(acc, 2)
+
+
+@triton.jit
+def _tanh(z):
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the kinds
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _embed(op_addr, op_int, op, c0, c1, token_ids, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
+    w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
+    out_ptr = _ptr(op_addr, op, _A_OUT0, DT)
+    K = tl.load(op_int + op * _NI + _I_K)
+    N = tl.load(op_int + op * _NI + _I_N)
+    rows = tl.arange(0, ROWS)
+    rmask = rows < S
+    tok = tl.load(token_ids + rows, mask=rmask, other=0).to(tl.int64)
+    for n0 in range(c0, c1, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        m = rmask[:, None] & (cols < c1)[None, :]
+        v = tl.load(w_ptr + tok[:, None] * K + cols[None, :], mask=m, other=0.0)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], v, mask=m)
+
+
+@triton.jit
+def _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv_ptr, kv_layer_stride,
+              kv_half_stride, S, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+              DT: tl.constexpr, ALIGNED: tl.constexpr):
+    base = op_int + op * _NI
+    K = tl.load(base + _I_K)
+    nh = tl.load(base + _I_HEADS)
+    nkv = tl.load(base + _I_KV_HEADS)
+    hd = tl.load(base + _I_HEAD_DIM)
+    half = hd // 2
+    x_ptr = _ptr(op_addr, op, _A_IN0, DT)
+    w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
+    nw_ptr = _ptr(op_addr, op, _A_NORM, DT)
+    has_norm = tl.load(base + _I_HAS_NORM) != 0
+    rstd = tl.zeros([ROWS], tl.float32)
+    if has_norm:
+        rstd = _rstd(x_ptr, K, tl.load(op_flt + op * _NFL + _F_NORM_EPS), S, ROWS, BLOCK_K)
+    hs = tl.arange(0, BLOCK_H)
+    hmask = hs < half
+    y1 = _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, c0 + hs, hmask, K, S, ROWS, BLOCK_H, BLOCK_K, DT, ALIGNED)
+    y2 = _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, c0 + half + hs, hmask, K, S, ROWS, BLOCK_H, BLOCK_K, DT, ALIGNED)
+    if tl.load(base + _I_HAS_BIAS) != 0:
+        b_ptr = _ptr(op_addr, op, _A_BIAS, DT)
+        y1 += tl.load(b_ptr + c0 + hs, mask=hmask, other=0.0).to(tl.float32)[None, :]
+        y2 += tl.load(b_ptr + c0 + half + hs, mask=hmask, other=0.0).to(tl.float32)[None, :]
+    y1 = _round(y1, DT)
+    y2 = _round(y2, DT)
+    # which part: 0 q, 1 k, 2 v; and its head
+    part = (tile >= nh).to(tl.int32) + (tile >= nh + nkv).to(tl.int32)
+    head = tile - nh * (part >= 1).to(tl.int32) - nkv * (part == 2).to(tl.int32)
+    has_head_norm = ((part == 0) & (tl.load(base + _I_HAS_Q_NORM) != 0)) | \
+                    ((part == 1) & (tl.load(base + _I_HAS_K_NORM) != 0))
+    if has_head_norm:
+        slot = tl.where(part == 1, _A_K_NORM, _A_Q_NORM)
+        hn_ptr = tl.load(op_addr + op * _NA + slot).to(tl.pointer_type(DT), bitcast=True)
+        hstd = tl.rsqrt((tl.sum(y1 * y1, 1) + tl.sum(y2 * y2, 1)) / hd + tl.load(op_flt + op * _NFL + _F_EPS))
+        g1 = tl.load(hn_ptr + hs, mask=hmask, other=0.0).to(tl.float32)
+        g2 = tl.load(hn_ptr + half + hs, mask=hmask, other=0.0).to(tl.float32)
+        y1 = _round(_round(y1 * hstd[:, None], DT) * g1[None, :], DT)
+        y2 = _round(_round(y2 * hstd[:, None], DT) * g2[None, :], DT)
+    rows = tl.arange(0, ROWS)
+    rmask = rows < S
+    if (part != 2) & (tl.load(base + _I_HAS_ROPE) != 0):
+        cs_ptr = _ptr(op_addr, op, _A_COS_SIN, tl.float32)
+        pos = tl.load(positions + rows, mask=rmask, other=0).to(tl.int64)
+        cs_rows = cs_ptr + pos[:, None] * hd + hs[None, :]
+        m = rmask[:, None] & hmask[None, :]
+        cos = tl.load(cs_rows, mask=m, other=0.0)
+        sin = tl.load(cs_rows + half, mask=m, other=0.0)
+        r1 = y1 * cos - y2 * sin
+        r2 = y2 * cos + y1 * sin
+        y1 = _round(r1, DT)
+        y2 = _round(r2, DT)
+    if part == 0:
+        q_ptr = _ptr(op_addr, op, _A_OUT0, DT)
+        at = q_ptr + rows[:, None] * (nh * hd) + head * hd + hs[None, :]
+        m = rmask[:, None] & hmask[None, :]
+        tl.store(at, y1.to(DT), mask=m)
+        tl.store(at + half, y2.to(DT), mask=m)
+    else:
+        slots = tl.load(slot_mapping + rows, mask=rmask, other=-1).to(tl.int64)
+        layer = tl.load(base + _I_LAYER).to(tl.int64)
+        cache = kv_ptr + layer * kv_layer_stride + (part == 2).to(tl.int64) * kv_half_stride
+        at = cache + slots[:, None] * (nkv * hd) + head * hd + hs[None, :]
+        m = (rmask & (slots >= 0))[:, None] & hmask[None, :]
+        tl.store(at, y1.to(DT), mask=m)
+        tl.store(at + half, y2.to(DT), mask=m)
+
+
+@triton.jit
+def _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_stride, kv_ptr, kv_layer_stride,
+               kv_half_stride, block_size, S, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, DT: tl.constexpr):
+    base = op_int + op * _NI
+    nh = tl.load(base + _I_HEADS)
+    nkv = tl.load(base + _I_KV_HEADS)
+    hd = tl.load(base + _I_HEAD_DIM)
+    window = tl.load(base + _I_WINDOW)
+    scale = tl.load(op_flt + op * _NFL + _F_SCALE)
+    softcap = tl.load(op_flt + op * _NFL + _F_SOFTCAP)
+    g = tile // (nh // nkv)
+    q_ptr = _ptr(op_addr, op, _A_IN0, DT)
+    o_ptr = _ptr(op_addr, op, _A_OUT0, DT)
+    layer = tl.load(base + _I_LAYER).to(tl.int64)
+    k_cache = kv_ptr + layer * kv_layer_stride + g * hd
+    v_cache = k_cache + kv_half_stride
+    ds = tl.arange(0, BLOCK_D)
+    dmask = ds < hd
+    for r in range(0, S):
+        ctx = tl.load(seq_lens + r)
+        q = tl.load(q_ptr + r * (nh * hd) + tile * hd + ds, mask=dmask, other=0.0, cache_modifier=".cg")
+        q = q.to(tl.float32)
+        start = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+        m_i = tl.full([], -1.0e30, tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for p0 in range(start, ctx, BLOCK_L):
+            ps = p0 + tl.arange(0, BLOCK_L)
+            pmask = ps < ctx
+            blk = tl.load(block_tables + r * bt_stride + ps // block_size, mask=pmask, other=0).to(tl.int64)
+            slots = blk * block_size + ps % block_size
+            at = slots[:, None] * (nkv * hd) + ds[None, :]
+            m = pmask[:, None] & dmask[None, :]
+            k = tl.load(k_cache + at, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+            s = tl.sum(q[None, :] * k, 1) * scale
+            if softcap > 0:
+                s = _tanh(s / softcap) * softcap
+            s = tl.where(pmask, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            v = tl.load(v_cache + at, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+        out = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
+        tl.store(o_ptr + r * (nh * hd) + tile * hd + ds, out.to(DT), mask=dmask)
+
+
+@triton.jit
+def _glu(op_addr, op_int, op_flt, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+         DT: tl.constexpr, ALIGNED: tl.constexpr):
+    base = op_int + op * _NI
+    K = tl.load(base + _I_K)
+    inter = tl.load(base + _I_N)
+    gelu = tl.load(base + _I_ACTIVATION) == 1
+    x_ptr = _ptr(op_addr, op, _A_IN0, DT)
+    w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
+    nw_ptr = _ptr(op_addr, op, _A_NORM, DT)
+    out_ptr = _ptr(op_addr, op, _A_OUT0, DT)
+    rstd = _rstd(x_ptr, K, tl.load(op_flt + op * _NFL + _F_EPS), S, ROWS, BLOCK_K)
+    rows = tl.arange(0, ROWS)
+    for n0 in range(c0, c1, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cmask = cols < c1
+        gate = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED), DT)
+        up = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, inter + cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED), DT)
+        if gelu:
+            a = 0.5 * gate * (1.0 + _tanh(_SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)))
+        else:
+            a = gate * tl.sigmoid(gate)
+        h = _round(a, DT) * up
+        tl.store(out_ptr + rows[:, None] * inter + cols[None, :], h.to(DT), mask=(rows < S)[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _linear(op_addr, op_int, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            DT: tl.constexpr, ALIGNED: tl.constexpr):
+    base = op_int + op * _NI
+    K = tl.load(base + _I_K)
+    N = tl.load(base + _I_N)
+    x_ptr = _ptr(op_addr, op, _A_IN0, DT)
+    w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
+    out_ptr = _ptr(op_addr, op, _A_OUT0, DT)
+    has_bias = tl.load(base + _I_HAS_BIAS) != 0
+    has_residual = tl.load(base + _I_HAS_RESIDUAL) != 0
+    rows = tl.arange(0, ROWS)
+    rstd = tl.zeros([ROWS], tl.float32)
+    for n0 in range(c0, c1, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cmask = cols < c1
+        m = (rows < S)[:, None] & cmask[None, :]
+        y = _gemv(x_ptr, x_ptr, False, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+        if has_bias:
+            b_ptr = _ptr(op_addr, op, _A_BIAS, DT)
+            y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = _round(y, DT)
+        if has_residual:
+            r_ptr = _ptr(op_addr, op, _A_IN1, DT)
+            y += tl.load(r_ptr + rows[:, None] * N + cols[None, :], mask=m, other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(DT), mask=m)
+
+
+@triton.jit
+def _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    base = op_int + op * _NI
+    K = tl.load(base + _I_K)
+    N = tl.load(base + _I_N)
+    tiles = tl.load(base + _I_TILES)
+    x_ptr = _ptr(op_addr, op, _A_IN0, DT)
+    w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
+    nw_ptr = _ptr(op_addr, op, _A_NORM, DT)
+    out_ptr = _ptr(op_addr, op, _A_OUT0, DT)
+    rstd = _rstd(x_ptr, K, tl.load(op_flt + op * _NFL + _F_EPS), S, ROWS, BLOCK_K)
+    rows = tl.arange(0, ROWS)
+    rmask = rows < S
+    best_val = tl.full([ROWS], float("-inf"), tl.float32)
+    best_idx = tl.full([ROWS], 0, tl.int64) + c0
+    for n0 in range(c0, c1, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cmask = cols < c1
+        logits = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED), DT)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], logits.to(DT), mask=rmask[:, None] & cmask[None, :])
+        vals = tl.where(cmask[None, :], logits, float("-inf"))
+        chunk_val = tl.max(vals, 1)
+        chunk_idx = tl.argmax(vals, 1, tie_break_left=True).to(tl.int64) + n0
+        better = chunk_val > best_val  # strict: an earlier chunk keeps a tie
+        best_idx = tl.where(better, chunk_idx, best_idx)
+        best_val = tl.where(better, chunk_val, best_val)
+    bv_ptr = _ptr(op_addr, op, _A_OUT1, tl.float32)
+    bi_ptr = _ptr(op_addr, op, _A_OUT2, tl.int64)
+    tl.store(bv_ptr + rows * tiles + tile, best_val, mask=rmask)
+    tl.store(bi_ptr + rows * tiles + tile, best_idx, mask=rmask)
+
+
+@triton.jit
+def _argmax(op_addr, op_int, op, S, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+    tiles = tl.load(op_int + op * _NI + _I_TILES)
+    bv_ptr = _ptr(op_addr, op, _A_IN0, tl.float32)
+    bi_ptr = _ptr(op_addr, op, _A_IN1, tl.int64)
+    out_ptr = _ptr(op_addr, op, _A_OUT0, tl.int64)
+    rows = tl.arange(0, ROWS)
+    rmask = rows < S
+    ts = tl.arange(0, BLOCK_V)
+    m = rmask[:, None] & (ts < tiles)[None, :]
+    vals = tl.load(bv_ptr + rows[:, None] * tiles + ts[None, :], mask=m, other=float("-inf"), cache_modifier=".cg")
+    best = tl.argmax(vals, 1, tie_break_left=True)
+    tok = tl.load(bi_ptr + rows * tiles + best, mask=rmask, other=0, cache_modifier=".cg")
+    tl.store(out_ptr + rows, tok, mask=rmask)
+
+
+# ---------------------------------------------------------------------------------------------
+# the persistent kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counters, counters,
+               op_addr, op_int, op_flt,
+               token_ids, positions, slot_mapping, seq_lens, block_tables, bt_stride,
+               kv_ptr, kv_layer_stride, kv_half_stride, block_size, S,
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, ALIGNED: tl.constexpr):
+    DT: tl.constexpr = kv_ptr.dtype.element_ty
+    sm = tl.program_id(0)
+    first = tl.load(sm_ranges + 2 * sm)
+    last = tl.load(sm_ranges + 2 * sm + 1)
+    for i in range(first, last):
+        rec = instructions + i * _NF
+        kind = tl.load(rec + 0)
+        op = tl.load(rec + 1)
+        tile = tl.load(rec + 2)
+        c0 = tl.load(rec + 3)
+        c1 = tl.load(rec + 4)
+        w0 = tl.load(rec + 5)
+        nw = tl.load(rec + 6)
+        b0 = tl.load(rec + 7)
+        nb = tl.load(rec + 8)
+        for j in range(w0, w0 + nw):
+            c = tl.load(wait_counters + j)
+            want = tl.load(wait_values + j)
+            seen = tl.atomic_add(counters + c, 0, sem="acquire")
+            while seen < want:
+                seen = tl.atomic_add(counters + c, 0, sem="acquire")
+        tl.debug_barrier()
+        if kind == _K_EMBED:
+            _embed(op_addr, op_int, op, c0, c1, token_ids, S, ROWS, BLOCK_N, DT)
+        elif kind == _K_QKV:
+            _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv_ptr, kv_layer_stride,
+                      kv_half_stride, S, ROWS, BLOCK_K, BLOCK_H, DT, ALIGNED)
+        elif kind == _K_ATTN:
+            _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_stride, kv_ptr, kv_layer_stride,
+                       kv_half_stride, block_size, S, BLOCK_D, BLOCK_L, DT)
+        elif kind == _K_GLU:
+            _glu(op_addr, op_int, op_flt, op, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+        elif kind == _K_LINEAR:
+            _linear(op_addr, op_int, op, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+        elif kind == _K_LM_HEAD:
+            _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+        elif kind == _K_ARGMAX:
+            _argmax(op_addr, op_int, op, S, ROWS, BLOCK_V)
+        tl.debug_barrier()
+        for j in range(b0, b0 + nb):
+            tl.atomic_add(counters + tl.load(bump_counters + j), 1, sem="release")
+
+
+def block_sizes(rows: int, enc: E.Encoded) -> dict:
+    """The kernel's compile-time sizes for a step of ``rows`` rows."""
+    ROWS = triton.next_power_of_2(max(rows, 1))
+    return dict(ROWS=ROWS, BLOCK_N=16, BLOCK_K=max(32, 512 // ROWS),
+                BLOCK_H=triton.next_power_of_2(max(enc.max_head_dim // 2, 1)),
+                BLOCK_D=triton.next_power_of_2(enc.max_head_dim), BLOCK_L=32,
+                BLOCK_V=triton.next_power_of_2(enc.max_tiles), ALIGNED=enc.aligned)
+
+
+def launch(enc: E.Encoded, counters: torch.Tensor, num_sms: int, token_ids, positions, slot_mapping, seq_lens,
+           block_tables, kv_cache: torch.Tensor, num_warps: int = 4) -> None:
+    """One decode step of ``token_ids.shape[0]`` rows: ``counters`` must be zero (the caller
+    zeroes it on the stream); the outputs land in the buffers ``enc`` was made over."""
+    S = token_ids.shape[0]
+    L, two, nb, bs, hkv, hd = kv_cache.shape
+    assert kv_cache.is_contiguous() and block_tables.stride(-1) == 1
+    megakernel[(num_sms,)](
+        enc.sm_ranges, enc.instructions, enc.wait_counters, enc.wait_values, enc.bump_counters, counters,
+        enc.op_addrs, enc.op_ints, enc.op_floats,
+        token_ids, positions, slot_mapping, seq_lens, block_tables, block_tables.stride(0),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), bs, S,
+        num_warps=num_warps, num_stages=1, **block_sizes(S, enc))

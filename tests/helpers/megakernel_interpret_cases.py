@@ -1,0 +1,148 @@
+"""The persistent megakernel (compiled_llm/megakernel/triton_kernel.py) against the schedule's
+CPU semantics (megakernel/interpreter.py) and the per-op program, through the Triton interpreter.
+
+Not collected by itself: tests/megakernel/test_triton_kernel_interpret.py runs this file in a
+child pytest with TRITON_INTERPRET=1 (helpers/interpret_child.py says why). The interpreter runs
+a grid's programs one after another, so a program that waits for a later one would spin forever:
+the schedules here are made for one SM (nothing waits), or are a many-SM schedule laid onto one
+SM in program order (every wait is already met when it comes, and every bump is counted). The
+engines are the tiny presets in fp32 (hidden 64, two layers), so a step takes about a second.
+"""
+
+import os
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/megakernel/test_triton_kernel_interpret.py"
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from compiled_llm.engine.artifact import load_engine  # noqa: E402
+from compiled_llm.engine.build import build_engine  # noqa: E402
+from compiled_llm.graph.batch import ScheduledSeq, pack_batch  # noqa: E402
+from compiled_llm.megakernel import encoding, scheduler, triton_kernel  # noqa: E402
+from compiled_llm.megakernel.check import check_schedule  # noqa: E402
+from compiled_llm.megakernel.interpreter import interpret  # noqa: E402
+from compiled_llm.megakernel.lowering import lower_decode  # noqa: E402
+from compiled_llm.model.spec import PackedBatch, kv_cache_shape  # noqa: E402
+
+PRESETS = ["tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-mistral"]
+BLOCK_SIZE = 16
+TOL = dict(rtol=1e-5, atol=1e-5)
+SLOW = pytest.mark.slow
+
+_ENGINES: dict = {}
+
+
+def engine_of(preset: str, tmp_path_factory):
+    if preset not in _ENGINES:
+        d = tmp_path_factory.mktemp(preset) / "engine"
+        build_engine(preset, d, dtype="float32", device="cpu", progress=False)
+        _ENGINES[preset] = load_engine(d)
+    return _ENGINES[preset]
+
+
+def schedule_for(engine, num_sms: int):
+    shapes = {n: tuple(t.shape) for n, t in engine.params.items()}
+    made = scheduler.schedule(lower_decode(engine.program.module.gm, shapes, num_sms), scheduler.Machine(num_sms))
+    check_schedule(made)
+    return made
+
+
+def on_one_sm(s):
+    """Schedule ``s`` with every instruction on one SM in program order, waits and bumps kept."""
+    return dataclasses.replace(s, num_sms=1, sms=(tuple(range(len(s.instructions))),))
+
+
+def decode_batch(rows: int):
+    """``rows`` sequences at contexts of 70, 61, ... 7 tokens (the first past a block boundary
+    and past tiny-mistral's 48-token window), each decoding its next token."""
+    seqs = [ScheduledSeq([3 + 11 * i], 69 - 9 * i, list(range(6 * i, 6 * i + 6))) for i in range(rows)]
+    return pack_batch(seqs, BLOCK_SIZE)
+
+
+def with_padding_row(b: PackedBatch) -> PackedBatch:
+    """``b`` with a CUDA graph bucket's padding row: token 0, seq_len 0, slot -1."""
+    S = b.seq_lens.shape[0]
+    return PackedBatch(
+        token_ids=torch.cat([b.token_ids, b.token_ids.new_zeros(1)]),
+        positions=torch.cat([b.positions, b.positions.new_zeros(1)]),
+        query_start_loc=torch.cat([b.query_start_loc, b.query_start_loc.new_tensor([S + 1])]),
+        seq_lens=torch.cat([b.seq_lens, b.seq_lens.new_zeros(1)]),
+        block_tables=torch.cat([b.block_tables, b.block_tables.new_zeros(1, b.block_tables.shape[1])]),
+        slot_mapping=torch.cat([b.slot_mapping, b.slot_mapping.new_full((1,), -1)]))
+
+
+def filled_cache(engine):
+    torch.manual_seed(0)
+    return torch.randn(kv_cache_shape(engine.config, 64, BLOCK_SIZE), dtype=engine.dtype)
+
+
+def run_kernel(s, engine, batch, cache):
+    """(logits, tokens, counters) of one step of schedule ``s`` run by the Triton kernel."""
+    buffers = encoding.activation_buffers(s, engine.dtype, "cpu")
+    enc = encoding.encode(s, engine.params, buffers, engine.dtype, "cpu")
+    counters = torch.zeros(max(1, s.num_counters), dtype=torch.int32)
+    triton_kernel.launch(enc, counters, s.num_sms, batch.token_ids, batch.positions, batch.slot_mapping,
+                         batch.seq_lens, batch.block_tables, cache)
+    rows = batch.seq_lens.shape[0]
+    return buffers[s.logits][:rows], buffers[s.tokens][:rows, 0], counters
+
+
+def check_step(engine, s, batch):
+    """The kernel's logits, KV cache and tokens equal the interpreter's and the per-op
+    program's."""
+    cache = filled_cache(engine)
+    kernel_cache, interp_cache, program_cache = cache.clone(), cache.clone(), cache.clone()
+    logits, tokens, counters = run_kernel(s, engine, batch, kernel_cache)
+    want_logits, want_tokens = interpret(s, engine.params, batch, interp_cache)
+    program_logits = engine.program(engine.params, batch, program_cache)
+    torch.testing.assert_close(logits, want_logits, **TOL)
+    torch.testing.assert_close(logits, program_logits, **TOL)
+    torch.testing.assert_close(kernel_cache, interp_cache, **TOL)
+    torch.testing.assert_close(kernel_cache, program_cache, **TOL)
+    assert not torch.equal(kernel_cache, cache)  # the step's keys and values were written
+    assert tokens.tolist() == want_tokens.tolist() == program_logits.argmax(dim=-1).tolist()
+    return counters
+
+
+@pytest.mark.parametrize("rows", [1, 8, pytest.param(3, marks=SLOW), pytest.param(6, marks=SLOW)])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_kernel_computes_what_the_interpreter_and_the_program_compute(preset, rows, tmp_path_factory):
+    engine = engine_of(preset, tmp_path_factory)
+    batch = decode_batch(rows)
+    if preset == "tiny-mistral":
+        assert max(batch.seq_lens.tolist()) > engine.config.sliding_window
+    assert max(batch.seq_lens.tolist()) > BLOCK_SIZE
+    check_step(engine, schedule_for(engine, 1), batch)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mistral"])
+def test_waits_and_bumps_of_a_many_sm_schedule_run_and_every_counter_ends_at_its_bumpers(preset, tmp_path_factory):
+    engine = engine_of(preset, tmp_path_factory)
+    s = schedule_for(engine, 5)
+    assert s.num_counters > 0 and any(ins.waits for ins in s.instructions)
+    counters = check_step(engine, on_one_sm(s), decode_batch(4))
+    bumpers = [0] * s.num_counters
+    for ins in s.instructions:
+        for c in ins.bumps:
+            bumpers[c] += 1
+    assert counters.tolist() == bumpers
+    for ins in s.instructions:  # every wait's value is what its counter reaches
+        assert all(v <= bumpers[c] for c, v in ins.waits)
+
+
+def test_a_padding_row_attends_to_nothing_and_writes_nowhere(tmp_path_factory):
+    engine = engine_of("tiny-llama", tmp_path_factory)
+    s = schedule_for(engine, 1)
+    batch = with_padding_row(decode_batch(3))
+    cache = filled_cache(engine)
+    kernel_cache, interp_cache = cache.clone(), cache.clone()
+    logits, tokens, _ = run_kernel(s, engine, batch, kernel_cache)
+    want_logits, want_tokens = interpret(s, engine.params, batch, interp_cache)
+    torch.testing.assert_close(logits, want_logits, **TOL)
+    torch.testing.assert_close(kernel_cache, interp_cache, **TOL)
+    assert tokens.tolist() == want_tokens.tolist()
+    real = engine.program(engine.params, decode_batch(3), cache.clone())
+    torch.testing.assert_close(logits[:3], real, **TOL)

@@ -1,0 +1,165 @@
+"""The megakernel schedule: what a decode step lowers to, how its tiles are ordered across SMs, the
+hazard check that refuses an unsafe schedule, its JSON form and its timeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from compiled_llm.engine.artifact import load_engine
+from compiled_llm.errors import EngineError
+from compiled_llm.megakernel import scheduler
+from compiled_llm.megakernel.check import ScheduleError, check_schedule, check_weights
+from compiled_llm.megakernel.lowering import lower_decode
+from compiled_llm.megakernel.schedule import schedule_from_json, schedule_to_json
+from compiled_llm.megakernel.timeline import timeline
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine):
+    return load_engine(tiny_engine)
+
+
+def lowered_ops(engine, num_sms):
+    shapes = {n: tuple(t.shape) for n, t in engine.params.items()}
+    return lower_decode(engine.program.module.gm, shapes, num_sms)
+
+
+def made(engine, num_sms=4):
+    return scheduler.schedule(lowered_ops(engine, num_sms), scheduler.Machine(num_sms))
+
+
+def test_each_layer_lowers_to_five_ops_and_the_head_to_two(engine):
+    ops = lowered_ops(engine, 4).ops
+    layer = ["qkv_rope", "attention", "linear", "glu", "linear"]
+    assert [o.kind for o in ops] == ["embed", *layer * engine.config.num_layers, "lm_head", "argmax"]
+    assert [o.layer for o in ops[1:6]] == [0] * 5 and [o.layer for o in ops[6:11]] == [1] * 5
+    assert [o.attrs["role"] for o in ops if o.kind == "linear"] == ["o", "down"] * engine.config.num_layers
+    qkv, attention = ops[1], ops[2]
+    c = engine.config
+    assert (qkv.tiles, attention.tiles) == (c.num_heads + 2 * c.num_kv_heads, c.num_heads)
+
+
+def test_an_attention_head_waits_only_for_its_own_q_k_and_v_heads(engine):
+    """Not for the layer's whole q/k/v op: a counter it waits on is bumped by no q/k/v tile but
+    its own q head and its group's k and v heads."""
+    s = made(engine, 8)
+    c = engine.config
+    group = c.num_heads // c.num_kv_heads
+    bumpers: dict[int, set[str]] = {}
+    for i, ins in enumerate(s.instructions):
+        for counter in ins.bumps:
+            bumpers.setdefault(counter, set()).add(s.label(i))
+    waits = 0
+    for ins in s.instructions:
+        op = s.ops[ins.op]
+        if op.kind != "attention" or op.layer != 0:
+            continue
+        g = ins.tile // group
+        own = {f"qkv_rope.0[{ins.tile}]", f"qkv_rope.0[{c.num_heads + g}]",
+               f"qkv_rope.0[{c.num_heads + c.num_kv_heads + g}]"}
+        for counter, _ in ins.waits:
+            qkv = {b for b in bumpers[counter] if b.startswith("qkv_rope.0")}
+            assert qkv <= own
+            waits += bool(qkv)
+    assert waits >= c.num_heads  # and each head does wait for some of its own
+
+
+@pytest.mark.parametrize("num_sms", [1, 2, 7, 132])
+def test_a_schedule_for_any_number_of_sms_is_safe_and_uses_them(engine, num_sms):
+    s = made(engine, num_sms)
+    order = check_schedule(s)
+    assert sorted(order) == list(range(len(s.instructions)))
+    busy = sum(1 for lst in s.sms if lst)
+    assert busy == min(num_sms, max(op.tiles for op in s.ops))
+    if num_sms == 1:
+        assert all(not ins.waits for ins in s.instructions)  # one SM's order is all the ordering there is
+
+
+def test_an_sm_that_waits_for_a_tile_queued_behind_it_is_a_deadlock(engine):
+    s = made(engine, 2)
+    waiter = next(i for i, ins in enumerate(s.instructions) if ins.waits)
+    counter = s.instructions[waiter].waits[0][0]
+    producer = next(i for i, ins in enumerate(s.instructions) if counter in ins.bumps)
+    sm = s.instructions[waiter].sm
+    lists = [[i for i in lst if i != producer] for lst in s.sms]
+    lists[sm].insert(lists[sm].index(waiter) + 1, producer)
+    moved = list(s.instructions)
+    moved[producer] = dataclasses.replace(moved[producer], sm=sm)
+    broken = dataclasses.replace(s, instructions=tuple(moved), sms=tuple(tuple(lst) for lst in lists))
+    with pytest.raises(ScheduleError, match=re.escape(f"deadlock: SM {sm} waits forever at {s.label(waiter)}")):
+        check_schedule(broken)
+
+
+def test_a_wait_for_fewer_than_all_of_a_counters_bumps_is_refused(engine):
+    s = made(engine, 4)
+    index = next(i for i, ins in enumerate(s.instructions) if ins.waits and ins.waits[0][1] > 1)
+    ins = s.instructions[index]
+    (counter, value), *rest = ins.waits
+    weaker = dataclasses.replace(ins, waits=((counter, value - 1), *rest))
+    broken = dataclasses.replace(s, instructions=s.instructions[:index] + (weaker,) + s.instructions[index + 1:])
+    with pytest.raises(ScheduleError, match="does not say which tiles have ended"):
+        check_schedule(broken)
+
+
+def test_two_ops_writing_one_buffer_are_refused(engine):
+    s = made(engine, 4)
+    o_ops = [k for k, op in enumerate(s.ops) if op.attrs.get("role") == "o"]
+    first, second = s.ops[o_ops[0]], s.ops[o_ops[1]]
+    ops = list(s.ops)
+    ops[o_ops[1]] = dataclasses.replace(second, outputs=first.outputs)
+    with pytest.raises(ScheduleError, match="both write"):
+        check_schedule(dataclasses.replace(s, ops=tuple(ops)))
+
+
+def test_the_json_form_reads_back_the_same_schedule(engine):
+    s = made(engine, 5)
+    text = json.dumps(schedule_to_json(s))
+    assert schedule_from_json(json.loads(text)) == s
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (lambda d: d.update(format="other"), "not a cllm-megakernel-schedule document"),
+    (lambda d: d.update(version=99), "format version '99' is not 1"),
+    (lambda d: d["instructions"][3].__setitem__(2, 99), "instruction 3's sm must be an integer in 0..4"),
+    (lambda d: d["instructions"][3].__setitem__(3, [[10 ** 6, 1]]), "instruction 3's counter"),
+    (lambda d: d["instructions"][0].__setitem__(1, 500), "instruction 0's tile"),
+    (lambda d: d["ops"][1]["attrs"].__setitem__("eps", [1]), "op 1's attrs['eps']"),
+    (lambda d: d["ops"][1].__setitem__("inputs", ["nowhere"]), "op 1 names a buffer"),
+    (lambda d: d["sms"].pop(), "sms lists 4 SMs, not num_sms 5"),
+    (lambda d: d.update(num_counters=10 ** 12), "num_counters must be an integer in 0.."),
+    (lambda d: d["instructions"][2].__setitem__(6, float("inf")), "instruction 2's end_us must be a finite number"),
+    (lambda d: d["instructions"][2].__setitem__(5, 1e9), "instruction 2 ends before it starts"),
+])
+def test_a_malformed_schedule_is_refused_in_one_line(engine, tamper, message):
+    data = schedule_to_json(made(engine, 5))
+    tamper(data)
+    with pytest.raises(EngineError, match=re.escape(message)) as e:
+        schedule_from_json(data)
+    assert "\n" not in str(e.value) and "megakernel.json" in str(e.value)
+
+
+def test_weights_that_are_not_the_schedules_are_refused(engine):
+    s = made(engine, 4)
+    shapes = {n: tuple(t.shape) for n, t in engine.params.items()}
+    check_weights(s, shapes, engine.config.num_layers)
+    down = next(op for op in s.ops if op.attrs.get("role") == "down").params["weight"]
+    with pytest.raises(ScheduleError, match=f"reads {down} as weight of shape"):
+        check_weights(s, {**shapes, down: (3, 3)}, engine.config.num_layers)
+    with pytest.raises(ScheduleError, match="of a 1-layer cache"):
+        check_weights(s, shapes, 1)
+
+
+def test_the_timeline_draws_each_sms_tiles_in_time(engine):
+    s = made(engine, 3)
+    text = timeline(s, width=60).splitlines()
+    rows = [line for line in text if line.startswith("SM ")]
+    assert len(rows) == 3 and all(len(r.split("|")[1]) == 60 for r in rows)
+    drawn = "".join(r.split("|")[1] for r in rows)
+    assert set("EQAOGDLS") <= set(drawn)
+    assert text[0].startswith(f"megakernel: {len(s.instructions)} instructions on 3 SMs")
+    first = rows[0].split("|")[1]
+    assert first.index("E") < first.index("Q") < first.rindex("L")  # the step's order, left to right

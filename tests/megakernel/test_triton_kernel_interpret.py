@@ -1,0 +1,51 @@
+"""The persistent megakernel computes what the schedule's interpreter and the per-op program
+compute (logits, the KV cache, greedy tokens), and its counters end where the schedule says:
+the cases in helpers/megakernel_interpret_cases.py, run in a child pytest with
+TRITON_INTERPRET=1 (helpers/interpret_child.py says why a child)."""
+
+from pathlib import Path
+
+import pytest
+from helpers.interpret_child import CASE_GROUPS, assert_cases_pass, import_triton
+
+import_triton()
+
+CASES = Path(__file__).parents[1] / "helpers" / "megakernel_interpret_cases.py"
+
+
+@pytest.mark.parametrize("group", CASE_GROUPS)
+def test_megakernel_under_interpreter(group, request):
+    assert_cases_pass(CASES, group, request)
+
+
+# ---------------------------------------------------------------------------------------------
+# sm_90 code generation (no GPU needed): what the interpreter cannot see
+# ---------------------------------------------------------------------------------------------
+
+_ARG_TYPES = {"sm_ranges": "*i32", "instructions": "*i32", "wait_counters": "*i32", "wait_values": "*i32",
+              "bump_counters": "*i32", "counters": "*i32", "op_addr": "*i64", "op_int": "*i32", "op_flt": "*fp32",
+              "token_ids": "*i64", "positions": "*i64", "slot_mapping": "*i64", "seq_lens": "*i32",
+              "block_tables": "*i32"}
+
+
+@pytest.mark.parametrize("dt, rows", [("bf16", 1), ("fp32", 8)])
+def test_the_kernel_compiles_for_sm90_with_acquire_waits_release_bumps_and_vector_weight_loads(dt, rows):
+    """The waits are acquire loads and the bumps release adds (each by one thread of the CTA,
+    between CTA barriers), and with aligned weights every weight load is a 16-byte vector."""
+    import re
+
+    from helpers.interpret_child import require_compiled_kernels
+    from helpers.ttgir import compile_for_sm90
+
+    require_compiled_kernels()
+    from compiled_llm.megakernel import triton_kernel
+
+    consts = dict(ROWS=rows, BLOCK_N=16, BLOCK_K=max(32, 512 // rows), BLOCK_H=32, BLOCK_D=64, BLOCK_L=32,
+                  BLOCK_V=128, ALIGNED=True)
+    types = {**_ARG_TYPES, "kv_ptr": f"*{dt}"}
+    ptx = compile_for_sm90(triton_kernel.megakernel, consts, 4, lambda n: types.get(n, "i32"),
+                           lambda n, t: t.startswith("*")).asm["ptx"]
+    assert re.search(r"ld\.global\.gpu\.acquire\.b32|atom\.global\.gpu\.acquire", ptx)
+    assert re.search(r"red\.global\.gpu\.release\.add|atom\.global\.gpu\.release\.add", ptx)
+    weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", ptx)
+    assert weight_loads and all(".v4." in w for w in weight_loads), set(weight_loads)
