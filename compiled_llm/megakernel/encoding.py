@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from compiled_llm.megakernel import tiling
-from compiled_llm.megakernel.schedule import Op, Schedule
+from compiled_llm.megakernel.schedule import Op, Schedule, kv_layer
 
 KIND_CODES = {kind: code for code, kind in enumerate(tiling.KINDS)}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
@@ -72,7 +72,7 @@ class Encoded:
 
 
 def is_kv(name: str) -> bool:
-    return name.startswith("kv") and name[2:].isdigit()
+    return kv_layer(name) is not None
 
 
 def activation_buffers(s: Schedule, dtype: torch.dtype, device) -> dict[str, Tensor]:
@@ -150,7 +150,7 @@ def op_tables(s: Schedule, op: Op, params: Mapping[str, Tensor], buffers: Mappin
             raise ValueError(f"the megakernel's q/k/v tiles need an even head_dim, not {hd}")
         ints[I_HEADS], ints[I_KV_HEADS], ints[I_HEAD_DIM] = nh, nkv, hd
         kv = op.outputs[1] if op.kind == "qkv_rope" else op.inputs[1]
-        ints[I_LAYER] = int(kv[2:])
+        ints[I_LAYER] = kv_layer(kv)
     if op.kind == "qkv_rope":
         cos_sin = op.params.get("cos_sin")
         if cos_sin is not None and params[cos_sin].shape[1] != ints[I_HEAD_DIM]:
@@ -172,6 +172,15 @@ def op_tables(s: Schedule, op: Op, params: Mapping[str, Tensor], buffers: Mappin
     return addrs, ints, floats
 
 
+def _on_device(table: Tensor, device) -> Tensor:
+    """A host table copied to ``device`` without a host sync (pinned, non-blocking): the first
+    decode step, which encodes, may be the CUDA-graph runner's warm-up run, where a synchronising
+    copy is an error that turns the engine's graphs off."""
+    if torch.device(device).type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
 def encode(s: Schedule, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], dtype: torch.dtype,
            device) -> Encoded:
     """The device tensors of schedule ``s`` over ``params`` and the activation ``buffers``
@@ -186,7 +195,7 @@ def encode(s: Schedule, params: Mapping[str, Tensor], buffers: Mapping[str, Tens
 
     def i32(x, width=None):
         t = torch.tensor(x, dtype=torch.int32)
-        return (t if len(x) else torch.zeros((0, width) if width else (1,), dtype=torch.int32)).to(device)
+        return _on_device(t if len(x) else torch.zeros((0, width) if width else (1,), dtype=torch.int32), device)
 
     heads = [op.attrs["head_dim"] for op in s.ops if op.kind in ("qkv_rope", "attention")]
     weights = [params[op.params["weight"]] for op in s.ops if "weight" in op.params]
@@ -194,8 +203,8 @@ def encode(s: Schedule, params: Mapping[str, Tensor], buffers: Mapping[str, Tens
     return Encoded(
         sm_ranges=i32(ranges), instructions=i32(records, INS_FIELDS),
         wait_counters=i32(wc), wait_values=i32(wv), bump_counters=i32(bumps),
-        op_addrs=torch.tensor([t[0] for t in tables], dtype=torch.int64).to(device),
-        op_ints=torch.tensor([t[1] for t in tables], dtype=torch.int32).to(device),
-        op_floats=torch.tensor([t[2] for t in tables], dtype=torch.float32).to(device),
+        op_addrs=_on_device(torch.tensor([t[0] for t in tables], dtype=torch.int64), device),
+        op_ints=_on_device(torch.tensor([t[1] for t in tables], dtype=torch.int32), device),
+        op_floats=_on_device(torch.tensor([t[2] for t in tables], dtype=torch.float32), device),
         num_counters=s.num_counters, max_head_dim=max(heads, default=2),
         max_tiles=max((op.tiles for op in s.ops if op.kind == "lm_head"), default=1), aligned=aligned)

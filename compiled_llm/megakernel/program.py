@@ -42,6 +42,7 @@ class _DeviceState:
     """What the GPU path holds across steps: the buffers, the counters, the encoded schedule."""
 
     def __init__(self, schedule: Schedule, params: dict[str, Tensor], dtype: torch.dtype, device: torch.device):
+        check_fits(schedule, device)  # a compare or a test may run an engine loaded elsewhere
         self.params = params
         self.buffers = encoding.activation_buffers(schedule, dtype, device)
         self.encoded = encoding.encode(schedule, params, self.buffers, dtype, device)

@@ -197,3 +197,29 @@ def test_a_schedule_for_more_sms_than_the_gpu_has_is_refused(tmp_path_factory):
     with pytest.raises(EngineError, match=f"made for {sm_count() + 1} SMs") as e:
         check_fits(too_wide, torch.device("cuda"))
     assert "\n" not in str(e.value)
+
+
+def test_a_megakernel_engine_under_llm_captures_its_decode_graphs_and_generates_the_per_op_tokens(tmp_path):
+    """The runner's capture warms each bucket up with host syncs made errors: the first decode
+    step, which encodes the schedule, must not synchronise, or the engine runs every step eagerly."""
+    import warnings
+
+    from compiled_llm.serve.llm import LLM
+    from compiled_llm.serve.sampling_params import SamplingParams
+
+    prompts = [[5, 9, 33, 100], [7] * 19, [200, 3, 44, 51, 60, 71, 2]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for backend in ("per-op", "megakernel"):
+        build_engine("tiny-qwen3", tmp_path / backend, dtype="float32", decode_backend=backend, progress=False)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            llm = LLM(str(tmp_path / backend))
+            llm.capture_cuda_graphs()
+            outputs[backend] = [list(o.outputs[0].token_ids) for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params)]
+        assert not [w for w in seen if "capture failed" in str(w.message)], backend
+        if backend == "megakernel":
+            assert llm.model.program.decode_steps > 0
+        del llm
+    assert outputs["megakernel"] == outputs["per-op"]
