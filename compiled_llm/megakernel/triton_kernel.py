@@ -381,12 +381,22 @@ def _argmax(op_addr, op_int, op, S, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _globaltimer():
+    """The GPU's nanosecond clock (``%globaltimer``: one clock for every SM)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counters, counters,
                op_addr, op_int, op_flt,
                token_ids, positions, slot_mapping, seq_lens, block_tables, bt_stride,
-               kv_ptr, kv_layer_stride, kv_half_stride, block_size, S,
+               kv_ptr, kv_layer_stride, kv_half_stride, block_size, S, stamps,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, ALIGNED: tl.constexpr):
+               BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, ALIGNED: tl.constexpr,
+               TIMED: tl.constexpr = False):
+    """``TIMED``: each instruction writes when it began waiting, began running and ended
+    (``stamps[flat index] = (wait, run, end)``, ns of %globaltimer), for the measured timeline
+    (``timeline.measured``); off, the kernel is the same code without the clock reads."""
     DT: tl.constexpr = kv_ptr.dtype.element_ty
     sm = tl.program_id(0)
     first = tl.load(sm_ranges + 2 * sm)
@@ -402,6 +412,8 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
         nw = tl.load(rec + 6)
         b0 = tl.load(rec + 7)
         nb = tl.load(rec + 8)
+        if TIMED:
+            t_wait = _globaltimer()
         for j in range(w0, w0 + nw):
             c = tl.load(wait_counters + j)
             want = tl.load(wait_values + j)
@@ -409,6 +421,8 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
             while seen < want:
                 seen = tl.atomic_add(counters + c, 0, sem="acquire")
         tl.debug_barrier()
+        if TIMED:
+            t_run = _globaltimer()
         if kind == _K_EMBED:
             _embed(op_addr, op_int, op, c0, c1, token_ids, S, ROWS, BLOCK_N, DT)
         elif kind == _K_QKV:
@@ -426,6 +440,11 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
         elif kind == _K_ARGMAX:
             _argmax(op_addr, op_int, op, S, ROWS, BLOCK_V)
         tl.debug_barrier()
+        if TIMED:
+            t_end = _globaltimer()
+            tl.store(stamps + 3 * i, t_wait)
+            tl.store(stamps + 3 * i + 1, t_run)
+            tl.store(stamps + 3 * i + 2, t_end)
         for j in range(b0, b0 + nb):
             tl.atomic_add(counters + tl.load(bump_counters + j), 1, sem="release")
 
@@ -440,9 +459,10 @@ def block_sizes(rows: int, enc: E.Encoded) -> dict:
 
 
 def launch(enc: E.Encoded, counters: torch.Tensor, num_sms: int, token_ids, positions, slot_mapping, seq_lens,
-           block_tables, kv_cache: torch.Tensor, num_warps: int = 4) -> None:
+           block_tables, kv_cache: torch.Tensor, num_warps: int = 4, stamps: torch.Tensor | None = None) -> None:
     """One decode step of ``token_ids.shape[0]`` rows: ``counters`` must be zero (the caller
-    zeroes it on the stream); the outputs land in the buffers ``enc`` was made over."""
+    zeroes it on the stream); the outputs land in the buffers ``enc`` was made over. ``stamps``
+    (int64 [instructions, 3], flat order: SM by SM): time every instruction into it."""
     S = token_ids.shape[0]
     L, two, nb, bs, hkv, hd = kv_cache.shape
     assert kv_cache.is_contiguous() and block_tables.stride(-1) == 1
@@ -450,5 +470,5 @@ def launch(enc: E.Encoded, counters: torch.Tensor, num_sms: int, token_ids, posi
         enc.sm_ranges, enc.instructions, enc.wait_counters, enc.wait_values, enc.bump_counters, counters,
         enc.op_addrs, enc.op_ints, enc.op_floats,
         token_ids, positions, slot_mapping, seq_lens, block_tables, block_tables.stride(0),
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1), bs, S,
-        num_warps=num_warps, num_stages=1, **block_sizes(S, enc))
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), bs, S, counters if stamps is None else stamps,
+        num_warps=num_warps, num_stages=1, TIMED=stamps is not None, **block_sizes(S, enc))

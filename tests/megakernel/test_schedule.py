@@ -15,7 +15,7 @@ from compiled_llm.megakernel import scheduler
 from compiled_llm.megakernel.check import ScheduleError, check_schedule, check_weights
 from compiled_llm.megakernel.lowering import lower_decode
 from compiled_llm.megakernel.schedule import schedule_from_json, schedule_to_json
-from compiled_llm.megakernel.timeline import timeline
+from compiled_llm.megakernel.timeline import flat_order, measured, spent_lines, timeline
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +163,29 @@ def test_the_timeline_draws_each_sms_tiles_in_time(engine):
     assert text[0].startswith(f"megakernel: {len(s.instructions)} instructions on 3 SMs")
     first = rows[0].split("|")[1]
     assert first.index("E") < first.index("Q") < first.rindex("L")  # the step's order, left to right
+
+
+def test_a_timed_step_becomes_a_measured_timeline_and_a_split_of_the_sms_time(engine):
+    """Stamps as the kernel's TIMED form writes them (wait, run, end ns per slot of its flat
+    record array): each instruction waits 1 us and runs 2 us after its SM's previous one."""
+    s = made(engine, 3)
+    slots, clock = [], {}
+    for index in flat_order(s):
+        sm = s.instructions[index].sm
+        t = clock.get(sm, 10_000)
+        slots.append((t, t + 1000, t + 3000))
+        clock[sm] = t + 3000
+    timed, spent = measured(s, slots)
+    assert spent["wait"] == pytest.approx(len(s.instructions) * 1.0)
+    assert sum(us for k, us in spent.items() if k.startswith("run:")) == pytest.approx(len(s.instructions) * 2.0)
+    assert spent["step"] == pytest.approx(3.0 * max(len(lst) for lst in s.sms))
+    first = s.sms[0][0]
+    assert (timed.instructions[first].start_us, timed.instructions[first].end_us) == (1.0, 3.0)
+    text = timeline(timed, width=40, source="measured")
+    assert text.startswith(f"megakernel: {len(s.instructions)} instructions on 3 SMs") and "measured step" in text
+    lines = spent_lines(spent, 3)
+    assert lines[0].startswith(f"step {spent['step']:.1f} us on 3 SMs") and any("wait" in line for line in lines)
+    with pytest.raises(ValueError, match="out of order"):
+        measured(s, [(3, 2, 1)] + slots[1:])
+    with pytest.raises(ValueError, match="stamps for a schedule of"):
+        measured(s, slots[1:])

@@ -223,3 +223,23 @@ def test_a_megakernel_engine_under_llm_captures_its_decode_graphs_and_generates_
             assert llm.model.program.decode_steps > 0
         del llm
     assert outputs["megakernel"] == outputs["per-op"]
+
+
+def test_a_timed_step_computes_the_same_and_stamps_every_instruction_in_order(tmp_path_factory):
+    from compiled_llm.megakernel import triton_kernel
+    from compiled_llm.megakernel.timeline import measured
+
+    engine = engine_of("tiny-qwen3", "float32", tmp_path_factory)
+    program, params = engine.program, engine.params
+    batch, cache = Sequences(3).batch(), filled_cache(engine)
+    untimed = program(params, batch, cache.clone()).clone()
+    state = program.device_state(params, cache)
+    stamps = torch.zeros((len(program.schedule.instructions), 3), dtype=torch.int64, device="cuda")
+    state.counters.zero_()
+    timed_cache = cache.clone()
+    triton_kernel.launch(state.encoded, state.counters, program.schedule.num_sms, batch.token_ids, batch.positions,
+                         batch.slot_mapping, batch.seq_lens, batch.block_tables, timed_cache, stamps=stamps)
+    torch.cuda.synchronize()
+    assert torch.equal(state.logits[:3], untimed)
+    _, spent = measured(program.schedule, stamps.cpu().tolist())  # raises on a stamp out of order
+    assert spent["step"] > 0 and spent["wait"] >= 0

@@ -49,3 +49,20 @@ def test_the_kernel_compiles_for_sm90_with_acquire_waits_release_bumps_and_vecto
     assert re.search(r"red\.global\.gpu\.release\.add|atom\.global\.gpu\.release\.add", ptx)
     weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", ptx)
     assert weight_loads and all(".v4." in w for w in weight_loads), set(weight_loads)
+
+
+def test_the_timed_form_reads_the_global_clock_and_the_untimed_form_does_not():
+    """``TIMED`` (benchmarks/megakernel_timeline.py) stamps each instruction with %globaltimer;
+    the form every step runs has no clock reads."""
+    from helpers.interpret_child import require_compiled_kernels
+    from helpers.ttgir import compile_for_sm90
+
+    require_compiled_kernels()
+    from compiled_llm.megakernel import triton_kernel
+
+    consts = dict(ROWS=1, BLOCK_N=16, BLOCK_K=512, BLOCK_H=32, BLOCK_D=64, BLOCK_L=32, BLOCK_V=128, ALIGNED=True)
+    for timed in (False, True):
+        types = {**_ARG_TYPES, "kv_ptr": "*bf16", "stamps": "*i64" if timed else "*i32"}
+        ptx = compile_for_sm90(triton_kernel.megakernel, {**consts, "TIMED": timed}, 4, lambda n: types.get(n, "i32"),
+                               lambda n, t: t.startswith("*")).asm["ptx"]
+        assert ("%globaltimer" in ptx) == timed
