@@ -172,6 +172,10 @@ def key_payload(src, resolved: BuildConfig, device: torch.device) -> dict:
         build["pipeline_parallel_size"] = resolved.pipeline_parallel_size
     if resolved.dump_ir:
         build["dump_ir"] = True
+    if resolved.load_format != "auto":  # a dummy engine's weights are random: never the checkpoint's entry
+        build["load_format"] = resolved.load_format
+    if resolved.decode_backend != "per-op":
+        build["decode_backend"] = resolved.decode_backend
     return {
         "key_version": KEY_VERSION,
         "source": source_fingerprint(src),

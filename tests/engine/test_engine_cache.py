@@ -206,14 +206,36 @@ def test_every_build_option_and_version_is_in_the_key(monkeypatch):
         engine_path("tiny-qwen2", device="cpu", max_model_len=512),
         engine_path("tiny-qwen2", device="cpu", disabled_passes=["fuse_qkv_rope"]),
         engine_path("tiny-qwen2", device="cpu", kernel_prefs={"paged_attention": "reference"}),
+        engine_path("tiny-qwen2", device="cpu", load_format="dummy"),
+        engine_path("tiny-qwen2", device="cpu", decode_backend="megakernel"),
         engine_path("tiny-qwen3", device="cpu"),
     }
-    assert len(variants) == 6 and base not in variants
+    assert len(variants) == 8 and base not in variants
     real = engine_cache.versions
     for key, value in (("torch", "0.0.0"), ("triton", "0.0.0"), ("compiled_llm", "9.9"), ("gpu_arch", "sm_00")):
         monkeypatch.setattr(engine_cache, "versions", lambda device, k=key, v=value: {**real(device), k: v})
         assert engine_path("tiny-qwen2", device="cpu") != base, key
     assert all(p.parent == engines_dir() for p in variants)
+
+
+# a value away from its default for each build option but the three the test above resolves
+NON_DEFAULT_OPTIONS = {
+    "disabled_passes": ["fuse_qkv_rope"], "kernel_prefs": {"paged_attention": "reference"}, "dump_ir": True,
+    "quantization": "int8", "tensor_parallel_size": 2, "load_format": "dummy", "pipeline_parallel_size": 2,
+    "decode_backend": "megakernel",
+}
+
+
+def test_each_build_option_away_from_its_default_gives_its_own_entry():
+    """A new build option must be keyed too (it is listed here or this test fails): an entry
+    keyed without it would hand a LLM(SOURCE, option=...) the engine built without it."""
+    from compiled_llm.engine.build_config import field_names
+
+    assert set(NON_DEFAULT_OPTIONS) | {"dtype", "device", "max_model_len"} == set(field_names())
+    base = engine_path("tiny-qwen2", device="cpu")
+    paths = {name: engine_path("tiny-qwen2", device="cpu", **{name: value})
+             for name, value in NON_DEFAULT_OPTIONS.items()}
+    assert base not in paths.values() and len(set(paths.values())) == len(paths), paths
 
 
 def test_small_files_are_keyed_by_content_and_large_ones_by_size_mtime_and_ends(tmp_path, monkeypatch):
