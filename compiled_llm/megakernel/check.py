@@ -217,14 +217,12 @@ def check_schedule(s: Schedule) -> list[int]:
 
     cols = {b.name: b.cols for b in s.buffers}
     access = [tiling.access(s.ops[ins.op], ins.tile, cols) for ins in s.instructions]
-    writes: dict[str, list[tuple[int, int, int]]] = {}
     for i, (_, written) in enumerate(access):
         for r in written:
             if r.buffer not in cols or not 0 <= r.start < r.stop <= cols[r.buffer]:
                 raise ScheduleError(f"{s.label(i)} writes {r}, outside the buffer")
-            writes.setdefault(r.buffer, []).append((r.start, r.stop, i))
+    writes = tiling.writers(w for _, w in access)
     for buffer, lst in writes.items():
-        lst.sort()
         for (a0, a1, a), (b0, b1, b) in zip(lst, lst[1:]):
             if b0 < a1:
                 raise ScheduleError(f"{s.label(a)} and {s.label(b)} both write {buffer}[{b0}:{min(a1, b1)}]")

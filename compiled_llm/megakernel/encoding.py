@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from compiled_llm.megakernel import tiling
-from compiled_llm.megakernel.schedule import Op, Schedule, kv_layer
+from compiled_llm.megakernel.schedule import Op, Schedule, is_kv, kv_layer
 
 KIND_CODES = {kind: code for code, kind in enumerate(tiling.KINDS)}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
@@ -69,10 +69,6 @@ class Encoded:
     max_head_dim: int  # the widest head (the kernel's head block)
     max_tiles: int  # the most lm_head tiles (the argmax's block)
     aligned: bool  # every weight starts 16-byte aligned and its rows are multiples of 16 elements
-
-
-def is_kv(name: str) -> bool:
-    return kv_layer(name) is not None
 
 
 def activation_buffers(s: Schedule, dtype: torch.dtype, device) -> dict[str, Tensor]:

@@ -23,7 +23,7 @@ from compiled_llm.graph.fused_ops import glu_activation_ref
 from compiled_llm.graph.ops import paged_attention_read_ref, rms_norm_ref, rotary_ref
 from compiled_llm.megakernel import tiling
 from compiled_llm.megakernel.check import ScheduleError
-from compiled_llm.megakernel.schedule import Op, Schedule, kv_layer
+from compiled_llm.megakernel.schedule import Op, Schedule, is_kv, kv_layer
 from compiled_llm.model.spec import PackedBatch
 
 
@@ -43,7 +43,7 @@ class _Step:
         dtype = kv_cache.dtype  # the model's (the cos/sin table, say, is float32 in any engine)
         self.bufs: dict[str, Tensor] = {}
         for b in s.buffers:
-            if kv_layer(b.name) is not None:
+            if is_kv(b.name):
                 continue  # the KV cache itself
             if b.dtype == "int64":
                 self.bufs[b.name] = torch.full((rows, b.cols), -1, dtype=torch.int64, device=kv_cache.device)

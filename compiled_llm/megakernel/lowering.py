@@ -37,7 +37,7 @@ class NotCovered(CompiledLLMError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Lowered:
+class DecodeOps:
     buffers: tuple[Buffer, ...]
     ops: tuple[Op, ...]
     logits: str
@@ -115,7 +115,7 @@ class _Lowering:
 
     # ---- nodes -------------------------------------------------------------------------------
 
-    def run(self, gm: torch.fx.GraphModule) -> Lowered:
+    def run(self, gm: torch.fx.GraphModule) -> DecodeOps:
         result = None
         for node in gm.graph.nodes:
             if node.op == "placeholder":
@@ -294,14 +294,14 @@ class _Lowering:
         self.add_op("argmax", node, -1, (best_val, best_idx), (tokens,), {}, {}, 1, 1)
         return ("logits", logits, tokens)
 
-    def output(self, node) -> Lowered:
+    def output(self, node) -> DecodeOps:
         (values,) = node.args
         values = values if isinstance(values, (tuple, list)) else (values,)
         result = self.env.get(values[0]) if len(values) == 1 else None
         if result is None or result[0] != "logits":
             raise self.refuse(node, "a program whose output is not the lm_head's logits")
         ops = [Op(**{**op, "layer": op["layer"] if op["layer"] >= 0 else _layer_of(op, self.ops)}) for op in self.ops]
-        return Lowered(tuple(self.buffers.values()), tuple(ops), result[1], result[2])
+        return DecodeOps(tuple(self.buffers.values()), tuple(ops), result[1], result[2])
 
 
 def _layer_of(op: dict, ops: list[dict]) -> int:
@@ -317,7 +317,7 @@ def _layer_of(op: dict, ops: list[dict]) -> int:
     return -1
 
 
-def lower_decode(gm: torch.fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], num_sms: int) -> Lowered:
+def lower_decode(gm: torch.fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], num_sms: int) -> DecodeOps:
     """The ops of ``gm``'s decode step (``shapes``: each weight's shape, by engine name), tiled
     for ``num_sms`` SMs; NotCovered (one line) for a node the instruction set lacks."""
     return _Lowering(shapes, num_sms).run(gm)

@@ -37,6 +37,11 @@ def kv_layer(name: str) -> int | None:
     return int(name[2:]) if KV_BUFFER.fullmatch(name) else None
 
 
+def is_kv(name: str) -> bool:
+    """A buffer that is a layer's KV cache, not an activation buffer of its own."""
+    return kv_layer(name) is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class Buffer:
     name: str

@@ -25,7 +25,7 @@ import bisect
 import dataclasses
 
 from compiled_llm.megakernel import tiling
-from compiled_llm.megakernel.lowering import Lowered
+from compiled_llm.megakernel.lowering import DecodeOps
 from compiled_llm.megakernel.schedule import MAX_ROWS, Instruction, Schedule
 
 
@@ -49,18 +49,12 @@ def tile_us(op, tile: int, cols, machine: Machine) -> float:
     return machine.tile_overhead_us + elements * machine.element_bytes / per_sm
 
 
-def dependencies(lowered: Lowered, tiles: list[tuple[int, int]]) -> list[list[int]]:
+def dependencies(lowered: DecodeOps, tiles: list[tuple[int, int]]) -> list[list[int]]:
     """For each tile (index into ``tiles``), the tiles that write a region it reads."""
     cols = {b.name: b.cols for b in lowered.buffers}
-    writes: dict[str, list[tuple[int, int, int]]] = {}  # buffer -> (start, stop, tile index), by start
-    reads: list[tuple] = []
-    for i, (op, tile) in enumerate(tiles):
-        r, w = tiling.access(lowered.ops[op], tile, cols)
-        reads.append(r)
-        for region in w:
-            writes.setdefault(region.buffer, []).append((region.start, region.stop, i))
-    for lst in writes.values():
-        lst.sort()
+    accesses = [tiling.access(lowered.ops[op], tile, cols) for op, tile in tiles]
+    reads = [r for r, _ in accesses]
+    writes = tiling.writers(w for _, w in accesses)
     starts = {b: [w[0] for w in lst] for b, lst in writes.items()}
     deps = []
     for i, regions in enumerate(reads):
@@ -76,7 +70,7 @@ def dependencies(lowered: Lowered, tiles: list[tuple[int, int]]) -> list[list[in
     return deps
 
 
-def schedule(lowered: Lowered, machine: Machine) -> Schedule:
+def schedule(lowered: DecodeOps, machine: Machine) -> Schedule:
     """The schedule of ``lowered``'s ops on ``machine.num_sms`` SMs (see the module docstring)."""
     ops = lowered.ops
     cols = {b.name: b.cols for b in lowered.buffers}

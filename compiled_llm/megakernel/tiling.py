@@ -110,6 +110,18 @@ def access(op: Op, tile: int, cols: Mapping[str, int]) -> tuple[tuple[Region, ..
     raise ValueError(f"unknown megakernel op kind {kind!r}; known: {', '.join(KINDS)}")
 
 
+def writers(written) -> dict[str, list[tuple[int, int, int]]]:
+    """Buffer -> (start, stop, tile) of every region written, by start: ``written`` is each
+    tile's written regions, in tile order (what the scheduler orders by and the check proves)."""
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    for i, regions in enumerate(written):
+        for r in regions:
+            out.setdefault(r.buffer, []).append((r.start, r.stop, i))
+    for lst in out.values():
+        lst.sort()
+    return out
+
+
 def weight_elements(op: Op, tile: int, cols: Mapping[str, int]) -> int:
     """Weight elements tile ``tile`` of ``op`` reads from memory (what its time is mostly made of
     in batch-1 decode; attention's KV is estimated by the scheduler, embed's rows are a few)."""
