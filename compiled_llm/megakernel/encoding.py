@@ -16,6 +16,10 @@ activation buffers do not move) and read by the kernel with plain loads:
   op_ints       int32 [ops, INT_SLOTS]  K (input width), N (output width), heads, head_dim,
                                         layer, sliding window, activation code, has-* flags
   op_floats     float32 [ops, FLOAT_SLOTS]  eps, norm_eps, scale, softcap
+  prefetch      int64 [n, 4]            per instruction, in the records' order: two (address,
+                                        bytes) ranges of the weight rows it reads, which the
+                                        kernel asks into L2 while the SM still waits for or
+                                        runs the instruction before (0 bytes: nothing)
 
 Activation buffers are [max_rows, cols], contiguous (a row's stride is its width); the KV cache is
 not a buffer here: the kernel takes it as an argument (it may move between calls) and an op
@@ -50,6 +54,9 @@ INT_SLOTS = 16
 # op float slots
 F_EPS, F_NORM_EPS, F_SCALE, F_SOFTCAP = range(4)
 FLOAT_SLOTS = 4
+# at most this many weight bytes of one instruction are prefetched into L2 (the rest streams as it
+# is read): every SM prefetches one instruction ahead, so 132 SMs hold at most ~17 MB of L2
+PREFETCH_BYTES = 128 * 1024
 
 _ADDR_ROLES = {"weight": A_WEIGHT, "bias": A_BIAS, "norm": A_NORM, "q_norm": A_Q_NORM, "k_norm": A_K_NORM,
                "cos_sin": A_COS_SIN}
@@ -65,10 +72,12 @@ class Encoded:
     op_addrs: Tensor
     op_ints: Tensor
     op_floats: Tensor
+    prefetch: Tensor
     num_counters: int
     max_head_dim: int  # the widest head (the kernel's head block)
     max_tiles: int  # the most lm_head tiles (the argmax's block)
     aligned: bool  # every weight starts 16-byte aligned and its rows are multiples of 16 elements
+    max_k: int  # the widest weight row (the kernel's K block need not be wider)
 
 
 def activation_buffers(s: Schedule, dtype: torch.dtype, device) -> dict[str, Tensor]:
@@ -111,6 +120,23 @@ def encode_instructions(s: Schedule) -> tuple[list[list[int]], list[list[int]], 
             wv += [v for _, v in ins.waits]
             bumps += list(ins.bumps)
     return ranges, records, wc, wv, bumps
+
+
+def weight_ranges(s: Schedule, index: int, params: Mapping[str, Tensor]) -> list[tuple[int, int]]:
+    """The (address, bytes) ranges of the weight rows instruction ``index`` reads, at most two,
+    together at most PREFETCH_BYTES (the first rows of each): a column tile reads rows [col0,
+    col1), glu those and the up half's, a q/k/v tile its head's rows; attention, embed (its row
+    is the token's) and argmax read no weight rows known ahead."""
+    ins = s.instructions[index]
+    op = s.ops[ins.op]
+    if op.kind not in ("qkv_rope", "glu", "linear", "lm_head"):
+        return []
+    w = params[op.params["weight"]]
+    _, _, _, c0, c1 = instruction_record(s, index)
+    firsts = [c0, c0 + w.shape[0] // 2] if op.kind == "glu" else [c0]
+    row = w.shape[1] * w.element_size()
+    rows = min(c1 - c0, PREFETCH_BYTES // len(firsts) // row)
+    return [(w.data_ptr() + first * row, rows * row) for first in firsts if rows > 0]
 
 
 def _weight(params: Mapping[str, Tensor], name: str, dtype: torch.dtype, role: str) -> Tensor:
@@ -196,11 +222,18 @@ def encode(s: Schedule, params: Mapping[str, Tensor], buffers: Mapping[str, Tens
     heads = [op.attrs["head_dim"] for op in s.ops if op.kind in ("qkv_rope", "attention")]
     weights = [params[op.params["weight"]] for op in s.ops if "weight" in op.params]
     aligned = all(w.data_ptr() % 16 == 0 and w.shape[1] % 16 == 0 for w in weights)
+    prefetch = []
+    for lst in s.sms:
+        for index in lst:
+            fetched = weight_ranges(s, index, params) if aligned else []
+            prefetch.append([v for r in fetched + [(0, 0)] * (2 - len(fetched)) for v in r])
     return Encoded(
         sm_ranges=i32(ranges), instructions=i32(records, INS_FIELDS),
         wait_counters=i32(wc), wait_values=i32(wv), bump_counters=i32(bumps),
         op_addrs=_on_device(torch.tensor([t[0] for t in tables], dtype=torch.int64), device),
         op_ints=_on_device(torch.tensor([t[1] for t in tables], dtype=torch.int32), device),
         op_floats=_on_device(torch.tensor([t[2] for t in tables], dtype=torch.float32), device),
+        prefetch=_on_device(torch.tensor(prefetch, dtype=torch.int64).reshape(-1, 4), device),
         num_counters=s.num_counters, max_head_dim=max(heads, default=2),
-        max_tiles=max((op.tiles for op in s.ops if op.kind == "lm_head"), default=1), aligned=aligned)
+        max_tiles=max((op.tiles for op in s.ops if op.kind == "lm_head"), default=1), aligned=aligned,
+        max_k=max((w.shape[1] for w in weights), default=16))

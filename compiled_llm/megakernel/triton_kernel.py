@@ -34,10 +34,13 @@ up rounded; q/k norm and RoPE in fp32 from the rounded projection, rounded once 
 in fp32 (online softmax), rounded once; lm_head logits rounded and the tile's best taken on the
 rounded values (first maximum). Rows are few (``ROWS``: the step's rows rounded up to a power
 of two, a compile-time constant), so the products are FMA-and-reduce tiles in the style of
-triton_gemv.py: a [ROWS, BLOCK_N, BLOCK_K] fp32 accumulator over weight tiles streamed along K,
-reduced over K once at the end, no tl.dot. A q/k/v head is computed as its two halves (two GEMVs
-of head_dim / 2 weight rows), so the neox rotation pairs column h with h + head_dim / 2 without
-moving registers. Attention runs one row at a time over BLOCK_L keys a step.
+triton_gemv.py, no tl.dot. Each pass over x streams two weight sets as one [BLOCK_N, 2, BLOCK_K]
+tile (``_gemv_pair``: gate and up, a q/k/v head's two rotary halves, or two column chunks of a
+linear or the lm_head), into a [ROWS, BLOCK_N, 2, BLOCK_K] fp32 accumulator reduced over K once
+after the loop (a reduction every K step, across threads, made o/down 2.4x slower). A q/k/v
+head's halves are its weight rows [0, head_dim / 2) and [head_dim / 2, head_dim), so the neox
+rotation pairs column h with h + head_dim / 2 without moving registers. Attention runs one row
+at a time over BLOCK_L keys a step, keys and values loaded together.
 """
 
 from __future__ import annotations
@@ -100,31 +103,39 @@ def _rstd(x_ptr, K, eps, S, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, wrows, wmask, K, S,
-          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
-    """[ROWS, BLOCK_N] fp32: x (rms-normed with ``rstd`` and weight ``nw_ptr`` when has_norm,
-    rounded as rms_norm_ref rounds) times weight rows ``wrows`` (``wmask``: which exist) of
-    w [*, K]; rows of x at and past S are 0."""
+def _gemv_pair(x_ptr, nw_ptr, has_norm, rstd, w_ptr, rows0, rows1, mask0, mask1, K, S,
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    """Two [ROWS, BLOCK_N] fp32 products in one pass over x: x (rms-normed with ``rstd`` and
+    weight ``nw_ptr`` when has_norm, rounded as rms_norm_ref rounds) times weight rows ``rows0``
+    and times weight rows ``rows1`` of w [*, K] (``mask0``/``mask1``: which exist); rows of x at
+    and past S are 0. The two row sets are one [BLOCK_N, 2, BLOCK_K] weight tile a K step (gate
+    and up, a head's two rotary halves, or two column chunks of one tile), so x is read and
+    normed once for both and twice the bytes are in flight."""
     if ALIGNED:  # K is a multiple of 16 (the encoding checked): say so, for whole-vector masks
         K = K // 16 * 16
     rows = tl.arange(0, ROWS)
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-    w_rows = w_ptr + wrows.to(tl.int64)[:, None] * K
+    which = tl.arange(0, 2)[None, :]
+    w_row = tl.where(which == 0, rows0[:, None], rows1[:, None]).to(tl.int64)  # [BLOCK_N, 2]
+    w_mask = tl.where(which == 0, mask0[:, None], mask1[:, None])
+    w_rows = w_ptr + w_row[:, :, None] * K
+    acc = tl.zeros([ROWS, BLOCK_N, 2, BLOCK_K], tl.float32)  # reduced over K once, after the loop
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
+        w_tile = w_rows + ks[None, None, :]
+        if ALIGNED:  # 16-byte vectors along K (the encoding checked the weights' alignment)
+            w_tile = tl.max_contiguous(tl.multiple_of(w_tile, [1, 1, 16]), [1, 1, BLOCK_K])
+        # the weights first: their load does not wait for x's
+        w = tl.load(w_tile, mask=w_mask[:, :, None] & kmask[None, None, :], other=0.0,
+                    eviction_policy="evict_first")
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows < S)[:, None] & kmask[None, :], other=0.0,
                     cache_modifier=".cg").to(tl.float32)
         if has_norm:
             nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
             x = _round(_round(x * rstd[:, None], DT) * nw[None, :], DT)
-        w_tile = w_rows + ks[None, :]
-        if ALIGNED:  # 16-byte vectors along K (the encoding checked the weights' alignment)
-            w_tile = tl.max_contiguous(tl.multiple_of(w_tile, [1, 16]), [1, BLOCK_K])
-        w = tl.load(w_tile, mask=wmask[:, None] & kmask[None, :], other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        acc += x[:, None, :] * w[None, :, :]
-    return tl.sum(acc, 2)
+        acc += x[:, None, None, :] * w.to(tl.float32)[None, :, :, :]
+    return tl.split(tl.sum(acc, 3))
 
 
 @triton.jit
@@ -156,7 +167,7 @@ def _embed(op_addr, op_int, op, c0, c1, token_ids, S, ROWS: tl.constexpr, BLOCK_
 @triton.jit
 def _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv_ptr, kv_layer_stride,
               kv_half_stride, S, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-              DT: tl.constexpr, ALIGNED: tl.constexpr):
+              BLOCK_KH: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
     base = op_int + op * _NI
     K = tl.load(base + _I_K)
     nh = tl.load(base + _I_HEADS)
@@ -172,8 +183,8 @@ def _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv
         rstd = _rstd(x_ptr, K, tl.load(op_flt + op * _NFL + _F_NORM_EPS), S, ROWS, BLOCK_K)
     hs = tl.arange(0, BLOCK_H)
     hmask = hs < half
-    y1 = _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, c0 + hs, hmask, K, S, ROWS, BLOCK_H, BLOCK_K, DT, ALIGNED)
-    y2 = _gemv(x_ptr, nw_ptr, has_norm, rstd, w_ptr, c0 + half + hs, hmask, K, S, ROWS, BLOCK_H, BLOCK_K, DT, ALIGNED)
+    y1, y2 = _gemv_pair(x_ptr, nw_ptr, has_norm, rstd, w_ptr, c0 + hs, c0 + half + hs, hmask, hmask, K, S,
+                        ROWS, BLOCK_H, BLOCK_KH, DT, ALIGNED)
     if tl.load(base + _I_HAS_BIAS) != 0:
         b_ptr = _ptr(op_addr, op, _A_BIAS, DT)
         y1 += tl.load(b_ptr + c0 + hs, mask=hmask, other=0.0).to(tl.float32)[None, :]
@@ -255,15 +266,17 @@ def _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_str
             slots = blk * block_size + ps % block_size
             at = slots[:, None] * (nkv * hd) + ds[None, :]
             m = pmask[:, None] & dmask[None, :]
-            k = tl.load(k_cache + at, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-            s = tl.sum(q[None, :] * k, 1) * scale
+            # keys and values both in flight before the arithmetic waits on either
+            k = tl.load(k_cache + at, mask=m, other=0.0, cache_modifier=".cg")
+            v = tl.load(v_cache + at, mask=m, other=0.0, cache_modifier=".cg")
+            s = tl.sum(q[None, :] * k.to(tl.float32), 1) * scale
             if softcap > 0:
                 s = _tanh(s / softcap) * softcap
             s = tl.where(pmask, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new)
-            v = tl.load(v_cache + at, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+            v = v.to(tl.float32)
             acc = acc * alpha + tl.sum(p[:, None] * v, 0)
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
@@ -287,14 +300,32 @@ def _glu(op_addr, op_int, op_flt, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl
     for n0 in range(c0, c1, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < c1
-        gate = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED), DT)
-        up = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, inter + cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED), DT)
+        gate, up = _gemv_pair(x_ptr, nw_ptr, True, rstd, w_ptr, cols, inter + cols, cmask, cmask, K, S,
+                              ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+        gate = _round(gate, DT)
+        up = _round(up, DT)
         if gelu:
             a = 0.5 * gate * (1.0 + _tanh(_SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)))
         else:
             a = gate * tl.sigmoid(gate)
         h = _round(a, DT) * up
         tl.store(out_ptr + rows[:, None] * inter + cols[None, :], h.to(DT), mask=(rows < S)[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _linear_out(y, cols, cmask, op_addr, op, N, has_bias, has_residual, S, ROWS: tl.constexpr, DT: tl.constexpr):
+    """Store one column chunk of a linear: + bias, rounded, + residual, rounded."""
+    rows = tl.arange(0, ROWS)
+    m = (rows < S)[:, None] & cmask[None, :]
+    if has_bias:
+        b_ptr = _ptr(op_addr, op, _A_BIAS, DT)
+        y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    y = _round(y, DT)
+    if has_residual:
+        r_ptr = _ptr(op_addr, op, _A_IN1, DT)
+        y += tl.load(r_ptr + rows[:, None] * N + cols[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    out_ptr = _ptr(op_addr, op, _A_OUT0, DT)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(DT), mask=m)
 
 
 @triton.jit
@@ -305,25 +336,29 @@ def _linear(op_addr, op_int, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.cons
     N = tl.load(base + _I_N)
     x_ptr = _ptr(op_addr, op, _A_IN0, DT)
     w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
-    out_ptr = _ptr(op_addr, op, _A_OUT0, DT)
     has_bias = tl.load(base + _I_HAS_BIAS) != 0
     has_residual = tl.load(base + _I_HAS_RESIDUAL) != 0
-    rows = tl.arange(0, ROWS)
     rstd = tl.zeros([ROWS], tl.float32)
-    for n0 in range(c0, c1, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        cmask = cols < c1
-        m = (rows < S)[:, None] & cmask[None, :]
-        y = _gemv(x_ptr, x_ptr, False, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
-        if has_bias:
-            b_ptr = _ptr(op_addr, op, _A_BIAS, DT)
-            y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        y = _round(y, DT)
-        if has_residual:
-            r_ptr = _ptr(op_addr, op, _A_IN1, DT)
-            y += tl.load(r_ptr + rows[:, None] * N + cols[None, :], mask=m, other=0.0,
-                         cache_modifier=".cg").to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(DT), mask=m)
+    for n0 in range(c0, c1, 2 * BLOCK_N):  # two column chunks a pass
+        cols0 = n0 + tl.arange(0, BLOCK_N)
+        cols1 = cols0 + BLOCK_N
+        y0, y1 = _gemv_pair(x_ptr, x_ptr, False, rstd, w_ptr, cols0, cols1, cols0 < c1, cols1 < c1, K, S,
+                            ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+        _linear_out(y0, cols0, cols0 < c1, op_addr, op, N, has_bias, has_residual, S, ROWS, DT)
+        _linear_out(y1, cols1, cols1 < c1, op_addr, op, N, has_bias, has_residual, S, ROWS, DT)
+
+
+@triton.jit
+def _logits_out(y, cols, cmask, out_ptr, N, best_val, best_idx, S, ROWS: tl.constexpr, DT: tl.constexpr):
+    """Store one column chunk of logits (rounded) and fold it into the running (first) maximum."""
+    rows = tl.arange(0, ROWS)
+    logits = _round(y, DT)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], logits.to(DT), mask=(rows < S)[:, None] & cmask[None, :])
+    vals = tl.where(cmask[None, :], logits, float("-inf"))
+    chunk_val = tl.max(vals, 1)
+    chunk_idx = tl.argmax(vals, 1, tie_break_left=True).to(tl.int64) + tl.min(cols, 0)
+    better = chunk_val > best_val  # strict: an earlier chunk keeps a tie
+    return tl.where(better, chunk_val, best_val), tl.where(better, chunk_idx, best_idx)
 
 
 @triton.jit
@@ -342,17 +377,13 @@ def _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS: tl.constexpr, B
     rmask = rows < S
     best_val = tl.full([ROWS], float("-inf"), tl.float32)
     best_idx = tl.full([ROWS], 0, tl.int64) + c0
-    for n0 in range(c0, c1, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        cmask = cols < c1
-        logits = _round(_gemv(x_ptr, nw_ptr, True, rstd, w_ptr, cols, cmask, K, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED), DT)
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], logits.to(DT), mask=rmask[:, None] & cmask[None, :])
-        vals = tl.where(cmask[None, :], logits, float("-inf"))
-        chunk_val = tl.max(vals, 1)
-        chunk_idx = tl.argmax(vals, 1, tie_break_left=True).to(tl.int64) + n0
-        better = chunk_val > best_val  # strict: an earlier chunk keeps a tie
-        best_idx = tl.where(better, chunk_idx, best_idx)
-        best_val = tl.where(better, chunk_val, best_val)
+    for n0 in range(c0, c1, 2 * BLOCK_N):  # two column chunks a pass, the first folded in first
+        cols0 = n0 + tl.arange(0, BLOCK_N)
+        cols1 = cols0 + BLOCK_N
+        y0, y1 = _gemv_pair(x_ptr, nw_ptr, True, rstd, w_ptr, cols0, cols1, cols0 < c1, cols1 < c1, K, S,
+                            ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+        best_val, best_idx = _logits_out(y0, cols0, cols0 < c1, out_ptr, N, best_val, best_idx, S, ROWS, DT)
+        best_val, best_idx = _logits_out(y1, cols1, cols1 < c1, out_ptr, N, best_val, best_idx, S, ROWS, DT)
     bv_ptr = _ptr(op_addr, op, _A_OUT1, tl.float32)
     bi_ptr = _ptr(op_addr, op, _A_OUT2, tl.int64)
     tl.store(bv_ptr + rows * tiles + tile, best_val, mask=rmask)
@@ -387,21 +418,48 @@ def _globaltimer():
 
 
 @triton.jit
+def _prefetch_l2(prefetch, i, NUM_THREADS: tl.constexpr, PREFETCH_CHUNK: tl.constexpr):
+    """Ask for instruction ``i``'s weight ranges (encoding.weight_ranges) to be brought into L2
+    (``cp.async.bulk.prefetch.L2``: the copy engine fetches them, no register or thread waits),
+    each range cut into requests of PREFETCH_CHUNK bytes (more where the CTA's threads would not
+    cover it), one a thread."""
+    t = tl.arange(0, NUM_THREADS).to(tl.int64)
+    for r in tl.static_range(2):
+        addr = tl.load(prefetch + 4 * i + 2 * r)
+        nbytes = tl.load(prefetch + 4 * i + 2 * r + 1)
+        chunk = tl.maximum((nbytes + 16 * NUM_THREADS - 1) // (16 * NUM_THREADS) * 16, PREFETCH_CHUNK)
+        size = tl.minimum(tl.maximum(nbytes - t * chunk, 0), chunk).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [addr + t * chunk, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counters, counters,
-               op_addr, op_int, op_flt,
+               op_addr, op_int, op_flt, prefetch,
                token_ids, positions, slot_mapping, seq_lens, block_tables, bt_stride,
                kv_ptr, kv_layer_stride, kv_half_stride, block_size, S, stamps,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, ALIGNED: tl.constexpr,
-               TIMED: tl.constexpr = False):
+               BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
+               ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, NUM_THREADS: tl.constexpr,
+               PREFETCH_CHUNK: tl.constexpr = 16384, TIMED: tl.constexpr = False):
     """``TIMED``: each instruction writes when it began waiting, began running and ended
     (``stamps[flat index] = (wait, run, end)``, ns of %globaltimer), for the measured timeline
-    (``timeline.measured``); off, the kernel is the same code without the clock reads."""
+    (``timeline.measured``); off, the kernel is the same code without the clock reads.
+    ``PREFETCH`` (compiled, aligned weights): before waiting for instruction i, the SM asks for
+    instruction i + 1's weights into L2, so HBM streams them while the SM waits and computes (off
+    by default: measured slower so far, NOTES.md)."""
     DT: tl.constexpr = kv_ptr.dtype.element_ty
     sm = tl.program_id(0)
     first = tl.load(sm_ranges + 2 * sm)
     last = tl.load(sm_ranges + 2 * sm + 1)
+    if PREFETCH:
+        if first < last:
+            _prefetch_l2(prefetch, first, NUM_THREADS, PREFETCH_CHUNK)
     for i in range(first, last):
+        if PREFETCH:
+            if i + 1 < last:
+                _prefetch_l2(prefetch, i + 1, NUM_THREADS, PREFETCH_CHUNK)
         rec = instructions + i * _NF
         kind = tl.load(rec + 0)
         op = tl.load(rec + 1)
@@ -427,7 +485,7 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
             _embed(op_addr, op_int, op, c0, c1, token_ids, S, ROWS, BLOCK_N, DT)
         elif kind == _K_QKV:
             _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv_ptr, kv_layer_stride,
-                      kv_half_stride, S, ROWS, BLOCK_K, BLOCK_H, DT, ALIGNED)
+                      kv_half_stride, S, ROWS, BLOCK_K, BLOCK_H, BLOCK_KH, DT, ALIGNED)
         elif kind == _K_ATTN:
             _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_stride, kv_ptr, kv_layer_stride,
                        kv_half_stride, block_size, S, BLOCK_D, BLOCK_L, DT)
@@ -449,26 +507,38 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
             tl.atomic_add(counters + tl.load(bump_counters + j), 1, sem="release")
 
 
-def block_sizes(rows: int, enc: E.Encoded) -> dict:
-    """The kernel's compile-time sizes for a step of ``rows`` rows."""
+def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = False) -> dict:
+    """The kernel's compile-time sizes for a step of ``rows`` rows: a GEMV step's product tile
+    ([ROWS, rows, 2, K block]) is 16K fp32 elements (64 a thread at 8 warps), so the fewer the
+    rows the longer the K block; an attention step holds BLOCK_L keys and values (32: 128 was
+    slower on an H200). ``prefetch``: the L2 prefetch (aligned weights only)."""
     ROWS = triton.next_power_of_2(max(rows, 1))
-    return dict(ROWS=ROWS, BLOCK_N=16, BLOCK_K=max(32, 512 // ROWS),
-                BLOCK_H=triton.next_power_of_2(max(enc.max_head_dim // 2, 1)),
-                BLOCK_D=triton.next_power_of_2(enc.max_head_dim), BLOCK_L=32,
-                BLOCK_V=triton.next_power_of_2(enc.max_tiles), ALIGNED=enc.aligned)
+    BLOCK_N = 16
+    BLOCK_H = triton.next_power_of_2(max(enc.max_head_dim // 2, 1))
+    widest = triton.next_power_of_2(enc.max_k)
+    BLOCK_D = triton.next_power_of_2(enc.max_head_dim)
+    return dict(ROWS=ROWS, BLOCK_N=BLOCK_N, BLOCK_K=max(16, min(widest, 8192 // (BLOCK_N * ROWS))),
+                BLOCK_H=BLOCK_H, BLOCK_KH=max(16, min(widest, 8192 // (BLOCK_H * ROWS))),
+                BLOCK_D=BLOCK_D, BLOCK_L=32,
+                BLOCK_V=triton.next_power_of_2(enc.max_tiles), ALIGNED=enc.aligned,
+                PREFETCH=prefetch and enc.aligned, NUM_THREADS=32 * num_warps)
 
 
 def launch(enc: E.Encoded, counters: torch.Tensor, num_sms: int, token_ids, positions, slot_mapping, seq_lens,
-           block_tables, kv_cache: torch.Tensor, num_warps: int = 4, stamps: torch.Tensor | None = None) -> None:
+           block_tables, kv_cache: torch.Tensor, num_warps: int = 8, stamps: torch.Tensor | None = None,
+           sizes: dict | None = None) -> None:
     """One decode step of ``token_ids.shape[0]`` rows: ``counters`` must be zero (the caller
     zeroes it on the stream); the outputs land in the buffers ``enc`` was made over. ``stamps``
-    (int64 [instructions, 3], flat order: SM by SM): time every instruction into it."""
+    (int64 [instructions, 3], flat order: SM by SM): time every instruction into it. ``sizes``
+    overrides block_sizes' choices (benchmarks try other tiles, and the L2 prefetch, with it; the
+    prefetch is PTX, which the Triton interpreter cannot run)."""
     S = token_ids.shape[0]
     L, two, nb, bs, hkv, hd = kv_cache.shape
     assert kv_cache.is_contiguous() and block_tables.stride(-1) == 1
     megakernel[(num_sms,)](
         enc.sm_ranges, enc.instructions, enc.wait_counters, enc.wait_values, enc.bump_counters, counters,
-        enc.op_addrs, enc.op_ints, enc.op_floats,
+        enc.op_addrs, enc.op_ints, enc.op_floats, enc.prefetch,
         token_ids, positions, slot_mapping, seq_lens, block_tables, block_tables.stride(0),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), bs, S, counters if stamps is None else stamps,
-        num_warps=num_warps, num_stages=1, TIMED=stamps is not None, **block_sizes(S, enc))
+        num_warps=num_warps, num_stages=1, TIMED=stamps is not None,
+        **{**block_sizes(S, enc, num_warps), **(sizes or {})})

@@ -39,7 +39,7 @@ def megakernel_engine(checkpoint, tmp_path_factory):
 def test_a_megakernel_engine_generates_what_transformers_generates(checkpoint, megakernel_engine):
     _, hf = checkpoint
     prompts = [[5, 9, 33, 100], [7] * 19, [200, 3, 44, 51, 60, 71, 2]]
-    llm = LLM(str(megakernel_engine))
+    llm = LLM(str(megakernel_engine), device="cpu")  # the engine is built for the CPU
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert isinstance(llm.model.program, MegakernelProgram)

@@ -189,3 +189,38 @@ def test_a_timed_step_becomes_a_measured_timeline_and_a_split_of_the_sms_time(en
         measured(s, [(3, 2, 1)] + slots[1:])
     with pytest.raises(ValueError, match="stamps for a schedule of"):
         measured(s, slots[1:])
+
+
+def test_each_instruction_prefetches_the_weight_rows_its_tile_reads_and_no_more_than_the_cap(engine, monkeypatch):
+    """The kernel asks L2 for an instruction's weights before it waits (encoding.weight_ranges):
+    a column tile's rows, glu's gate rows and the same rows of its up half, a q/k/v tile its
+    head's rows; nothing for attention, embed and argmax; at most PREFETCH_BYTES, the first rows."""
+    from compiled_llm.megakernel import encoding, tiling
+
+    s = made(engine)
+    params = engine.params
+    for index, ins in enumerate(s.instructions):
+        op = s.ops[ins.op]
+        ranges = encoding.weight_ranges(s, index, params)
+        if op.kind in ("attention", "embed", "argmax"):
+            assert ranges == []
+            continue
+        w = params[op.params["weight"]]
+        row = w.shape[1] * w.element_size()
+        if op.kind == "qkv_rope":
+            nh, nkv, hd = tiling.heads(op)
+            part, h = tiling.qkv_part(op, ins.tile)
+            rows = [({"q": 0, "k": nh, "v": nh + nkv}[part] + h) * hd]
+            count = hd
+        else:
+            c0, c1 = tiling.span(op, ins.tile)
+            rows = [c0, w.shape[0] // 2 + c0] if op.kind == "glu" else [c0]
+            count = c1 - c0
+        assert ranges == [(w.data_ptr() + r * row, count * row) for r in rows], (op.kind, ins.tile)
+
+    monkeypatch.setattr(encoding, "PREFETCH_BYTES", 4 * 1024)
+    for index, ins in enumerate(s.instructions):
+        ranges = encoding.weight_ranges(s, index, params)
+        assert sum(n for _, n in ranges) <= 4 * 1024
+        if s.ops[ins.op].kind == "lm_head":  # vocab rows of 64 fp32: 16 rows fit
+            assert [n for _, n in ranges] == [16 * 64 * 4]

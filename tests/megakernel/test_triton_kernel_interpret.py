@@ -25,7 +25,18 @@ def test_megakernel_under_interpreter(group, request):
 _ARG_TYPES = {"sm_ranges": "*i32", "instructions": "*i32", "wait_counters": "*i32", "wait_values": "*i32",
               "bump_counters": "*i32", "counters": "*i32", "op_addr": "*i64", "op_int": "*i32", "op_flt": "*fp32",
               "token_ids": "*i64", "positions": "*i64", "slot_mapping": "*i64", "seq_lens": "*i32",
-              "block_tables": "*i32"}
+              "block_tables": "*i32", "prefetch": "*i64"}
+
+
+def launch_consts(rows: int, prefetch: bool = True) -> dict:
+    """What a launch passes as compile-time sizes for Qwen2.5-0.5B's shapes (head_dim 64, rows
+    of 896 and 4,864, 132 lm_head tiles), as triton_kernel.block_sizes makes them."""
+    from types import SimpleNamespace
+
+    from compiled_llm.megakernel import triton_kernel
+
+    enc = SimpleNamespace(max_head_dim=64, max_k=4864, max_tiles=132, aligned=True)
+    return triton_kernel.block_sizes(rows, enc, num_warps=8, prefetch=prefetch)
 
 
 @pytest.mark.parametrize("dt, rows", [("bf16", 1), ("fp32", 8)])
@@ -40,10 +51,8 @@ def test_the_kernel_compiles_for_sm90_with_acquire_waits_release_bumps_and_vecto
     require_compiled_kernels()
     from compiled_llm.megakernel import triton_kernel
 
-    consts = dict(ROWS=rows, BLOCK_N=16, BLOCK_K=max(32, 512 // rows), BLOCK_H=32, BLOCK_D=64, BLOCK_L=32,
-                  BLOCK_V=128, ALIGNED=True)
     types = {**_ARG_TYPES, "kv_ptr": f"*{dt}"}
-    ptx = compile_for_sm90(triton_kernel.megakernel, consts, 4, lambda n: types.get(n, "i32"),
+    ptx = compile_for_sm90(triton_kernel.megakernel, launch_consts(rows), 8, lambda n: types.get(n, "i32"),
                            lambda n, t: t.startswith("*")).asm["ptx"]
     assert re.search(r"ld\.global\.gpu\.acquire\.b32|atom\.global\.gpu\.acquire", ptx)
     assert re.search(r"red\.global\.gpu\.release\.add|atom\.global\.gpu\.release\.add", ptx)
@@ -60,9 +69,25 @@ def test_the_timed_form_reads_the_global_clock_and_the_untimed_form_does_not():
     require_compiled_kernels()
     from compiled_llm.megakernel import triton_kernel
 
-    consts = dict(ROWS=1, BLOCK_N=16, BLOCK_K=512, BLOCK_H=32, BLOCK_D=64, BLOCK_L=32, BLOCK_V=128, ALIGNED=True)
     for timed in (False, True):
         types = {**_ARG_TYPES, "kv_ptr": "*bf16", "stamps": "*i64" if timed else "*i32"}
-        ptx = compile_for_sm90(triton_kernel.megakernel, {**consts, "TIMED": timed}, 4, lambda n: types.get(n, "i32"),
+        ptx = compile_for_sm90(triton_kernel.megakernel, {**launch_consts(1), "TIMED": timed}, 8,
+                               lambda n: types.get(n, "i32"),
                                lambda n, t: t.startswith("*")).asm["ptx"]
         assert ("%globaltimer" in ptx) == timed
+
+
+def test_the_prefetching_form_asks_l2_for_the_next_weights_by_bulk_copy_and_the_other_form_does_not():
+    """With ``PREFETCH`` each SM asks the copy engine (``cp.async.bulk.prefetch.L2``) for its
+    next instruction's weight rows before it waits; the interpreter's form has no PTX."""
+    from helpers.interpret_child import require_compiled_kernels
+    from helpers.ttgir import compile_for_sm90
+
+    require_compiled_kernels()
+    from compiled_llm.megakernel import triton_kernel
+
+    types = {**_ARG_TYPES, "kv_ptr": "*bf16"}
+    for prefetch in (False, True):
+        ptx = compile_for_sm90(triton_kernel.megakernel, launch_consts(1, prefetch), 8,
+                               lambda n: types.get(n, "i32"), lambda n, t: t.startswith("*")).asm["ptx"]
+        assert ("cp.async.bulk.prefetch.L2.global" in ptx) == prefetch
