@@ -224,3 +224,25 @@ def test_each_instruction_prefetches_the_weight_rows_its_tile_reads_and_no_more_
         assert sum(n for _, n in ranges) <= 4 * 1024
         if s.ops[ins.op].kind == "lm_head":  # vocab rows of 64 fp32: 16 rows fit
             assert [n for _, n in ranges] == [16 * 64 * 4]
+
+
+def test_the_encoded_prefetch_table_is_each_records_ranges_aligned_and_inside_its_weight(engine):
+    """encode() lays the ranges out in the records' order (SM by SM), every address and size
+    a multiple of 16 bytes (what cp.async.bulk requires) and inside the weight it names."""
+    from compiled_llm.megakernel import encoding
+    from compiled_llm.megakernel.timeline import flat_order
+
+    s = made(engine)
+    buffers = encoding.activation_buffers(s, engine.dtype, "cpu")
+    enc = encoding.encode(s, engine.params, buffers, engine.dtype, "cpu")
+    assert enc.aligned  # the tiny engine's weights are: the table is not all zeros
+    table = enc.prefetch.tolist()
+    assert len(table) == len(s.instructions)
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in engine.params.values()]
+    for slot, index in enumerate(flat_order(s)):
+        want = encoding.weight_ranges(s, index, engine.params)
+        assert [tuple(table[slot][:2]), tuple(table[slot][2:])][:len(want)] == want
+        assert table[slot][2 * len(want):] == [0, 0] * (2 - len(want))
+        for addr, size in want:
+            assert addr % 16 == 0 and size % 16 == 0 and size > 0
+            assert any(lo <= addr and addr + size <= hi for lo, hi in spans)

@@ -28,7 +28,7 @@ _ARG_TYPES = {"sm_ranges": "*i32", "instructions": "*i32", "wait_counters": "*i3
               "block_tables": "*i32", "prefetch": "*i64"}
 
 
-def launch_consts(rows: int, prefetch: bool = True) -> dict:
+def launch_consts(rows: int, prefetch: bool = False) -> dict:
     """What a launch passes as compile-time sizes for Qwen2.5-0.5B's shapes (head_dim 64, rows
     of 896 and 4,864, 132 lm_head tiles), as triton_kernel.block_sizes makes them."""
     from types import SimpleNamespace
