@@ -16,6 +16,9 @@
 #   bash benchmarks/gpu_suite.sh agree-trained  # the same on Qwen2.5 shapes briefly trained to real
 #                                         # logit margins (train_synthetic_lm.py; TRAIN_ARGS, AGREE_ARGS)
 #   bash benchmarks/gpu_suite.sh smoke    # every kernel_bench.py subcommand in a reduced mode (~5 minutes)
+#   bash benchmarks/gpu_suite.sh megakernel  # --decode-backend megakernel against per-op: its GPU tests, both engines
+#                                         # of each of MK_MODELS (dummy weights), the per-SM timeline at MK_CONTEXT,
+#                                         # and the latency workload of each, twice, in this one call (~6 minutes)
 # Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,6 +72,23 @@ for phase in "$@"; do
         timeout 200 $KB profile --top 8
         timeout 120 $KB agree --prompts 2 --tokens 8
       } 2>&1 | grep -v Warning | tee "$LOG/smoke.log" | tail -120 ;;
+    megakernel)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/megakernel/test_triton_kernel_gpu.py \
+        -k "${MK_TESTS:-qwen2_5 or captured or under_llm or timed}" 2>&1 | grep -v DEBUG | tee "$LOG/mk_tests.log" | tail -5
+      models=${MK_MODELS:-qwen2.5-0.5b llama-3.2-1b}
+      for m in $models; do
+        timeout 120 compiled-llm build "$m" --load-format dummy -o "/tmp/mk_perop_$m" 2>&1 | tail -1 &
+        timeout 120 compiled-llm build "$m" --load-format dummy --decode-backend megakernel -o "/tmp/mk_$m" 2>&1 | tail -1 &
+      done
+      wait
+      for m in $models; do
+        timeout 90 python3 benchmarks/megakernel_timeline.py "/tmp/mk_$m" --context "${MK_CONTEXT:-256}" --sms 4 \
+          2>&1 | grep -v Warning | tee "$LOG/mk_timeline_$m.log" | head -16
+      done
+      for round in 1 2; do for m in $models; do for e in "mk_perop_$m" "mk_$m"; do
+        echo "round $round $e: $(timeout 90 compiled-llm bench "/tmp/$e" --workload latency --no-hf 2>"$LOG/mk_bench_err_$e.log" \
+          | grep decode_tok_s) (CUDA graph capture failures: $(grep -ci 'capture failed' "$LOG/mk_bench_err_$e.log"))"
+      done; done; done 2>&1 | tee "$LOG/mk_latency.log" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
