@@ -5,11 +5,14 @@ change is worth, measured against the kernel it replaces without the noise betwe
 
 A VARIANT is ``NAME[,KEY=VALUE...]``: NAME is ``new`` (this tree's triton_kernel.py) or the path
 of another copy of that file (``git show main:compiled_llm/megakernel/triton_kernel.py >
-/tmp/main_kernel.py``: the same launch() signature, reading the same encoding); the keys are
+/tmp/main_kernel.py``: the same launch() signature; it reads this tree's encoding, so it is a fair
+comparison only while the schedule's ops are ones that file runs: a change that adds an op or
+re-tiles one needs an engine per tree, ``bash benchmarks/gpu_suite.sh megakernel``); the keys are
 ``w`` (warps; by default the file's launch() default) and compile-time sizes passed to launch() (``BLOCK_L=128``, ``PREFETCH=1``, ...),
 which only ``new`` takes. Each variant is launched 20 times (CUDA events around each, median
 printed) on the step ``benchmarks/megakernel_timeline.py`` times, and its logits are compared
-with the first variant's. ``--timed`` adds each variant's split of the SMs' time (its TIMED form).
+with the first variant's. The activation buffers are set to NaN before each variant's first
+launch, so a kernel that skips an op shows NaN logits instead of another variant's output. ``--timed`` adds each variant's split of the SMs' time (its TIMED form).
 """
 
 from __future__ import annotations
@@ -73,6 +76,9 @@ def main() -> None:
         name, launch_kw, _ = parse_variant(text)
         module = kernel_module(name)
 
+        for buffer in state.buffers.values():  # what this variant does not write stays NaN (or -1)
+            buffer.fill_(float("nan") if buffer.is_floating_point() else -1)
+
         def step(stamps=None):
             state.counters.zero_()
             module.launch(state.encoded, state.counters, s.num_sms, *step_args, stamps=stamps, **launch_kw)
@@ -84,6 +90,8 @@ def main() -> None:
         logits = state.logits[:args.rows].float().clone()
         first = logits if first is None else first
         diff = ((logits - first).abs().max() / first.abs().max()).item()
+        if not torch.isfinite(logits).all():
+            print(f"{text}: its logits are not finite: it left part of the step unwritten (an op it does not run?)")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
         for _ in range(20):
