@@ -30,6 +30,22 @@ def decode_batch(rows: int, context: int, block_size: int):
     return pack_batch(seqs, block_size, "cuda"), rows * blocks
 
 
+def decode_step(engine_dir: str, rows: int, context: int, block_size: int = 16):
+    """(engine, its MegakernelProgram, a decode batch of ``rows`` rows at ``context`` tokens,
+    a KV cache of random keys and values) on the GPU: the step this script and
+    megakernel_variants.py time."""
+    from compiled_llm.engine.artifact import load_engine
+    from compiled_llm.megakernel.program import MegakernelProgram
+    from compiled_llm.model.spec import kv_cache_shape
+
+    engine = load_engine(engine_dir, device="cuda")
+    if not isinstance(engine.program, MegakernelProgram):
+        raise SystemExit(f"{engine_dir} was not built with --decode-backend megakernel")
+    batch, num_blocks = decode_batch(rows, context, block_size)
+    kv = (torch.randn(kv_cache_shape(engine.config, num_blocks, block_size), device="cuda") * 0.5).to(engine.dtype)
+    return engine, engine.program, batch, kv
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("engine")
@@ -39,19 +55,10 @@ def main() -> None:
     p.add_argument("--sms", type=int, default=8, help="SM rows to draw (0: all)")
     args = p.parse_args()
 
-    from compiled_llm.engine.artifact import load_engine
     from compiled_llm.megakernel import triton_kernel
-    from compiled_llm.megakernel.program import MegakernelProgram
     from compiled_llm.megakernel.timeline import measured, spent_lines, timeline
-    from compiled_llm.model.spec import kv_cache_shape
 
-    engine = load_engine(args.engine, device="cuda")
-    program = engine.program
-    if not isinstance(program, MegakernelProgram):
-        raise SystemExit(f"{args.engine} was not built with --decode-backend megakernel")
-    block_size = 16
-    batch, num_blocks = decode_batch(args.rows, args.context, block_size)
-    kv = (torch.randn(kv_cache_shape(engine.config, num_blocks, block_size), device="cuda") * 0.5).to(engine.dtype)
+    engine, program, batch, kv = decode_step(args.engine, args.rows, args.context)
     s = program.schedule
     for _ in range(3):
         program(engine.params, batch, kv)

@@ -54,20 +54,12 @@ def main() -> None:
     p.add_argument("--timed", action="store_true")
     args = p.parse_args()
 
-    from megakernel_timeline import decode_batch
+    from megakernel_timeline import decode_step
 
-    from compiled_llm.engine.artifact import load_engine
-    from compiled_llm.megakernel.program import MegakernelProgram
     from compiled_llm.megakernel.timeline import measured, spent_lines
-    from compiled_llm.model.spec import kv_cache_shape
 
-    engine = load_engine(args.engine, device="cuda")
-    program = engine.program
-    if not isinstance(program, MegakernelProgram):
-        raise SystemExit(f"{args.engine} was not built with --decode-backend megakernel")
+    engine, program, batch, kv = decode_step(args.engine, args.rows, args.context)
     s = program.schedule
-    batch, num_blocks = decode_batch(args.rows, args.context, 16)
-    kv = (torch.randn(kv_cache_shape(engine.config, num_blocks, 16), device="cuda") * 0.5).to(engine.dtype)
     program(engine.params, batch, kv)  # encodes the schedule
     state = program.device_state(engine.params, kv)
     step_args = (batch.token_ids, batch.positions, batch.slot_mapping, batch.seq_lens, batch.block_tables, kv)

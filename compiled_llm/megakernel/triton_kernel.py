@@ -509,7 +509,7 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
 
 def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = False) -> dict:
     """The kernel's compile-time sizes for a step of ``rows`` rows: a GEMV step's product tile
-    ([ROWS, rows, 2, K block]) is 16K fp32 elements (64 a thread at 8 warps), so the fewer the
+    ([ROWS, BLOCK_N, 2, K block]) is 16K fp32 elements (64 a thread at 8 warps), so the fewer the
     rows the longer the K block; an attention step holds BLOCK_L keys and values (32: 128 was
     slower on an H200). ``prefetch``: the L2 prefetch (aligned weights only)."""
     ROWS = triton.next_power_of_2(max(rows, 1))
