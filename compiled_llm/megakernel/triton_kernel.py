@@ -4,10 +4,11 @@ The grid is one program an SM (``schedule.num_sms``; every program must be resid
 so the runtime refuses a schedule made for more SMs than the GPU has). Program s walks its
 instructions (encoding.py: ``sm_ranges[s]`` into one flat record array) in order, and for each:
 
-  1. spins on each wait until ``counter >= value`` (an atomic add of 0 with acquire semantics,
+  1. dispatches on the record's kind code; the kind issues the loads that wait for nothing (a
+     weight tile's first chunk: weights never depend on this step), then
+  2. spins on each wait until ``counter >= value`` (an atomic add of 0 with acquire semantics,
      so what the producing tiles wrote before their release bump is visible), then a CTA
-     barrier;
-  2. dispatches on the record's kind code and runs the tile;
+     barrier, and runs the tile;
   3. CTA barrier (every thread's stores done), then adds 1 to each bump counter with release
      semantics.
 
@@ -34,13 +35,15 @@ up rounded; q/k norm and RoPE in fp32 from the rounded projection, rounded once 
 in fp32 (online softmax), rounded once; lm_head logits rounded and the tile's best taken on the
 rounded values (first maximum). Rows are few (``ROWS``: the step's rows rounded up to a power
 of two, a compile-time constant), so the products are FMA-and-reduce tiles in the style of
-triton_gemv.py, no tl.dot. Each pass over x streams two weight sets as one [BLOCK_N, 2, BLOCK_K]
-tile (``_gemv_pair``: gate and up, a q/k/v head's two rotary halves, or two column chunks of a
-linear or the lm_head), into a [ROWS, BLOCK_N, 2, BLOCK_K] fp32 accumulator reduced over K once
-after the loop (a reduction every K step, across threads, made o/down 2.4x slower). A q/k/v
-head's halves are its weight rows [0, head_dim / 2) and [head_dim / 2, head_dim), so the neox
-rotation pairs column h with h + head_dim / 2 without moving registers. Attention runs one row
-at a time over BLOCK_L keys a step, keys and values loaded together.
+triton_gemv.py, no tl.dot. Each pass over x streams two weight sets as one [BLOCK_N, 2,
+BLOCK_K / VEC, VEC] tile (``_gemv_pair``: gate and up, a q/k/v head's two rotary halves, or two
+column chunks of a linear or the lm_head), a thread's VEC elements one 16-byte vector that it
+sums itself each K step (as triton_gemv's one-row kernel does), the rest of the K sum once
+after the loop (a reduction across threads every K step made o/down 2.4x slower). The stream
+is software-pipelined: the next K chunk, or the next pass's first, is loaded before the current
+one is used. A q/k/v head's halves are its weight rows [0, head_dim / 2) and [head_dim / 2,
+head_dim), so the neox rotation pairs column h with h + head_dim / 2 without moving registers.
+Attention runs one row at a time over BLOCK_L keys a step, keys and values loaded a step ahead.
 """
 
 from __future__ import annotations
@@ -103,39 +106,80 @@ def _rstd(x_ptr, K, eps, S, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_pair(x_ptr, nw_ptr, has_norm, rstd, w_ptr, rows0, rows1, mask0, mask1, K, S,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr,
-               ALIGNED: tl.constexpr):
-    """Two [ROWS, BLOCK_N] fp32 products in one pass over x: x (rms-normed with ``rstd`` and
-    weight ``nw_ptr`` when has_norm, rounded as rms_norm_ref rounds) times weight rows ``rows0``
-    and times weight rows ``rows1`` of w [*, K] (``mask0``/``mask1``: which exist); rows of x at
-    and past S are 0. The two row sets are one [BLOCK_N, 2, BLOCK_K] weight tile a K step (gate
-    and up, a head's two rotary halves, or two column chunks of one tile), so x is read and
-    normed once for both and twice the bytes are in flight."""
-    if ALIGNED:  # K is a multiple of 16 (the encoding checked): say so, for whole-vector masks
-        K = K // 16 * 16
-    rows = tl.arange(0, ROWS)
+def _globaltimer():
+    """The GPU's nanosecond clock (``%globaltimer``: one clock for every SM)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _w_chunk(w_ptr, rows0, rows1, mask0, mask1, k0, K, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+             ALIGNED: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of weight rows ``rows0`` and of ``rows1`` (``mask0``/``mask1``:
+    which exist) of w [*, K], as one [BLOCK_N, 2, BLOCK_K / VEC, VEC] tile: a thread's VEC
+    elements are one 16-byte vector along K."""
+    KC: tl.constexpr = BLOCK_K // VEC
     which = tl.arange(0, 2)[None, :]
     w_row = tl.where(which == 0, rows0[:, None], rows1[:, None]).to(tl.int64)  # [BLOCK_N, 2]
     w_mask = tl.where(which == 0, mask0[:, None], mask1[:, None])
-    w_rows = w_ptr + w_row[:, :, None] * K
-    acc = tl.zeros([ROWS, BLOCK_N, 2, BLOCK_K], tl.float32)  # reduced over K once, after the loop
+    ks = k0 + tl.arange(0, KC)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [KC, VEC]
+    ptrs = w_ptr + w_row[:, :, None, None] * K + ks[None, None, :, :]
+    if ALIGNED:  # rows start 16-byte aligned (the encoding checked): whole-vector loads
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 1, 1, 16]), [1, 1, 1, VEC])
+    return tl.load(ptrs, mask=w_mask[:, :, None, None] & (ks < K)[None, None, :, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _gemv_pair(x_ptr, nw_ptr, has_norm, rstd, w_ptr, w, rows0, rows1, mask0, mask1, next0, next1, nmask0, nmask1,
+               K, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+               DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Two [ROWS, BLOCK_N] fp32 products in one pass over x: x (rms-normed with ``rstd`` and
+    weight ``nw_ptr`` when has_norm, rounded as rms_norm_ref rounds) times weight rows ``rows0``
+    and times weight rows ``rows1`` of w [*, K] (``mask0``/``mask1``: which exist); rows of x at
+    and past S are 0. The two row sets are one weight tile a K step (gate and up, a head's two
+    rotary halves, or two column chunks of one tile), so x is read and normed once for both.
+
+    Software-pipelined: ``w`` is these rows' first K chunk, already loaded (the caller loads the
+    first before it waits for x, since weights never wait), and every step loads the next chunk
+    before it uses the current one, the last step the first chunk of rows ``next0``/``next1``
+    (the tile's next pass; ``nmask*`` all false: none), which is returned with the products."""
+    if ALIGNED:  # K is a multiple of 16 (the encoding checked): say so, for whole-vector masks
+        K = K // 16 * 16
+    KC: tl.constexpr = BLOCK_K // VEC
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_N, 2, KC], tl.float32)  # a thread's vector summed each step, K at the end
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+        last = k0 + BLOCK_K >= K
+        w_next = _w_chunk(w_ptr, tl.where(last, next0, rows0), tl.where(last, next1, rows1),
+                          tl.where(last, nmask0, mask0), tl.where(last, nmask1, mask1),
+                          tl.where(last, 0, k0 + BLOCK_K), K, BLOCK_K, VEC, ALIGNED)
+        ks = k0 + tl.arange(0, KC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
         kmask = ks < K
-        w_tile = w_rows + ks[None, None, :]
-        if ALIGNED:  # 16-byte vectors along K (the encoding checked the weights' alignment)
-            w_tile = tl.max_contiguous(tl.multiple_of(w_tile, [1, 1, 16]), [1, 1, BLOCK_K])
-        # the weights first: their load does not wait for x's
-        w = tl.load(w_tile, mask=w_mask[:, :, None] & kmask[None, None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows < S)[:, None] & kmask[None, :], other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None, None] * K + ks[None, :, :], mask=(rows < S)[:, None, None] & kmask[None],
+                    other=0.0, cache_modifier=".cg").to(tl.float32)
         if has_norm:
             nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-            x = _round(_round(x * rstd[:, None], DT) * nw[None, :], DT)
-        acc += x[:, None, None, :] * w.to(tl.float32)[None, :, :, :]
-    return tl.split(tl.sum(acc, 3))
+            x = _round(_round(x * rstd[:, None, None], DT) * nw[None], DT)
+        acc += tl.sum(x[:, None, None, :, :] * w.to(tl.float32)[None], 4)
+        w = w_next
+    y0, y1 = tl.split(tl.sum(acc, 3))
+    return y0, y1, w
+
+
+@triton.jit
+def _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED: tl.constexpr):
+    """Spin until each of instruction ``i``'s counters reaches its value (an atomic add of 0 with
+    acquire semantics, so what the producing tiles wrote before their release bump is visible),
+    then a CTA barrier; TIMED, stamp when it ran (``stamps[i, 1]``)."""
+    for j in range(w0, w0 + nw):
+        c = tl.load(wait_counters + j)
+        want = tl.load(wait_values + j)
+        seen = tl.atomic_add(counters + c, 0, sem="acquire")
+        while seen < want:
+            seen = tl.atomic_add(counters + c, 0, sem="acquire")
+    tl.debug_barrier()
+    if TIMED:
+        tl.store(stamps + 3 * i + 1, _globaltimer())
 
 
 @triton.jit
@@ -149,7 +193,9 @@ def _tanh(z):
 
 
 @triton.jit
-def _embed(op_addr, op_int, op, c0, c1, token_ids, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
+def _embed(op_addr, op_int, op, c0, c1, token_ids, S, wait_counters, wait_values, counters, w0, nw, stamps, i,
+           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr, TIMED: tl.constexpr):
+    _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED)
     w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
     out_ptr = _ptr(op_addr, op, _A_OUT0, DT)
     K = tl.load(op_int + op * _NI + _I_K)
@@ -166,10 +212,14 @@ def _embed(op_addr, op_int, op, c0, c1, token_ids, S, ROWS: tl.constexpr, BLOCK_
 
 @triton.jit
 def _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv_ptr, kv_layer_stride,
-              kv_half_stride, S, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_KH: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+              kv_half_stride, S,
+              wait_counters, wait_values, counters, w0, nw, stamps, i, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, VEC: tl.constexpr, DT: tl.constexpr,
+              ALIGNED: tl.constexpr, TIMED: tl.constexpr):
     base = op_int + op * _NI
     K = tl.load(base + _I_K)
+    if ALIGNED:
+        K = K // 16 * 16
     nh = tl.load(base + _I_HEADS)
     nkv = tl.load(base + _I_KV_HEADS)
     hd = tl.load(base + _I_HEAD_DIM)
@@ -178,13 +228,15 @@ def _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv
     w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
     nw_ptr = _ptr(op_addr, op, _A_NORM, DT)
     has_norm = tl.load(base + _I_HAS_NORM) != 0
+    hs = tl.arange(0, BLOCK_H)
+    hmask = hs < half
+    w = _w_chunk(w_ptr, c0 + hs, c0 + half + hs, hmask, hmask, 0, K, BLOCK_KH, VEC, ALIGNED)  # before the wait
+    _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED)
     rstd = tl.zeros([ROWS], tl.float32)
     if has_norm:
         rstd = _rstd(x_ptr, K, tl.load(op_flt + op * _NFL + _F_NORM_EPS), S, ROWS, BLOCK_K)
-    hs = tl.arange(0, BLOCK_H)
-    hmask = hs < half
-    y1, y2 = _gemv_pair(x_ptr, nw_ptr, has_norm, rstd, w_ptr, c0 + hs, c0 + half + hs, hmask, hmask, K, S,
-                        ROWS, BLOCK_H, BLOCK_KH, DT, ALIGNED)
+    y1, y2, w = _gemv_pair(x_ptr, nw_ptr, has_norm, rstd, w_ptr, w, c0 + hs, c0 + half + hs, hmask, hmask, hs, hs,
+                           hs < 0, hs < 0, K, S, ROWS, BLOCK_H, BLOCK_KH, VEC, DT, ALIGNED)
     if tl.load(base + _I_HAS_BIAS) != 0:
         b_ptr = _ptr(op_addr, op, _A_BIAS, DT)
         y1 += tl.load(b_ptr + c0 + hs, mask=hmask, other=0.0).to(tl.float32)[None, :]
@@ -234,8 +286,30 @@ def _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv
 
 
 @triton.jit
+def _kv_chunk(k_cache, v_cache, blk, ps, ctx, block_size, row_stride, ds, dmask):
+    """The keys and values of positions ``ps`` (those before ``ctx``), whose cache blocks are
+    ``blk``."""
+    slots = blk * block_size + ps % block_size
+    at = slots[:, None] * row_stride + ds[None, :]
+    m = (ps < ctx)[:, None] & dmask[None, :]
+    k = tl.load(k_cache + at, mask=m, other=0.0, cache_modifier=".cg")
+    v = tl.load(v_cache + at, mask=m, other=0.0, cache_modifier=".cg")
+    return k, v
+
+
+@triton.jit
+def _blocks(bt_row, ps, ctx, block_size):
+    return tl.load(bt_row + ps // block_size, mask=ps < ctx, other=0).to(tl.int64)
+
+
+@triton.jit
 def _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_stride, kv_ptr, kv_layer_stride,
-               kv_half_stride, block_size, S, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, DT: tl.constexpr):
+               kv_half_stride, block_size, S,
+               wait_counters, wait_values, counters, w0, nw, stamps, i, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+               DT: tl.constexpr, TIMED: tl.constexpr):
+    """One query head, rows one after another, BLOCK_L keys a step, software-pipelined: a step's
+    keys and values are loaded one step ahead and their block-table entries two steps ahead, so
+    a step's arithmetic never waits on a load issued in that step."""
     base = op_int + op * _NI
     nh = tl.load(base + _I_HEADS)
     nkv = tl.load(base + _I_KV_HEADS)
@@ -251,57 +325,65 @@ def _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_str
     v_cache = k_cache + kv_half_stride
     ds = tl.arange(0, BLOCK_D)
     dmask = ds < hd
+    ls = tl.arange(0, BLOCK_L)
+    _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED)
     for r in range(0, S):
         ctx = tl.load(seq_lens + r)
+        bt_row = block_tables + r * bt_stride
         q = tl.load(q_ptr + r * (nh * hd) + tile * hd + ds, mask=dmask, other=0.0, cache_modifier=".cg")
         q = q.to(tl.float32)
         start = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+        k, v = _kv_chunk(k_cache, v_cache, _blocks(bt_row, start + ls, ctx, block_size), start + ls, ctx, block_size,
+                         nkv * hd, ds, dmask)
+        blk_next = _blocks(bt_row, start + BLOCK_L + ls, ctx, block_size)
         m_i = tl.full([], -1.0e30, tl.float32)
         l_i = tl.full([], 0.0, tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
         for p0 in range(start, ctx, BLOCK_L):
-            ps = p0 + tl.arange(0, BLOCK_L)
-            pmask = ps < ctx
-            blk = tl.load(block_tables + r * bt_stride + ps // block_size, mask=pmask, other=0).to(tl.int64)
-            slots = blk * block_size + ps % block_size
-            at = slots[:, None] * (nkv * hd) + ds[None, :]
-            m = pmask[:, None] & dmask[None, :]
-            # keys and values both in flight before the arithmetic waits on either
-            k = tl.load(k_cache + at, mask=m, other=0.0, cache_modifier=".cg")
-            v = tl.load(v_cache + at, mask=m, other=0.0, cache_modifier=".cg")
+            ps = p0 + ls
+            k_next, v_next = _kv_chunk(k_cache, v_cache, blk_next, ps + BLOCK_L, ctx, block_size, nkv * hd, ds, dmask)
+            blk_next = _blocks(bt_row, ps + 2 * BLOCK_L, ctx, block_size)
             s = tl.sum(q[None, :] * k.to(tl.float32), 1) * scale
             if softcap > 0:
                 s = _tanh(s / softcap) * softcap
-            s = tl.where(pmask, s, float("-inf"))
+            s = tl.where(ps < ctx, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new)
-            v = v.to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
+            k = k_next
+            v = v_next
         out = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
         tl.store(o_ptr + r * (nh * hd) + tile * hd + ds, out.to(DT), mask=dmask)
 
 
 @triton.jit
-def _glu(op_addr, op_int, op_flt, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-         DT: tl.constexpr, ALIGNED: tl.constexpr):
+def _glu(op_addr, op_int, op_flt, op, c0, c1, S,
+         wait_counters, wait_values, counters, w0, nw, stamps, i, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+         BLOCK_K: tl.constexpr, VEC: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr, TIMED: tl.constexpr):
     base = op_int + op * _NI
     K = tl.load(base + _I_K)
+    if ALIGNED:
+        K = K // 16 * 16
     inter = tl.load(base + _I_N)
     gelu = tl.load(base + _I_ACTIVATION) == 1
     x_ptr = _ptr(op_addr, op, _A_IN0, DT)
     w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
     nw_ptr = _ptr(op_addr, op, _A_NORM, DT)
     out_ptr = _ptr(op_addr, op, _A_OUT0, DT)
-    rstd = _rstd(x_ptr, K, tl.load(op_flt + op * _NFL + _F_EPS), S, ROWS, BLOCK_K)
     rows = tl.arange(0, ROWS)
+    first = c0 + tl.arange(0, BLOCK_N)
+    w = _w_chunk(w_ptr, first, inter + first, first < c1, first < c1, 0, K, BLOCK_K, VEC, ALIGNED)  # before the wait
+    _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED)
+    rstd = _rstd(x_ptr, K, tl.load(op_flt + op * _NFL + _F_EPS), S, ROWS, BLOCK_K)
     for n0 in range(c0, c1, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < c1
-        gate, up = _gemv_pair(x_ptr, nw_ptr, True, rstd, w_ptr, cols, inter + cols, cmask, cmask, K, S,
-                              ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+        nxt = cols + BLOCK_N
+        gate, up, w = _gemv_pair(x_ptr, nw_ptr, True, rstd, w_ptr, w, cols, inter + cols, cmask, cmask, nxt,
+                                 inter + nxt, nxt < c1, nxt < c1, K, S, ROWS, BLOCK_N, BLOCK_K, VEC, DT, ALIGNED)
         gate = _round(gate, DT)
         up = _round(up, DT)
         if gelu:
@@ -329,21 +411,30 @@ def _linear_out(y, cols, cmask, op_addr, op, N, has_bias, has_residual, S, ROWS:
 
 
 @triton.jit
-def _linear(op_addr, op_int, op, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            DT: tl.constexpr, ALIGNED: tl.constexpr):
+def _linear(op_addr, op_int, op, c0, c1, S,
+            wait_counters, wait_values, counters, w0, nw, stamps, i, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, VEC: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr, TIMED: tl.constexpr):
     base = op_int + op * _NI
     K = tl.load(base + _I_K)
+    if ALIGNED:
+        K = K // 16 * 16
     N = tl.load(base + _I_N)
     x_ptr = _ptr(op_addr, op, _A_IN0, DT)
     w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
     has_bias = tl.load(base + _I_HAS_BIAS) != 0
     has_residual = tl.load(base + _I_HAS_RESIDUAL) != 0
     rstd = tl.zeros([ROWS], tl.float32)
+    first = c0 + tl.arange(0, BLOCK_N)
+    w = _w_chunk(w_ptr, first, first + BLOCK_N, first < c1, first + BLOCK_N < c1, 0, K, BLOCK_K, VEC,
+                 ALIGNED)  # before the wait
+    _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED)
     for n0 in range(c0, c1, 2 * BLOCK_N):  # two column chunks a pass
         cols0 = n0 + tl.arange(0, BLOCK_N)
         cols1 = cols0 + BLOCK_N
-        y0, y1 = _gemv_pair(x_ptr, x_ptr, False, rstd, w_ptr, cols0, cols1, cols0 < c1, cols1 < c1, K, S,
-                            ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+        nxt0 = cols0 + 2 * BLOCK_N
+        nxt1 = cols1 + 2 * BLOCK_N
+        y0, y1, w = _gemv_pair(x_ptr, x_ptr, False, rstd, w_ptr, w, cols0, cols1, cols0 < c1, cols1 < c1, nxt0, nxt1,
+                               nxt0 < c1, nxt1 < c1, K, S, ROWS, BLOCK_N, BLOCK_K, VEC, DT, ALIGNED)
         _linear_out(y0, cols0, cols0 < c1, op_addr, op, N, has_bias, has_residual, S, ROWS, DT)
         _linear_out(y1, cols1, cols1 < c1, op_addr, op, N, has_bias, has_residual, S, ROWS, DT)
 
@@ -362,16 +453,23 @@ def _logits_out(y, cols, cmask, out_ptr, N, best_val, best_idx, S, ROWS: tl.cons
 
 
 @triton.jit
-def _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+def _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S,
+             wait_counters, wait_values, counters, w0, nw, stamps, i, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, VEC: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr, TIMED: tl.constexpr):
     base = op_int + op * _NI
     K = tl.load(base + _I_K)
+    if ALIGNED:
+        K = K // 16 * 16
     N = tl.load(base + _I_N)
     tiles = tl.load(base + _I_TILES)
     x_ptr = _ptr(op_addr, op, _A_IN0, DT)
     w_ptr = _ptr(op_addr, op, _A_WEIGHT, DT)
     nw_ptr = _ptr(op_addr, op, _A_NORM, DT)
     out_ptr = _ptr(op_addr, op, _A_OUT0, DT)
+    first = c0 + tl.arange(0, BLOCK_N)
+    w = _w_chunk(w_ptr, first, first + BLOCK_N, first < c1, first + BLOCK_N < c1, 0, K, BLOCK_K, VEC,
+                 ALIGNED)  # before the wait
+    _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED)
     rstd = _rstd(x_ptr, K, tl.load(op_flt + op * _NFL + _F_EPS), S, ROWS, BLOCK_K)
     rows = tl.arange(0, ROWS)
     rmask = rows < S
@@ -380,8 +478,10 @@ def _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS: tl.constexpr, B
     for n0 in range(c0, c1, 2 * BLOCK_N):  # two column chunks a pass, the first folded in first
         cols0 = n0 + tl.arange(0, BLOCK_N)
         cols1 = cols0 + BLOCK_N
-        y0, y1 = _gemv_pair(x_ptr, nw_ptr, True, rstd, w_ptr, cols0, cols1, cols0 < c1, cols1 < c1, K, S,
-                            ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+        nxt0 = cols0 + 2 * BLOCK_N
+        nxt1 = cols1 + 2 * BLOCK_N
+        y0, y1, w = _gemv_pair(x_ptr, nw_ptr, True, rstd, w_ptr, w, cols0, cols1, cols0 < c1, cols1 < c1, nxt0, nxt1,
+                               nxt0 < c1, nxt1 < c1, K, S, ROWS, BLOCK_N, BLOCK_K, VEC, DT, ALIGNED)
         best_val, best_idx = _logits_out(y0, cols0, cols0 < c1, out_ptr, N, best_val, best_idx, S, ROWS, DT)
         best_val, best_idx = _logits_out(y1, cols1, cols1 < c1, out_ptr, N, best_val, best_idx, S, ROWS, DT)
     bv_ptr = _ptr(op_addr, op, _A_OUT1, tl.float32)
@@ -391,7 +491,10 @@ def _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS: tl.constexpr, B
 
 
 @triton.jit
-def _argmax(op_addr, op_int, op, S, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+def _argmax(op_addr, op_int, op, S,
+            wait_counters, wait_values, counters, w0, nw, stamps, i,
+            ROWS: tl.constexpr, BLOCK_V: tl.constexpr, TIMED: tl.constexpr):
+    _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED)
     tiles = tl.load(op_int + op * _NI + _I_TILES)
     bv_ptr = _ptr(op_addr, op, _A_IN0, tl.float32)
     bi_ptr = _ptr(op_addr, op, _A_IN1, tl.int64)
@@ -409,12 +512,6 @@ def _argmax(op_addr, op_int, op, S, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 # the persistent kernel
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _globaltimer():
-    """The GPU's nanosecond clock (``%globaltimer``: one clock for every SM)."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -441,14 +538,15 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
                kv_ptr, kv_layer_stride, kv_half_stride, block_size, S, stamps,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
-               ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, NUM_THREADS: tl.constexpr,
+               VEC: tl.constexpr, ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, NUM_THREADS: tl.constexpr,
                PREFETCH_CHUNK: tl.constexpr = 16384, TIMED: tl.constexpr = False):
     """``TIMED``: each instruction writes when it began waiting, began running and ended
     (``stamps[flat index] = (wait, run, end)``, ns of %globaltimer), for the measured timeline
-    (``timeline.measured``); off, the kernel is the same code without the clock reads.
-    ``PREFETCH`` (compiled, aligned weights): before waiting for instruction i, the SM asks for
-    instruction i + 1's weights into L2, so HBM streams them while the SM waits and computes (off
-    by default: measured slower so far, NOTES.md)."""
+    (``timeline.measured``); off, the kernel is the same code without the clock reads. Each
+    kind waits for its counters itself (``_wait``), after it has issued the loads that need no
+    counter: a weight tile's first chunk. ``PREFETCH`` (compiled, aligned weights): before waiting
+    for instruction i, the SM asks for instruction i + 1's weights into L2, so HBM streams them
+    while the SM waits and computes (off by default: measured slower so far, NOTES.md)."""
     DT: tl.constexpr = kv_ptr.dtype.element_ty
     sm = tl.program_id(0)
     first = tl.load(sm_ranges + 2 * sm)
@@ -471,47 +569,47 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
         b0 = tl.load(rec + 7)
         nb = tl.load(rec + 8)
         if TIMED:
-            t_wait = _globaltimer()
-        for j in range(w0, w0 + nw):
-            c = tl.load(wait_counters + j)
-            want = tl.load(wait_values + j)
-            seen = tl.atomic_add(counters + c, 0, sem="acquire")
-            while seen < want:
-                seen = tl.atomic_add(counters + c, 0, sem="acquire")
-        tl.debug_barrier()
-        if TIMED:
-            t_run = _globaltimer()
+            tl.store(stamps + 3 * i, _globaltimer())
         if kind == _K_EMBED:
-            _embed(op_addr, op_int, op, c0, c1, token_ids, S, ROWS, BLOCK_N, DT)
+            _embed(op_addr, op_int, op, c0, c1, token_ids, S,
+                   wait_counters, wait_values, counters, w0, nw, stamps, i, ROWS, BLOCK_N, DT, TIMED)
         elif kind == _K_QKV:
             _qkv_rope(op_addr, op_int, op_flt, op, tile, c0, positions, slot_mapping, kv_ptr, kv_layer_stride,
-                      kv_half_stride, S, ROWS, BLOCK_K, BLOCK_H, BLOCK_KH, DT, ALIGNED)
+                      kv_half_stride, S,
+                      wait_counters, wait_values, counters, w0, nw, stamps, i,
+                      ROWS, BLOCK_K, BLOCK_H, BLOCK_KH, VEC, DT, ALIGNED, TIMED)
         elif kind == _K_ATTN:
             _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_stride, kv_ptr, kv_layer_stride,
-                       kv_half_stride, block_size, S, BLOCK_D, BLOCK_L, DT)
+                       kv_half_stride, block_size, S,
+                       wait_counters, wait_values, counters, w0, nw, stamps, i, BLOCK_D, BLOCK_L, DT, TIMED)
         elif kind == _K_GLU:
-            _glu(op_addr, op_int, op_flt, op, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+            _glu(op_addr, op_int, op_flt, op, c0, c1, S,
+                 wait_counters, wait_values, counters, w0, nw, stamps, i,
+                 ROWS, BLOCK_N, BLOCK_K, VEC, DT, ALIGNED, TIMED)
         elif kind == _K_LINEAR:
-            _linear(op_addr, op_int, op, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+            _linear(op_addr, op_int, op, c0, c1, S,
+                    wait_counters, wait_values, counters, w0, nw, stamps, i,
+                    ROWS, BLOCK_N, BLOCK_K, VEC, DT, ALIGNED, TIMED)
         elif kind == _K_LM_HEAD:
-            _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S, ROWS, BLOCK_N, BLOCK_K, DT, ALIGNED)
+            _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S,
+                     wait_counters, wait_values, counters, w0, nw, stamps, i, ROWS, BLOCK_N, BLOCK_K, VEC, DT, ALIGNED,
+                     TIMED)
         elif kind == _K_ARGMAX:
-            _argmax(op_addr, op_int, op, S, ROWS, BLOCK_V)
+            _argmax(op_addr, op_int, op, S,
+                    wait_counters, wait_values, counters, w0, nw, stamps, i, ROWS, BLOCK_V, TIMED)
         tl.debug_barrier()
         if TIMED:
-            t_end = _globaltimer()
-            tl.store(stamps + 3 * i, t_wait)
-            tl.store(stamps + 3 * i + 1, t_run)
-            tl.store(stamps + 3 * i + 2, t_end)
+            tl.store(stamps + 3 * i + 2, _globaltimer())
         for j in range(b0, b0 + nb):
             tl.atomic_add(counters + tl.load(bump_counters + j), 1, sem="release")
 
 
-def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = False) -> dict:
+def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = False, itemsize: int = 2) -> dict:
     """The kernel's compile-time sizes for a step of ``rows`` rows: a GEMV step's product tile
     ([ROWS, BLOCK_N, 2, K block]) is 16K fp32 elements (64 a thread at 8 warps), so the fewer the
     rows the longer the K block; an attention step holds BLOCK_L keys and values (32: 128 was
-    slower on an H200). ``prefetch``: the L2 prefetch (aligned weights only)."""
+    slower on an H200). ``prefetch``: the L2 prefetch (aligned weights only). ``itemsize``: the
+    model dtype's bytes (a thread's weight vector is 16 bytes, VEC elements)."""
     ROWS = triton.next_power_of_2(max(rows, 1))
     BLOCK_N = 16
     BLOCK_H = triton.next_power_of_2(max(enc.max_head_dim // 2, 1))
@@ -521,7 +619,7 @@ def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = 
                 BLOCK_H=BLOCK_H, BLOCK_KH=max(16, min(widest, 8192 // (BLOCK_H * ROWS))),
                 BLOCK_D=BLOCK_D, BLOCK_L=32,
                 BLOCK_V=triton.next_power_of_2(enc.max_tiles), ALIGNED=enc.aligned,
-                PREFETCH=prefetch and enc.aligned, NUM_THREADS=32 * num_warps)
+                VEC=16 // itemsize, PREFETCH=prefetch and enc.aligned, NUM_THREADS=32 * num_warps)
 
 
 def launch(enc: E.Encoded, counters: torch.Tensor, num_sms: int, token_ids, positions, slot_mapping, seq_lens,
@@ -541,4 +639,4 @@ def launch(enc: E.Encoded, counters: torch.Tensor, num_sms: int, token_ids, posi
         token_ids, positions, slot_mapping, seq_lens, block_tables, block_tables.stride(0),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), bs, S, counters if stamps is None else stamps,
         num_warps=num_warps, num_stages=1, TIMED=stamps is not None,
-        **{**block_sizes(S, enc, num_warps), **(sizes or {})})
+        **{**block_sizes(S, enc, num_warps, itemsize=kv_cache.element_size()), **(sizes or {})})

@@ -79,23 +79,24 @@ def filled_cache(engine):
     return torch.randn(kv_cache_shape(engine.config, 64, BLOCK_SIZE), dtype=engine.dtype)
 
 
-def run_kernel(s, engine, batch, cache):
-    """(logits, tokens, counters) of one step of schedule ``s`` run by the Triton kernel."""
+def run_kernel(s, engine, batch, cache, sizes=None):
+    """(logits, tokens, counters) of one step of schedule ``s`` run by the Triton kernel
+    (``sizes``: compile-time sizes other than the launch's own)."""
     buffers = encoding.activation_buffers(s, engine.dtype, "cpu")
     enc = encoding.encode(s, engine.params, buffers, engine.dtype, "cpu")
     counters = torch.zeros(max(1, s.num_counters), dtype=torch.int32)
     triton_kernel.launch(enc, counters, s.num_sms, batch.token_ids, batch.positions, batch.slot_mapping,
-                         batch.seq_lens, batch.block_tables, cache)
+                         batch.seq_lens, batch.block_tables, cache, sizes=sizes)
     rows = batch.seq_lens.shape[0]
     return buffers[s.logits][:rows], buffers[s.tokens][:rows, 0], counters
 
 
-def check_step(engine, s, batch):
+def check_step(engine, s, batch, sizes=None):
     """The kernel's logits, KV cache and tokens equal the interpreter's and the per-op
     program's."""
     cache = filled_cache(engine)
     kernel_cache, interp_cache, program_cache = cache.clone(), cache.clone(), cache.clone()
-    logits, tokens, counters = run_kernel(s, engine, batch, kernel_cache)
+    logits, tokens, counters = run_kernel(s, engine, batch, kernel_cache, sizes)
     want_logits, want_tokens = interpret(s, engine.params, batch, interp_cache)
     program_logits = engine.program(engine.params, batch, program_cache)
     torch.testing.assert_close(logits, want_logits, **TOL)
@@ -116,6 +117,17 @@ def test_the_kernel_computes_what_the_interpreter_and_the_program_compute(preset
         assert max(batch.seq_lens.tolist()) > engine.config.sliding_window
     assert max(batch.seq_lens.tolist()) > BLOCK_SIZE
     check_step(engine, schedule_for(engine, 1), batch)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama"])
+def test_streaming_in_many_small_chunks_computes_what_one_chunk_computes(preset, rows, tmp_path_factory):
+    """The tiny models' rows fit one K chunk at the launch's sizes; at 16 columns a K chunk and
+    16 keys an attention step, every weight stream crosses K chunks and column chunks (the
+    pipeline's next chunk of the same rows, and the next pass's first), and attention's
+    keys, values and block-table entries run ahead over several steps."""
+    engine = engine_of(preset, tmp_path_factory)
+    check_step(engine, schedule_for(engine, 1), decode_batch(rows), sizes=dict(BLOCK_K=16, BLOCK_KH=16, BLOCK_L=16))
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mistral"])

@@ -28,7 +28,7 @@ _ARG_TYPES = {"sm_ranges": "*i32", "instructions": "*i32", "wait_counters": "*i3
               "block_tables": "*i32", "prefetch": "*i64"}
 
 
-def launch_consts(rows: int, prefetch: bool = False) -> dict:
+def launch_consts(rows: int, prefetch: bool = False, dt: str = "bf16") -> dict:
     """What a launch passes as compile-time sizes for Qwen2.5-0.5B's shapes (head_dim 64, rows
     of 896 and 4,864, 132 lm_head tiles), as triton_kernel.block_sizes makes them."""
     from types import SimpleNamespace
@@ -36,7 +36,7 @@ def launch_consts(rows: int, prefetch: bool = False) -> dict:
     from compiled_llm.megakernel import triton_kernel
 
     enc = SimpleNamespace(max_head_dim=64, max_k=4864, max_tiles=132, aligned=True)
-    return triton_kernel.block_sizes(rows, enc, num_warps=8, prefetch=prefetch)
+    return triton_kernel.block_sizes(rows, enc, num_warps=8, prefetch=prefetch, itemsize=2 if dt == "bf16" else 4)
 
 
 @pytest.mark.parametrize("dt, rows", [("bf16", 1), ("fp32", 8)])
@@ -52,7 +52,7 @@ def test_the_kernel_compiles_for_sm90_with_acquire_waits_release_bumps_and_vecto
     from compiled_llm.megakernel import triton_kernel
 
     types = {**_ARG_TYPES, "kv_ptr": f"*{dt}"}
-    ptx = compile_for_sm90(triton_kernel.megakernel, launch_consts(rows), 8, lambda n: types.get(n, "i32"),
+    ptx = compile_for_sm90(triton_kernel.megakernel, launch_consts(rows, dt=dt), 8, lambda n: types.get(n, "i32"),
                            lambda n, t: t.startswith("*")).asm["ptx"]
     assert re.search(r"ld\.global\.gpu\.acquire\.b32|atom\.global\.gpu\.acquire", ptx)
     assert re.search(r"red\.global\.gpu\.release\.add|atom\.global\.gpu\.release\.add", ptx)
