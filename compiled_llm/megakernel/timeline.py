@@ -65,8 +65,9 @@ def measured(s: Schedule, stamps) -> tuple[Schedule, dict[str, float]]:
     of the flat record array (``flat_order``), from ``triton_kernel.launch(..., stamps=)``.
 
     What the time went to, summed over SMs in us: ``run:<letter>`` each kind's running time,
-    ``wait`` time spent waiting on counters, and ``step`` the step's wall time; an SM idle after
-    its last instruction is in none of them."""
+    ``wait`` the time from an instruction's dispatch until its counters are met (waiting on
+    them, after reading the op's tables and issuing the weight loads that need no counter), and
+    ``step`` the step's wall time; an SM idle after its last instruction is in none of them."""
     rows = [tuple(int(v) for v in row) for row in stamps]
     if len(rows) != len(s.instructions):
         raise ValueError(f"{len(rows)} stamps for a schedule of {len(s.instructions)} instructions")

@@ -94,15 +94,19 @@ def _round(x, DT: tl.constexpr):
 
 @triton.jit
 def _rstd(x_ptr, K, eps, S, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[ROWS] fp32: 1 / sqrt(mean(x^2) + eps) of each of the first S rows of x [*, K]."""
-    rows = tl.arange(0, ROWS)
-    acc = tl.zeros([ROWS, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        m = (rows < S)[:, None] & (ks < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc += x * x
-    return tl.rsqrt(tl.sum(acc, 1) / K + eps)
+    """[ROWS] fp32: 1 / sqrt(mean(x^2) + eps) of each of the first S rows of x [*, K]. A row at a
+    time on a 1-D chunk, so no index tensor changes layout inside the loop."""
+    sel = tl.arange(0, ROWS)
+    ss = tl.zeros([ROWS], tl.float32)
+    for t in tl.static_range(ROWS):
+        acc = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + t * K + ks, mask=ks < tl.where(t < S, K, 0), other=0.0,  # rows past S: none
+                        cache_modifier=".cg").to(tl.float32)
+            acc += x * x
+        ss = tl.where(sel == t, tl.sum(acc, 0), ss)
+    return tl.rsqrt(ss / K + eps)
 
 
 @triton.jit
@@ -130,6 +134,12 @@ def _w_chunk(w_ptr, rows0, rows1, mask0, mask1, k0, K, BLOCK_K: tl.constexpr, VE
 
 
 @triton.jit
+def _row_of(v, t, ROWS: tl.constexpr):
+    """Element ``t`` (a compile-time row) of the [ROWS] vector ``v``."""
+    return tl.sum(tl.where(tl.arange(0, ROWS) == t, v, 0.0), 0)
+
+
+@triton.jit
 def _gemv_pair(x_ptr, nw_ptr, has_norm, rstd, w_ptr, w, rows0, rows1, mask0, mask1, next0, next1, nmask0, nmask1,
                K, S, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
                DT: tl.constexpr, ALIGNED: tl.constexpr):
@@ -142,27 +152,35 @@ def _gemv_pair(x_ptr, nw_ptr, has_norm, rstd, w_ptr, w, rows0, rows1, mask0, mas
     Software-pipelined: ``w`` is these rows' first K chunk, already loaded (the caller loads the
     first before it waits for x, since weights never wait), and every step loads the next chunk
     before it uses the current one, the last step the first chunk of rows ``next0``/``next1``
-    (the tile's next pass; ``nmask*`` all false: none), which is returned with the products."""
+    (the tile's next pass; ``nmask*`` all false: none), which is returned with the products.
+
+    Every product keeps the weight tile's layout: each row of x is broadcast onto the tile
+    ([1, 1, KC, VEC]) and its product summed over the thread's own VEC elements into a
+    [BLOCK_N, 2, KC, ROWS] accumulator (rows on the last axis, selected with a where, as
+    triton_gemv's int4 steps do). A rows axis in front of the tile would make every step move
+    the whole tile through shared memory into the product's layout."""
     if ALIGNED:  # K is a multiple of 16 (the encoding checked): say so, for whole-vector masks
         K = K // 16 * 16
     KC: tl.constexpr = BLOCK_K // VEC
-    rows = tl.arange(0, ROWS)
-    acc = tl.zeros([ROWS, BLOCK_N, 2, KC], tl.float32)  # a thread's vector summed each step, K at the end
+    at_row = tl.arange(0, ROWS)[None, None, None, :]
+    acc = tl.zeros([BLOCK_N, 2, KC, ROWS], tl.float32)  # a thread's vector summed each step, K at the end
     for k0 in range(0, K, BLOCK_K):
         last = k0 + BLOCK_K >= K
         w_next = _w_chunk(w_ptr, tl.where(last, next0, rows0), tl.where(last, next1, rows1),
                           tl.where(last, nmask0, mask0), tl.where(last, nmask1, mask1),
                           tl.where(last, 0, k0 + BLOCK_K), K, BLOCK_K, VEC, ALIGNED)
         ks = k0 + tl.arange(0, KC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-        kmask = ks < K
-        x = tl.load(x_ptr + rows[:, None, None] * K + ks[None, :, :], mask=(rows < S)[:, None, None] & kmask[None],
-                    other=0.0, cache_modifier=".cg").to(tl.float32)
-        if has_norm:
-            nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-            x = _round(_round(x * rstd[:, None, None], DT) * nw[None], DT)
-        acc += tl.sum(x[:, None, None, :, :] * w.to(tl.float32)[None], 4)
+        wf = w.to(tl.float32)
+        nw = tl.load(nw_ptr + ks, mask=ks < tl.where(has_norm, K, 0), other=0.0).to(tl.float32)
+        for t in tl.static_range(ROWS):
+            x = tl.load(x_ptr + t * K + ks, mask=ks < tl.where(t < S, K, 0), other=0.0,  # rows past S: none
+                        cache_modifier=".cg").to(tl.float32)
+            if has_norm:
+                x = _round(_round(x * _row_of(rstd, t, ROWS), DT) * nw, DT)
+            part = tl.sum(wf * x[None, None, :, :], 3, keep_dims=True)
+            acc = tl.where(at_row == t, acc + part, acc)
         w = w_next
-    y0, y1 = tl.split(tl.sum(acc, 3))
+    y0, y1 = tl.split(tl.permute(tl.sum(acc, 2), (2, 0, 1)))  # [ROWS, BLOCK_N, 2] -> two [ROWS, BLOCK_N]
     return y0, y1, w
 
 
@@ -536,8 +554,8 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
                op_addr, op_int, op_flt, prefetch,
                token_ids, positions, slot_mapping, seq_lens, block_tables, bt_stride,
                kv_ptr, kv_layer_stride, kv_half_stride, block_size, S, stamps,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_NL: tl.constexpr,
+               BLOCK_KL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
                VEC: tl.constexpr, ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, NUM_THREADS: tl.constexpr,
                PREFETCH_CHUNK: tl.constexpr = 16384, TIMED: tl.constexpr = False):
     """``TIMED``: each instruction writes when it began waiting, began running and ended
@@ -589,11 +607,11 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
         elif kind == _K_LINEAR:
             _linear(op_addr, op_int, op, c0, c1, S,
                     wait_counters, wait_values, counters, w0, nw, stamps, i,
-                    ROWS, BLOCK_N, BLOCK_K, VEC, DT, ALIGNED, TIMED)
+                    ROWS, BLOCK_NL, BLOCK_KL, VEC, DT, ALIGNED, TIMED)
         elif kind == _K_LM_HEAD:
             _lm_head(op_addr, op_int, op_flt, op, tile, c0, c1, S,
-                     wait_counters, wait_values, counters, w0, nw, stamps, i, ROWS, BLOCK_N, BLOCK_K, VEC, DT, ALIGNED,
-                     TIMED)
+                     wait_counters, wait_values, counters, w0, nw, stamps, i, ROWS, BLOCK_NL, BLOCK_KL, VEC, DT,
+                     ALIGNED, TIMED)
         elif kind == _K_ARGMAX:
             _argmax(op_addr, op_int, op, S,
                     wait_counters, wait_values, counters, w0, nw, stamps, i, ROWS, BLOCK_V, TIMED)
@@ -605,21 +623,28 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
 
 
 def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = False, itemsize: int = 2) -> dict:
-    """The kernel's compile-time sizes for a step of ``rows`` rows: a GEMV step's product tile
-    ([ROWS, BLOCK_N, 2, K block]) is 16K fp32 elements (64 a thread at 8 warps), so the fewer the
-    rows the longer the K block; an attention step holds BLOCK_L keys and values (32: 128 was
+    """The kernel's compile-time sizes for a step of ``rows`` rows. A GEMV step streams a
+    [rows, 2, K block] weight tile of 8K elements at 1-2 rows (16 KB in bf16, 32 a thread at 8
+    warps, and as many again for the next step's; fewer at more rows, whose accumulators grow): glu 16 rows of gate and of up (BLOCK_N, BLOCK_K), q/k/v a
+    head's two halves (BLOCK_H, BLOCK_KH), o/down/lm_head two chunks of 8 columns (BLOCK_NL,
+    BLOCK_KL: the o and down tiles of the small models are 16 columns, and two chunks of 16 would
+    leave half of each pass masked). An attention step holds BLOCK_L keys and values (32: 128 was
     slower on an H200). ``prefetch``: the L2 prefetch (aligned weights only). ``itemsize``: the
-    model dtype's bytes (a thread's weight vector is 16 bytes, VEC elements)."""
+    model dtype's bytes; a thread's weight vector is 16 bytes (VEC elements) when the weights are
+    aligned, else one element."""
     ROWS = triton.next_power_of_2(max(rows, 1))
-    BLOCK_N = 16
+    BLOCK_N, BLOCK_NL = 16, 8
     BLOCK_H = triton.next_power_of_2(max(enc.max_head_dim // 2, 1))
     widest = triton.next_power_of_2(enc.max_k)
-    BLOCK_D = triton.next_power_of_2(enc.max_head_dim)
-    return dict(ROWS=ROWS, BLOCK_N=BLOCK_N, BLOCK_K=max(16, min(widest, 8192 // (BLOCK_N * ROWS))),
-                BLOCK_H=BLOCK_H, BLOCK_KH=max(16, min(widest, 8192 // (BLOCK_H * ROWS))),
-                BLOCK_D=BLOCK_D, BLOCK_L=32,
-                BLOCK_V=triton.next_power_of_2(enc.max_tiles), ALIGNED=enc.aligned,
-                VEC=16 // itemsize, PREFETCH=prefetch and enc.aligned, NUM_THREADS=32 * num_warps)
+
+    def k_block(weight_rows: int) -> int:  # the accumulator holds a K block's vectors for every row
+        return max(16, min(widest, 8192 // weight_rows // max(1, ROWS // 2)))
+
+    return dict(ROWS=ROWS, BLOCK_N=BLOCK_N, BLOCK_K=k_block(BLOCK_N), BLOCK_NL=BLOCK_NL, BLOCK_KL=k_block(BLOCK_NL),
+                BLOCK_H=BLOCK_H, BLOCK_KH=k_block(BLOCK_H), BLOCK_D=triton.next_power_of_2(enc.max_head_dim),
+                BLOCK_L=32, BLOCK_V=triton.next_power_of_2(enc.max_tiles), ALIGNED=enc.aligned,
+                VEC=16 // itemsize if enc.aligned else 1, PREFETCH=prefetch and enc.aligned,
+                NUM_THREADS=32 * num_warps)
 
 
 def launch(enc: E.Encoded, counters: torch.Tensor, num_sms: int, token_ids, positions, slot_mapping, seq_lens,

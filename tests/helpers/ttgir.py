@@ -32,10 +32,9 @@ def compile_for_sm90(kernel, consts: dict, num_warps: int, arg_type: Callable[[s
                                                                            "num_stages": num_stages})
 
 
-def innermost_loop_conversions(ttgir: str) -> int:
-    """convert_layout ops inside innermost scf.for bodies (the streaming loops): each one a round
-    trip of a tile through shared memory in every iteration."""
-    lines, count = ttgir.splitlines(), 0
+def innermost_loop_bodies(ttgir: str) -> list[list[str]]:
+    """The lines of each innermost scf.for body (the streaming loops)."""
+    lines, bodies = ttgir.splitlines(), []
     for start, line in enumerate(lines):
         if "scf.for" not in line:
             continue
@@ -46,5 +45,11 @@ def innermost_loop_conversions(ttgir: str) -> int:
             if depth <= 0:
                 break
         if not any("scf.for" in b for b in body[1:]):
-            count += sum("ttg.convert_layout" in b for b in body)
-    return count
+            bodies.append(body)
+    return bodies
+
+
+def innermost_loop_conversions(ttgir: str) -> int:
+    """convert_layout ops inside innermost scf.for bodies (the streaming loops): each one a round
+    trip of a tile through shared memory in every iteration."""
+    return sum("ttg.convert_layout" in line for body in innermost_loop_bodies(ttgir) for line in body)

@@ -91,3 +91,30 @@ def test_the_prefetching_form_asks_l2_for_the_next_weights_by_bulk_copy_and_the_
         ptx = compile_for_sm90(triton_kernel.megakernel, launch_consts(1, prefetch), 8,
                                lambda n: types.get(n, "i32"), lambda n, t: t.startswith("*")).asm["ptx"]
         assert ("cp.async.bulk.prefetch.L2.global" in ptx) == prefetch
+
+
+@pytest.mark.parametrize("dt, rows", [("bf16", 1), ("bf16", 8), ("fp32", 1)])
+def test_no_weight_tile_changes_layout_inside_a_streaming_loop(dt, rows):
+    """A layout conversion inside a K loop is a round trip through shared memory every step.
+    The weight tiles (8K elements a step) must be used in the layout they are loaded in; what
+    may still be converted is an x chunk (a K block of one row) or the embed's few indices."""
+    import re
+
+    from helpers.interpret_child import require_compiled_kernels
+    from helpers.ttgir import compile_for_sm90, innermost_loop_bodies
+
+    require_compiled_kernels()
+    from compiled_llm.megakernel import triton_kernel
+
+    consts = launch_consts(rows, dt=dt)
+    types = {**_ARG_TYPES, "kv_ptr": f"*{dt}"}
+    ttgir = compile_for_sm90(triton_kernel.megakernel, consts, 8, lambda n: types.get(n, "i32"),
+                             lambda n, t: t.startswith("*")).asm["ttgir"]
+    largest_x_chunk = max(consts["BLOCK_K"], consts["BLOCK_KL"], consts["BLOCK_KH"])
+    converted = []
+    for body in innermost_loop_bodies(ttgir):
+        for line in body:
+            if "ttg.convert_layout" in line:
+                dims = re.search(r"tensor<([0-9x]+)x[a-z]", line).group(1).split("x")
+                converted.append(eval("*".join(dims)))  # noqa: S307 (digits and x only)
+    assert converted and max(converted) <= largest_x_chunk, sorted(converted)
