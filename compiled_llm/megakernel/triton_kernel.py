@@ -188,13 +188,18 @@ def _gemv_pair(x_ptr, nw_ptr, has_norm, rstd, w_ptr, w, rows0, rows1, mask0, mas
 def _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED: tl.constexpr):
     """Spin until each of instruction ``i``'s counters reaches its value (an atomic add of 0 with
     acquire semantics, so what the producing tiles wrote before their release bump is visible),
-    then a CTA barrier; TIMED, stamp when it ran (``stamps[i, 1]``)."""
-    for j in range(w0, w0 + nw):
-        c = tl.load(wait_counters + j)
-        want = tl.load(wait_values + j)
-        seen = tl.atomic_add(counters + c, 0, sem="acquire")
-        while seen < want:
-            seen = tl.atomic_add(counters + c, 0, sem="acquire")
+    then a CTA barrier (which orders every thread's later reads after every thread's acquire);
+    TIMED, stamp when it ran (``stamps[i, 1]``). Up to 8 counters are polled at once, one
+    atomic a thread: a tile that waits for 3 (an attention head's q, k and v) or 8 tiles pays
+    one round trip to L2 when they are done, not one each."""
+    for j0 in range(w0, w0 + nw, 8):
+        js = j0 + tl.arange(0, 8)
+        m = js < w0 + nw
+        cs = tl.load(wait_counters + js, mask=m, other=0)
+        want = tl.load(wait_values + js, mask=m, other=0)
+        seen = tl.atomic_add(counters + cs, tl.zeros_like(cs), mask=m, sem="acquire")
+        while tl.max(tl.where(m & (seen < want), 1, 0), 0) > 0:
+            seen = tl.atomic_add(counters + cs, tl.zeros_like(cs), mask=m, sem="acquire")
     tl.debug_barrier()
     if TIMED:
         tl.store(stamps + 3 * i + 1, _globaltimer())
