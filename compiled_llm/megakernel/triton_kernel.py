@@ -629,8 +629,8 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
 
 def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = False, itemsize: int = 2) -> dict:
     """The kernel's compile-time sizes for a step of ``rows`` rows. A GEMV step streams a
-    [rows, 2, K block] weight tile of 8K elements at 1-2 rows (16 KB in bf16, 32 a thread at 8
-    warps, and as many again for the next step's; fewer at more rows, whose accumulators grow): glu 16 rows of gate and of up (BLOCK_N, BLOCK_K), q/k/v a
+    [rows, 2, K block] weight tile of up to 8K elements (16 KB in bf16, 32 a thread at 8 warps,
+    and as many again for the next step's; fewer at more rows, whose accumulators grow): glu 16 rows of gate and of up (BLOCK_N, BLOCK_K), q/k/v a
     head's two halves (BLOCK_H, BLOCK_KH), o/down/lm_head two chunks of 8 columns (BLOCK_NL,
     BLOCK_KL: the o and down tiles of the small models are 16 columns, and two chunks of 16 would
     leave half of each pass masked). An attention step holds BLOCK_L keys and values (32: 128 was
@@ -642,13 +642,17 @@ def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = 
     BLOCK_H = triton.next_power_of_2(max(enc.max_head_dim // 2, 1))
     widest = triton.next_power_of_2(enc.max_k)
 
-    def k_block(weight_rows: int) -> int:  # the accumulator holds a K block's vectors for every row
-        return max(16, min(widest, 8192 // weight_rows // max(1, ROWS // 2)))
+    vec = 16 // itemsize if enc.aligned else 1
+
+    def k_block(weight_rows: int) -> int:
+        """At most 8K weight elements a step, and an accumulator (2 sets x weight_rows x
+        K block / VEC x ROWS) of at most 4K fp32: 16 a thread."""
+        return max(16, min(widest, 8192 // weight_rows, 4096 // (2 * weight_rows * ROWS) * vec))
 
     return dict(ROWS=ROWS, BLOCK_N=BLOCK_N, BLOCK_K=k_block(BLOCK_N), BLOCK_NL=BLOCK_NL, BLOCK_KL=k_block(BLOCK_NL),
                 BLOCK_H=BLOCK_H, BLOCK_KH=k_block(BLOCK_H), BLOCK_D=triton.next_power_of_2(enc.max_head_dim),
                 BLOCK_L=32, BLOCK_V=triton.next_power_of_2(enc.max_tiles), ALIGNED=enc.aligned,
-                VEC=16 // itemsize if enc.aligned else 1, PREFETCH=prefetch and enc.aligned,
+                VEC=vec, PREFETCH=prefetch and enc.aligned,
                 NUM_THREADS=32 * num_warps)
 
 

@@ -130,6 +130,15 @@ def test_streaming_in_many_small_chunks_computes_what_one_chunk_computes(preset,
     check_step(engine, schedule_for(engine, 1), decode_batch(rows), sizes=dict(BLOCK_K=16, BLOCK_KH=16, BLOCK_L=16))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_unaligned_weights_stream_element_by_element_and_compute_the_same(rows, tmp_path_factory):
+    """A model whose weights are not 16-byte aligned runs the element-load form (no alignment
+    hints, one element a thread's vector): it must compute what the vector form computes."""
+    engine = engine_of("tiny-qwen3", tmp_path_factory)
+    check_step(engine, schedule_for(engine, 1), decode_batch(rows), sizes=dict(ALIGNED=False, VEC=1, BLOCK_K=32,
+                                                                               BLOCK_KL=32, BLOCK_KH=16))
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mistral"])
 def test_waits_and_bumps_of_a_many_sm_schedule_run_and_every_counter_ends_at_its_bumpers(preset, tmp_path_factory):
     engine = engine_of(preset, tmp_path_factory)
