@@ -629,7 +629,7 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
 
 def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = False, itemsize: int = 2) -> dict:
     """The kernel's compile-time sizes for a step of ``rows`` rows. A GEMV step streams a
-    [rows, 2, K block] weight tile of up to 8K elements (16 KB in bf16, 32 a thread at 8 warps,
+    [rows, 2, K block] weight tile of up to 16K elements (32 KB in bf16, 64 a thread at 8 warps,
     and as many again for the next step's; fewer at more rows, whose accumulators grow): glu 16 rows of gate and of up (BLOCK_N, BLOCK_K), q/k/v a
     head's two halves (BLOCK_H, BLOCK_KH), o/down/lm_head two chunks of 8 columns (BLOCK_NL,
     BLOCK_KL: the o and down tiles of the small models are 16 columns, and two chunks of 16 would
@@ -645,8 +645,9 @@ def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = 
     vec = 16 // itemsize if enc.aligned else 1
 
     def k_block(weight_rows: int) -> int:
-        """At most 8K weight elements a step, and an accumulator (2 sets x weight_rows x
-        K block / VEC x ROWS) of at most 4K fp32: 16 a thread."""
+        """At most 16K weight elements a step (2 sets x weight_rows x K block), and an
+        accumulator (2 x weight_rows x K block / VEC x ROWS) of at most 4K fp32, 16 a thread,
+        except where the 16-column floor overrides it (unaligned weights at 5-8 rows)."""
         return max(16, min(widest, 8192 // weight_rows, 4096 // (2 * weight_rows * ROWS) * vec))
 
     return dict(ROWS=ROWS, BLOCK_N=BLOCK_N, BLOCK_K=k_block(BLOCK_N), BLOCK_NL=BLOCK_NL, BLOCK_KL=k_block(BLOCK_NL),

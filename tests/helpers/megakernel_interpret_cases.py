@@ -139,6 +139,25 @@ def test_unaligned_weights_stream_element_by_element_and_compute_the_same(rows, 
                                                                                BLOCK_KL=32, BLOCK_KH=16))
 
 
+def test_an_instruction_waiting_for_more_than_8_counters_polls_them_in_groups(tmp_path_factory):
+    """A wait list longer than one poll (8 counters) is polled 8 at a time: the argmax here also
+    waits for every counter the step bumps, at the value it ends at, and still runs."""
+    engine = engine_of("tiny-qwen3", tmp_path_factory)
+    s = on_one_sm(schedule_for(engine, 5))
+    bumpers = [0] * s.num_counters
+    for ins in s.instructions:
+        for c in ins.bumps:
+            bumpers[c] += 1
+    assert s.num_counters > 8
+    last = len(s.instructions) - 1
+    assert s.ops[s.instructions[last].op].kind == "argmax"
+    all_waits = tuple((c, n) for c, n in enumerate(bumpers) if n and c not in s.instructions[last].bumps)
+    assert len(all_waits) > 8
+    waited = dataclasses.replace(s.instructions[last], waits=all_waits)
+    s = dataclasses.replace(s, instructions=s.instructions[:last] + (waited,))
+    check_step(engine, s, decode_batch(2))
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mistral"])
 def test_waits_and_bumps_of_a_many_sm_schedule_run_and_every_counter_ends_at_its_bumpers(preset, tmp_path_factory):
     engine = engine_of(preset, tmp_path_factory)
