@@ -560,7 +560,8 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
                token_ids, positions, slot_mapping, seq_lens, block_tables, bt_stride,
                kv_ptr, kv_layer_stride, kv_half_stride, block_size, S, stamps,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_NL: tl.constexpr,
-               BLOCK_KL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
+               BLOCK_KL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
                VEC: tl.constexpr, ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, NUM_THREADS: tl.constexpr,
                PREFETCH_CHUNK: tl.constexpr = 16384, TIMED: tl.constexpr = False):
     """``TIMED``: each instruction writes when it began waiting, began running and ended
@@ -628,15 +629,15 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
 
 
 def block_sizes(rows: int, enc: E.Encoded, num_warps: int = 8, prefetch: bool = False, itemsize: int = 2) -> dict:
-    """The kernel's compile-time sizes for a step of ``rows`` rows. A GEMV step streams a
-    [rows, 2, K block] weight tile of up to 16K elements (32 KB in bf16, 64 a thread at 8 warps,
-    and as many again for the next step's; fewer at more rows, whose accumulators grow): glu 16 rows of gate and of up (BLOCK_N, BLOCK_K), q/k/v a
-    head's two halves (BLOCK_H, BLOCK_KH), o/down/lm_head two chunks of 8 columns (BLOCK_NL,
-    BLOCK_KL: the o and down tiles of the small models are 16 columns, and two chunks of 16 would
-    leave half of each pass masked). An attention step holds BLOCK_L keys and values (32: 128 was
-    slower on an H200). ``prefetch``: the L2 prefetch (aligned weights only). ``itemsize``: the
-    model dtype's bytes; a thread's weight vector is 16 bytes (VEC elements) when the weights are
-    aligned, else one element."""
+    """The kernel's compile-time sizes for a step of ``rows`` rows. A GEMV step streams a [rows, 2, K
+    block] weight tile of up to 16K elements (32 KB in bf16, 64 a thread at 8 warps, and as many
+    again for the next step's; fewer at more rows, whose accumulators grow): glu 16 rows of gate
+    and of up (BLOCK_N, BLOCK_K), q/k/v a head's two halves (BLOCK_H, BLOCK_KH), o/down/lm_head
+    two chunks of 8 columns (BLOCK_NL, BLOCK_KL: the o and down tiles of the small models are 16
+    columns, and two chunks of 16 would leave half of each pass masked). An attention step holds
+    BLOCK_L keys and values (32: 128 was slower on an H200). ``prefetch``: the L2 prefetch
+    (aligned weights only). ``itemsize``: the model dtype's bytes; a thread's weight vector is
+    16 bytes (VEC elements) when the weights are aligned, else one element."""
     ROWS = triton.next_power_of_2(max(rows, 1))
     BLOCK_N, BLOCK_NL = 16, 8
     BLOCK_H = triton.next_power_of_2(max(enc.max_head_dim // 2, 1))
