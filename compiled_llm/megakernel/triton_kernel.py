@@ -197,9 +197,10 @@ def _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED: tl.con
         m = js < w0 + nw
         cs = tl.load(wait_counters + js, mask=m, other=0)
         want = tl.load(wait_values + js, mask=m, other=0)
-        seen = tl.atomic_add(counters + cs, tl.zeros_like(cs), mask=m, sem="acquire")
-        while tl.max(tl.where(m & (seen < want), 1, 0), 0) > 0:
+        pending = 1
+        while pending > 0:  # a scalar carried, not the tensor: Triton 3.6 fails to compile the latter
             seen = tl.atomic_add(counters + cs, tl.zeros_like(cs), mask=m, sem="acquire")
+            pending = tl.max(tl.where(m & (seen < want), 1, 0), 0)
     tl.debug_barrier()
     if TIMED:
         tl.store(stamps + 3 * i + 1, _globaltimer())

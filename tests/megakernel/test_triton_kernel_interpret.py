@@ -112,10 +112,11 @@ def test_no_weight_tile_changes_layout_inside_a_streaming_loop(dt, rows, aligned
     ttgir = compile_for_sm90(triton_kernel.megakernel, consts, 8, lambda n: types.get(n, "i32"),
                              lambda n, t: t.startswith("*")).asm["ttgir"]
     largest_x_chunk = max(consts["BLOCK_K"], consts["BLOCK_KL"], consts["BLOCK_KH"])
-    converted = []
-    for body in innermost_loop_bodies(ttgir):
+    converted, bodies = [], innermost_loop_bodies(ttgir)
+    assert bodies
+    for body in bodies:
         for line in body:
             if "ttg.convert_layout" in line:
                 dims = re.search(r"tensor<((?:\d+x)+)", line).group(1).rstrip("x").split("x")
                 converted.append(eval("*".join(dims)))  # noqa: S307 (digits and x only)
-    assert converted and max(converted) <= largest_x_chunk, sorted(converted)
+    assert max(converted, default=0) <= largest_x_chunk, sorted(converted)
