@@ -1,8 +1,9 @@
 """The megakernel backend: a decode step as one list of instructions per SM.
 
 The post-pass decode graph is lowered into ops (one per fused op: norm + q/k/v + RoPE + KV
-store, attention, o + residual, norm + gate/up + activation, down + residual, the lm_head with
-its argmax), each cut into tiles of its output columns. The scheduler assigns the tiles to SMs
+store, attention split along the context and the combine of its splits, o + residual, norm +
+gate/up + activation, down + residual, the lm_head with its argmax), each cut into tiles of its
+output columns. The scheduler assigns the tiles to SMs
 and records what each waits for as counters in global memory that it waits on and bumps. The
 result is plain data stored in the engine, and a CPU interpreter runs it with the reference ops
 so that the dependency logic is tested on CPU like everything else; on a GPU one launch of

@@ -21,7 +21,9 @@ from compiled_llm.megakernel.schedule import Schedule, kv_layer
 _SHAPE = {
     "embed": (0, 1, ("cols",), ("weight",)),
     "qkv_rope": (1, 2, ("num_heads", "num_kv_heads", "head_dim", "eps", "norm_eps"), ("weight",)),
-    "attention": (2, 1, ("num_heads", "num_kv_heads", "head_dim", "layer", "scale", "sliding_window", "softcap"), ()),
+    "attention": (2, 1, ("num_heads", "num_kv_heads", "head_dim", "layer", "scale", "sliding_window", "softcap",
+                         "splits"), ()),
+    "attention_combine": (1, 1, ("num_heads", "head_dim", "splits"), ()),
     "glu": (1, 1, ("cols", "eps", "activation"), ("norm", "weight")),
     "linear": (None, 1, ("cols",), ("weight",)),
     "lm_head": (1, 3, ("cols", "eps"), ("norm", "weight")),
@@ -46,9 +48,11 @@ def check_ops(s: Schedule) -> None:
         missing = [a for a in attrs if a not in op.attrs] + [r for r in roles if r not in op.params]
         if missing:
             raise ScheduleError(f"op {k} ({op.label}) lacks {missing[0]}")
-        for a in ("cols", "num_heads", "num_kv_heads", "head_dim"):
+        for a in ("cols", "num_heads", "num_kv_heads", "head_dim", "splits"):
             if a in attrs and (type(op.attrs[a]) is not int or op.attrs[a] < 1):
                 raise ScheduleError(f"op {k} ({op.label}) has {a} {op.attrs[a]!r}, not a positive integer")
+        if "splits" in attrs and op.attrs["splits"] > tiling.MAX_SPLITS:  # the kernel's combine holds that many
+            raise ScheduleError(f"op {k} ({op.label}) has {op.attrs['splits']} splits, more than {tiling.MAX_SPLITS}")
         if op.kind == "attention" and (type(op.attrs["layer"]) is not int or op.attrs["layer"] < 0):
             raise ScheduleError(f"op {k} ({op.label}) has layer {op.attrs['layer']!r}, not a layer's index")
         if op.kind in ("qkv_rope", "attention") and op.attrs["num_heads"] % op.attrs["num_kv_heads"]:
@@ -68,9 +72,13 @@ def _check_tiling(s: Schedule, k: int, op) -> None:
             raise ScheduleError(f"op {k} ({op.label}) names {kv} as its layer's KV cache")
         q = op.outputs[0] if op.kind == "qkv_rope" else op.inputs[0]
         want = {q: nh * hd, kv: 2 * nkv}
-        tiles, width = (nh + 2 * nkv, hd) if op.kind == "qkv_rope" else (nh, hd)
+        tiles, width = (nh + 2 * nkv, hd) if op.kind == "qkv_rope" else (nh * a["splits"], hd + 2)
         if op.kind == "attention":
-            want[op.outputs[0]] = nh * hd
+            want[op.outputs[0]] = nh * a["splits"] * (hd + 2)
+    elif op.kind == "attention_combine":
+        nh, hd = a["num_heads"], a["head_dim"]
+        want = {op.inputs[0]: nh * a["splits"] * (hd + 2), op.outputs[0]: nh * hd}
+        tiles, width = nh, hd
     elif op.kind == "argmax":
         want = {op.inputs[1]: cols[op.inputs[0]], op.outputs[0]: 1}
         tiles, width = 1, 1
@@ -84,6 +92,9 @@ def _check_tiling(s: Schedule, k: int, op) -> None:
     for name, n in want.items():
         if cols.get(name) != n:
             raise ScheduleError(f"op {k} ({op.label}) needs {name} {n} wide, not {cols.get(name)}")
+    partials = op.outputs[0] if op.kind == "attention" else op.inputs[0] if op.kind == "attention_combine" else None
+    if partials is not None and s.buffer(partials).dtype != "float32":  # the kernel stores and reads them as fp32
+        raise ScheduleError(f"op {k} ({op.label}) needs {partials} of float32, not {s.buffer(partials).dtype}")
     if (op.tiles, op.tile_cols) != (tiles, width):
         raise ScheduleError(f"op {k} ({op.label}) has {op.tiles} tiles of {op.tile_cols}; its output takes {tiles} "
                             f"of {width}")

@@ -14,12 +14,16 @@ activation buffers do not move) and read by the kernel with plain loads:
   op_addrs      int64 [ops, ADDR_SLOTS] data_ptr of each op's weights (WEIGHT, BIAS, NORM, ...)
                                         and activation buffers (IN0, IN1, OUT0..2); 0 for none
   op_ints       int32 [ops, INT_SLOTS]  K (input width), N (output width), heads, head_dim,
-                                        layer, sliding window, activation code, has-* flags
+                                        layer, sliding window, activation code, has-* flags,
+                                        attention's splits
   op_floats     float32 [ops, FLOAT_SLOTS]  eps, norm_eps, scale, softcap
   prefetch      int64 [n, 4]            per instruction, in the records' order: two (address,
                                         bytes) ranges of the weight rows it reads, which the
                                         kernel asks into L2 while the SM still waits for or
                                         runs the instruction before (0 bytes: nothing)
+
+Split attention: an attention op's OUT0 is its float32 partial buffer (per (head, split): m, l,
+acc[head_dim]), which is its combine op's IN0; the combine's OUT0 is the attention output.
 
 Activation buffers are [max_rows, cols], contiguous (a row's stride is its width); the KV cache is
 not a buffer here: the kernel takes it as an argument (it may move between calls) and an op
@@ -49,8 +53,8 @@ A_WEIGHT, A_BIAS, A_NORM, A_Q_NORM, A_K_NORM, A_COS_SIN, A_IN0, A_IN1, A_OUT0, A
 ADDR_SLOTS = 11
 # op int slots
 (I_KIND, I_K, I_N, I_HEADS, I_KV_HEADS, I_HEAD_DIM, I_LAYER, I_WINDOW, I_ACTIVATION, I_HAS_BIAS, I_HAS_RESIDUAL,
- I_HAS_NORM, I_HAS_Q_NORM, I_HAS_K_NORM, I_HAS_ROPE, I_TILES) = range(16)
-INT_SLOTS = 16
+ I_HAS_NORM, I_HAS_Q_NORM, I_HAS_K_NORM, I_HAS_ROPE, I_TILES, I_SPLITS) = range(17)
+INT_SLOTS = 17
 # op float slots
 F_EPS, F_NORM_EPS, F_SCALE, F_SOFTCAP = range(4)
 FLOAT_SLOTS = 4
@@ -90,7 +94,8 @@ def activation_buffers(s: Schedule, dtype: torch.dtype, device) -> dict[str, Ten
 def instruction_record(s: Schedule, index: int) -> tuple[int, int, int, int, int]:
     """(kind code, op, tile, col0, col1) of instruction ``index``: the output columns a
     column-tiled op's tile computes; qkv_rope: the rows of its head in the q/k/v weight;
-    attention: its head's columns."""
+    attention: its (head, split)'s columns of the partial buffer; attention_combine: its head's
+    output columns."""
     ins = s.instructions[index]
     op = s.ops[ins.op]
     if op.kind == "qkv_rope":
@@ -98,9 +103,8 @@ def instruction_record(s: Schedule, index: int) -> tuple[int, int, int, int, int
         part, h = tiling.qkv_part(op, ins.tile)
         first = {"q": h, "k": nh + h, "v": nh + nkv + h}[part] * hd
         c0, c1 = first, first + hd
-    elif op.kind == "attention":
-        hd = op.attrs["head_dim"]
-        c0, c1 = ins.tile * hd, (ins.tile + 1) * hd
+    elif op.kind in ("attention", "attention_combine"):
+        c0, c1 = ins.tile * op.tile_cols, (ins.tile + 1) * op.tile_cols
     elif op.kind == "argmax":
         c0, c1 = 0, 1
     else:
@@ -125,8 +129,8 @@ def encode_instructions(s: Schedule) -> tuple[list[list[int]], list[list[int]], 
 def weight_ranges(s: Schedule, index: int, params: Mapping[str, Tensor]) -> list[tuple[int, int]]:
     """The (address, bytes) ranges of the weight rows instruction ``index`` reads, at most two,
     together at most PREFETCH_BYTES (the first rows of each): a column tile reads rows [col0,
-    col1), glu those and the up half's, a q/k/v tile its head's rows; attention, embed (its row
-    is the token's) and argmax read no weight rows known ahead."""
+    col1), glu those and the up half's, a q/k/v tile its head's rows; attention and its combine,
+    embed (its row is the token's) and argmax read no weight rows known ahead."""
     ins = s.instructions[index]
     op = s.ops[ins.op]
     if op.kind not in ("qkv_rope", "glu", "linear", "lm_head"):
@@ -178,6 +182,10 @@ def op_tables(s: Schedule, op: Op, params: Mapping[str, Tensor], buffers: Mappin
         if cos_sin is not None and params[cos_sin].shape[1] != ints[I_HEAD_DIM]:
             raise ValueError(f"the megakernel rotates whole heads: {cos_sin} is not [positions, head_dim]")
         floats[F_EPS], floats[F_NORM_EPS] = float(a["eps"]), float(a["norm_eps"])
+    if op.kind == "attention_combine":
+        ints[I_HEADS], ints[I_HEAD_DIM] = a["num_heads"], a["head_dim"]
+    if op.kind in ("attention", "attention_combine"):
+        ints[I_SPLITS] = a["splits"]
     if op.kind == "attention":
         ints[I_WINDOW] = int(a["sliding_window"] or 0)
         floats[F_SCALE], floats[F_SOFTCAP] = float(a["scale"]), float(a["softcap"] or 0.0)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from compiled_llm.graph.fused_ops import glu_activation_ref
-from compiled_llm.graph.ops import paged_attention_read_ref, rms_norm_ref, rotary_ref
+from compiled_llm.graph.ops import rms_norm_ref, rotary_ref, soft_cap
 from compiled_llm.megakernel import tiling
 from compiled_llm.megakernel.check import ScheduleError
 from compiled_llm.megakernel.schedule import Op, Schedule, is_kv, kv_layer
@@ -107,16 +107,68 @@ def _qkv_rope(st: _Step, op: Op, tile: int) -> None:
     flat[slots[keep], h] = y[keep, 0].to(flat.dtype)
 
 
+# an empty split's running max: finite, so the combine's exp(m - M) is 0 beside any real score
+# and 1 when every split is empty (then the denominator is 0 and the output 0)
+EMPTY_MAX = -1.0e30
+
+
+def attention_partial_ref(q: Tensor, cache: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float,
+                          sliding_window: int, softcap: float, splits: int, split: int) -> Tensor:
+    """[rows, head_dim + 2] fp32: each decode row's (m, l, acc) over the positions of split
+    ``split`` (tiling.split_span) of its context, for one query head: q [rows, head_dim], cache
+    [2, num_blocks, block_size, head_dim] (its KV group's keys and values). m is the largest
+    scaled, softcapped score, l the sum of exp(score - m), acc the sum of exp(score - m) * v:
+    what paged_attention_read_ref's softmax is made of, the keys gathered through the block
+    table as it gathers them. An empty split is (EMPTY_MAX, 0, 0)."""
+    block_size, hd = cache.shape[2], cache.shape[3]
+    out = torch.zeros(q.shape[0], hd + 2, dtype=torch.float32, device=q.device)
+    out[:, 0] = EMPTY_MAX
+    for r, ctx in enumerate(seq_lens.tolist()):
+        lo, hi = tiling.split_span(ctx, sliding_window or 0, splits, split)
+        if lo == hi:
+            continue
+        pos = torch.arange(lo, hi, device=q.device)
+        blocks = block_tables[r, pos // block_size].long()
+        k, v = (cache[i, blocks, pos % block_size].float() for i in (0, 1))  # [n, hd]
+        scores = soft_cap((k @ q[r].float()) * scale, softcap or 0.0)
+        m = scores.max()
+        p = torch.exp(scores - m)
+        out[r, 0], out[r, 1], out[r, 2:] = m, p.sum(), p @ v
+    return out
+
+
+def attention_combine_ref(partials: Tensor, dtype: torch.dtype) -> Tensor:
+    """[rows, head_dim] of ``dtype``: one head's attention output from its partials [rows,
+    splits, head_dim + 2] (attention_partial_ref's): each split's sums rescaled to the largest
+    max, M = max_c m_c, out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c, rounded once;
+    0 where the denominator is 0 (a padding row, or nothing to attend to)."""
+    m, l, acc = partials[..., 0], partials[..., 1], partials[..., 2:]
+    w = torch.exp(m - m.max(dim=1, keepdim=True).values)
+    den = (w * l).sum(dim=1, keepdim=True)
+    num = (w[..., None] * acc).sum(dim=1)
+    return torch.where(den > 0, num / den.clamp_min(1e-30), 0.0).to(dtype)
+
+
 def _attention(st: _Step, op: Op, tile: int) -> None:
     a = op.attrs
     nh, nkv, hd = tiling.heads(op)
-    g = tile // (nh // nkv)
-    q = st.bufs[op.inputs[0]][:, tile * hd:(tile + 1) * hd].reshape(-1, 1, hd)
-    cache = st.kv[a["layer"]][:, :, :, g:g + 1]
+    splits = a["splits"]
+    h, split = divmod(tile, splits)
+    g = h // (nh // nkv)
+    q = st.bufs[op.inputs[0]][:, h * hd:(h + 1) * hd]
+    cache = st.kv[a["layer"]][:, :, :, g]
     b = st.batch
-    out = paged_attention_read_ref(q, cache, b.query_start_loc, b.seq_lens, b.block_tables, a["scale"],
-                                   a["sliding_window"], a["softcap"])
-    st.bufs[op.outputs[0]][:, tile * hd:(tile + 1) * hd] = out.reshape(-1, hd)
+    w = tiling.partial_cols(op)
+    st.bufs[op.outputs[0]][:, tile * w:(tile + 1) * w] = attention_partial_ref(
+        q, cache, b.seq_lens, b.block_tables, a["scale"], a["sliding_window"], a["softcap"], splits, split)
+
+
+def _attention_combine(st: _Step, op: Op, tile: int) -> None:
+    hd, splits = op.attrs["head_dim"], op.attrs["splits"]
+    n = splits * tiling.partial_cols(op)
+    partials = st.bufs[op.inputs[0]][:, tile * n:(tile + 1) * n].reshape(-1, splits, hd + 2)
+    out = st.bufs[op.outputs[0]]
+    out[:, tile * hd:(tile + 1) * hd] = attention_combine_ref(partials, out.dtype)
 
 
 def _glu(st: _Step, op: Op, tile: int) -> None:
@@ -153,8 +205,8 @@ def _argmax(st: _Step, op: Op, tile: int) -> None:
     st.bufs[op.outputs[0]][:, 0] = idx.gather(1, vals.argmax(dim=-1, keepdim=True))[:, 0]
 
 
-RUN = {"embed": _embed, "qkv_rope": _qkv_rope, "attention": _attention, "glu": _glu, "linear": _linear,
-       "lm_head": _lm_head, "argmax": _argmax}
+RUN = {"embed": _embed, "qkv_rope": _qkv_rope, "attention": _attention, "attention_combine": _attention_combine,
+       "glu": _glu, "linear": _linear, "lm_head": _lm_head, "argmax": _argmax}
 
 
 @torch.no_grad()

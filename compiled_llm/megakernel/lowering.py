@@ -6,6 +6,7 @@ in order and each node is matched to what the instruction set covers:
 
   embedding                                    -> embed
   fused_qkv_rope + the paged_attention it feeds -> qkv_rope (which stores the layer's KV) + attention
+                                                  (split along the context) + attention_combine
   fused_linear_residual, linear                -> linear (with and without a residual)
   fused_rms_norm_glu_mlp                       -> glu + linear (down + residual)
   rms_norm + linear -> the graph's output      -> lm_head + argmax
@@ -68,8 +69,8 @@ def bound_args(node: torch.fx.Node) -> dict[str, Any]:
 
 
 class _Lowering:
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], num_sms: int):
-        self.shapes, self.num_sms = shapes, num_sms
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], num_sms: int, splits: int | None):
+        self.shapes, self.num_sms, self.splits = shapes, num_sms, splits
         self.env: dict[torch.fx.Node, tuple] = {}
         self.buffers: dict[str, Buffer] = {}
         self.ops: list[dict] = []
@@ -207,10 +208,14 @@ class _Lowering:
         self.buffers[kv] = Buffer(kv, 2 * nkv, "act")
         qkv["outputs"] += (kv,)
         qkv["layer"] = l
-        out = self.new_buffer("o", nh * hd)
+        splits = self.splits or tiling.attention_splits(self.num_sms, nh)
+        partial = self.new_buffer("p", nh * splits * (hd + 2), "float32")
         attrs = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd, "layer": l, "scale": a["scale"],
-                 "sliding_window": a["sliding_window"], "softcap": a["softcap"]}
-        self.add_op("attention", node, l, (qkv["outputs"][0], kv), (out,), {}, attrs, nh, hd)
+                 "sliding_window": a["sliding_window"], "softcap": a["softcap"], "splits": splits}
+        self.add_op("attention", node, l, (qkv["outputs"][0], kv), (partial,), {}, attrs, nh * splits, hd + 2)
+        out = self.new_buffer("o", nh * hd)
+        self.add_op("attention_combine", node, l, (partial,), (out,), {},
+                    {"num_heads": nh, "head_dim": hd, "splits": splits}, nh, hd)
         for user in (a["k"], a["v"]):
             if len(user.users) != 1:
                 raise self.refuse(user, "k/v read by more than their attention")
@@ -227,7 +232,7 @@ class _Lowering:
                                       {"weight": w, "bias": self.param(node, bias)}, {"role": role}))
 
     def role_of(self, x: str) -> str:
-        return "o" if any(op["kind"] == "attention" and x in op["outputs"] for op in self.ops) else "linear"
+        return "o" if any(op["kind"] == "attention_combine" and x in op["outputs"] for op in self.ops) else "linear"
 
     def on_cllm_fused_linear_residual(self, node):
         a = bound_args(node)
@@ -317,7 +322,13 @@ def _layer_of(op: dict, ops: list[dict]) -> int:
     return -1
 
 
-def lower_decode(gm: torch.fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], num_sms: int) -> DecodeOps:
+def lower_decode(gm: torch.fx.GraphModule, shapes: Mapping[str, tuple[int, ...]], num_sms: int,
+                 splits: int | None = None) -> DecodeOps:
     """The ops of ``gm``'s decode step (``shapes``: each weight's shape, by engine name), tiled
-    for ``num_sms`` SMs; NotCovered (one line) for a node the instruction set lacks."""
-    return _Lowering(shapes, num_sms).run(gm)
+    for ``num_sms`` SMs; NotCovered (one line) for a node the instruction set lacks. Each
+    attention's context is cut into ``tiling.attention_splits(num_sms, heads)`` splits, or
+    ``splits`` when given (tests lay a split schedule onto one SM, where the SM count alone
+    would give one split; an engine's schedule is always the SM count's, as the loader derives it)."""
+    if splits is not None and not 1 <= splits <= tiling.MAX_SPLITS:
+        raise ValueError(f"attention splits must be 1..{tiling.MAX_SPLITS}, not {splits}")
+    return _Lowering(shapes, num_sms, splits).run(gm)

@@ -11,12 +11,12 @@ for those not already ordered before it, by its own SM's earlier tiles or by wha
 anyway; so every wait that is left is needed, and removing any one is a hazard the check finds.
 A wait is on a counter each of a set of tiles adds one to when it ends: the producing op's
 counter when the tile needs all of that op's tiles (the norm of a whole row, a linear's whole
-input), else the one-tile counters of the tiles it needs (an attention head needs its q head
-and its group's k and v heads, not the others).
+input), else the one-tile counters of the tiles it needs (an attention split needs its head's q
+and its group's k and v heads, not the others; a head's combine needs that head's splits).
 
 The time estimate is weight bytes at each SM's share of the HBM bandwidth plus a fixed cost a
-tile (attention: its group's keys and values at an assumed context); it places tiles and is
-what ``inspect`` draws, not a measurement.
+tile (attention: its split's share of its group's keys and values at an assumed context; the
+combine: the fixed cost alone); it places tiles and is what ``inspect`` draws, not a measurement.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def tile_us(op, tile: int, cols, machine: Machine) -> float:
     per_sm = machine.hbm_bytes_per_us / machine.num_sms
     elements = tiling.weight_elements(op, tile, cols)
     if op.kind == "attention":
-        elements = 2 * machine.context_tokens * op.attrs["head_dim"]
+        elements = 2 * machine.context_tokens * op.attrs["head_dim"] // op.attrs["splits"]
     return machine.tile_overhead_us + elements * machine.element_bytes / per_sm
 
 

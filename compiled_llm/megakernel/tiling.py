@@ -6,13 +6,22 @@ The op kinds, and how their output is cut:
 
   embed      the embedding rows of the step's tokens          tiles of hidden columns
   qkv_rope   norm + q/k/v + q/k norm + RoPE + KV store        one tile per q, k or v head
-  attention  one query head over its paged context            one tile per query head
+  attention  one query head over one split of its paged context: that split's softmax
+             partials (running max m, sum l, weighted values acc) in fp32
+                                                              one tile per (query head, split)
+  attention_combine  a head's partials of every split -> its attention output
+                                                              one tile per query head
   glu        norm + gate/up + activation (the gated MLP's first half)   tiles of its columns
   linear     a linear, + residual when it has one (o, down)   tiles of output columns
   lm_head    final norm + lm_head, and each tile's best token  tiles of the vocabulary
   argmax     the best of the tiles' best tokens               one tile
 
 A KV buffer's columns are heads: this step's key heads, then its value heads.
+
+Attention is split along the context (flash-decoding) so that a layer's attention fills the SMs
+rather than one per query head: tile t of an attention op is head ``t // splits``, split
+``t % splits``, and writes ``head_dim + 2`` floats (m, l, acc) of the partial buffer; the
+combine op's tile h reads head h's partials of all splits.
 """
 
 from __future__ import annotations
@@ -23,9 +32,12 @@ from typing import Mapping
 
 from compiled_llm.megakernel.schedule import Op
 
-KINDS = ("embed", "qkv_rope", "attention", "glu", "linear", "lm_head", "argmax")
+KINDS = ("embed", "qkv_rope", "attention", "attention_combine", "glu", "linear", "lm_head", "argmax")
 # the narrowest tile of a linear's columns (a GPU tile's rows of weights)
 TILE_ALIGN = 16
+# the most splits of a head's context: past 8, a split of a short context is a step or two of
+# keys, and the combine reads more partials than the splits save
+MAX_SPLITS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +59,33 @@ def tile_cols(n: int, num_sms: int) -> int:
     if n <= TILE_ALIGN:
         return n
     return min(n, TILE_ALIGN * math.ceil(n / num_sms / TILE_ALIGN))
+
+
+def attention_splits(num_sms: int, num_heads: int) -> int:
+    """Splits of each head's context: enough (head, split) tiles to give every SM one, at most
+    MAX_SPLITS, at least one."""
+    return max(1, min(MAX_SPLITS, num_sms // num_heads))
+
+
+def split_span(ctx, window, splits, split):
+    """Positions [lo, hi) of a context of ``ctx`` tokens that split ``split`` of ``splits``
+    attends to: the visible positions [start, ctx) (start = ctx - window with a sliding window
+    > 0, else 0) cut into chunks of a multiple of 16 keys (a cache block; the kernel's 32-key
+    steps may end half masked), the last ones empty (lo == hi == ctx) when the context is short:
+    a short context still runs every split's tile, which then writes empty partials.
+
+    The one definition of the partition: the interpreter calls it with ints and the kernel jits
+    this same code (triton_kernel._split_span), so it is written in what both run: + - * //,
+    comparisons and min/max of non-negative integers, no branches and no module globals."""
+    start = max(ctx - window, 0) * (window > 0)  # a product, not a branch: the kernel's window is a value
+    chunk = ((ctx - start + splits - 1) // splits + 15) // 16 * 16
+    lo = min(start + split * chunk, ctx)
+    return lo, min(lo + chunk, ctx)
+
+
+def partial_cols(op: Op) -> int:
+    """Floats of one (head, split)'s partials: m, l, then acc[head_dim]."""
+    return op.attrs["head_dim"] + 2
 
 
 def span(op: Op, tile: int) -> tuple[int, int]:
@@ -86,10 +125,17 @@ def access(op: Op, tile: int, cols: Mapping[str, int]) -> tuple[tuple[Region, ..
             written = Region(kv, h + (nkv if part == "v" else 0), h + 1 + (nkv if part == "v" else 0))
         return (Region(x, 0, cols[x]),), (written,)
     if kind == "attention":
-        (q, kv), (out,) = op.inputs, op.outputs
+        (q, kv), (partial,) = op.inputs, op.outputs
         nh, nkv, hd = heads(op)
-        g = tile // (nh // nkv)
-        return ((Region(q, tile * hd, (tile + 1) * hd), Region(kv, g, g + 1), Region(kv, nkv + g, nkv + g + 1)),
+        h = tile // op.attrs["splits"]
+        g = h // (nh // nkv)
+        w = partial_cols(op)
+        return ((Region(q, h * hd, (h + 1) * hd), Region(kv, g, g + 1), Region(kv, nkv + g, nkv + g + 1)),
+                (Region(partial, tile * w, (tile + 1) * w),))
+    if kind == "attention_combine":
+        (partial,), (out,) = op.inputs, op.outputs
+        hd, head_partials = op.attrs["head_dim"], op.attrs["splits"] * partial_cols(op)
+        return ((Region(partial, tile * head_partials, (tile + 1) * head_partials),),
                 (Region(out, tile * hd, (tile + 1) * hd),))
     if kind == "glu":
         (x,), (out,) = op.inputs, op.outputs

@@ -9,10 +9,11 @@ import dataclasses
 
 from compiled_llm.megakernel.schedule import Schedule
 
-LETTERS = {"embed": "E", "qkv_rope": "Q", "attention": "A", "glu": "G", "lm_head": "L", "argmax": "S"}
+LETTERS = {"embed": "E", "qkv_rope": "Q", "attention": "A", "attention_combine": "C", "glu": "G", "lm_head": "L",
+           "argmax": "S"}
 LINEAR_LETTERS = {"o": "O", "down": "D", "linear": "W"}
-LEGEND = ("E embed, Q norm+q/k/v+RoPE+KV store, A attention, O o+residual, G norm+gate/up+activation, "
-          "D down+residual, W linear, L norm+lm_head, S argmax; . idle")
+LEGEND = ("E embed, Q norm+q/k/v+RoPE+KV store, A attention (a head's split), C attention combine, O o+residual, "
+          "G norm+gate/up+activation, D down+residual, W linear, L norm+lm_head, S argmax; . idle")
 
 
 def letter(op) -> str:

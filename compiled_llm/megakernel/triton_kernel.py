@@ -32,7 +32,9 @@ Math. Each kind computes interpreter.py's math with fp32 accumulation and the re
 rounding points: rms_norm's ``x * rstd`` rounded, times the weight rounded; a linear's sums
 (+ bias) rounded, then + residual rounded; glu: gate and up rounded, act(gate) rounded, times
 up rounded; q/k norm and RoPE in fp32 from the rounded projection, rounded once each; attention
-in fp32 (online softmax), rounded once; lm_head logits rounded and the tile's best taken on the
+split along the context (flash-decoding): each (head, split) tile's online softmax kept in fp32
+as its partials (m, l, acc), which the head's combine tile rescales to their common max, sums
+and rounds once; lm_head logits rounded and the tile's best taken on the
 rounded values (first maximum). Rows are few (``ROWS``: the step's rows rounded up to a power
 of two, a compile-time constant), so the products are FMA-and-reduce tiles in the style of
 triton_gemv.py, no tl.dot. Each pass over x streams two weight sets as one [BLOCK_N, 2,
@@ -43,16 +45,20 @@ after the loop (a reduction across threads every K step made o/down 2.4x slower)
 is software-pipelined: the next K chunk, or the next pass's first, is loaded before the current
 one is used. A q/k/v head's halves are its weight rows [0, head_dim / 2) and [head_dim / 2,
 head_dim), so the neox rotation pairs column h with h + head_dim / 2 without moving registers.
-Attention runs one row at a time over BLOCK_L keys a step, keys and values loaded a step ahead.
+Attention runs one row at a time over its split's BLOCK_L keys a step, keys and values loaded a
+step ahead; its split is tiling.split_span's own code, jitted here (``_split_span``).
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 import triton
 import triton.language as tl
 
 from compiled_llm.megakernel import encoding as E
+from compiled_llm.megakernel import tiling
 
 # the encoding's layout, as constants the jitted code can read
 _NF = tl.constexpr(E.INS_FIELDS)
@@ -68,11 +74,18 @@ _I_HEAD_DIM, _I_LAYER, _I_WINDOW = tl.constexpr(E.I_HEAD_DIM), tl.constexpr(E.I_
 _I_ACTIVATION, _I_HAS_BIAS = tl.constexpr(E.I_ACTIVATION), tl.constexpr(E.I_HAS_BIAS)
 _I_HAS_RESIDUAL, _I_HAS_NORM = tl.constexpr(E.I_HAS_RESIDUAL), tl.constexpr(E.I_HAS_NORM)
 _I_HAS_Q_NORM, _I_HAS_K_NORM = tl.constexpr(E.I_HAS_Q_NORM), tl.constexpr(E.I_HAS_K_NORM)
-_I_HAS_ROPE, _I_TILES = tl.constexpr(E.I_HAS_ROPE), tl.constexpr(E.I_TILES)
+_I_HAS_ROPE, _I_TILES, _I_SPLITS = tl.constexpr(E.I_HAS_ROPE), tl.constexpr(E.I_TILES), tl.constexpr(E.I_SPLITS)
 _F_EPS, _F_NORM_EPS, _F_SCALE, _F_SOFTCAP = (tl.constexpr(E.F_EPS), tl.constexpr(E.F_NORM_EPS),
                                             tl.constexpr(E.F_SCALE), tl.constexpr(E.F_SOFTCAP))
-_K_EMBED, _K_QKV, _K_ATTN, _K_GLU, _K_LINEAR, _K_LM_HEAD, _K_ARGMAX = (
-    tl.constexpr(E.KIND_CODES[k]) for k in ("embed", "qkv_rope", "attention", "glu", "linear", "lm_head", "argmax"))
+_K_EMBED, _K_QKV, _K_ATTN, _K_COMBINE, _K_GLU, _K_LINEAR, _K_LM_HEAD, _K_ARGMAX = (
+    tl.constexpr(E.KIND_CODES[k]) for k in ("embed", "qkv_rope", "attention", "attention_combine", "glu", "linear",
+                                            "lm_head", "argmax"))
+# the combine holds every split of a head in one block (the check refuses more splits)
+_BLOCK_C = tl.constexpr(tiling.MAX_SPLITS)
+# the partition of a head's context into splits: tiling.split_span's code, so the interpreter and
+# the kernel cannot disagree on it, jitted with this module's globals (the Triton interpreter
+# finds triton.language through the function's globals, and tiling does not import Triton)
+_split_span = triton.jit(types.FunctionType(tiling.split_span.__code__, globals()))
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
@@ -331,19 +344,25 @@ def _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_str
                kv_half_stride, block_size, S,
                wait_counters, wait_values, counters, w0, nw, stamps, i, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                DT: tl.constexpr, TIMED: tl.constexpr):
-    """One query head, rows one after another, BLOCK_L keys a step, software-pipelined: a step's
-    keys and values are loaded one step ahead and their block-table entries two steps ahead, so
-    a step's arithmetic never waits on a load issued in that step."""
+    """One query head over one split of each row's context (tile = head * splits + split), rows
+    one after another, BLOCK_L keys a step, software-pipelined: a step's keys and values are
+    loaded one step ahead and their block-table entries two steps ahead, so a step's arithmetic
+    never waits on a load issued in that step. Stores the split's m, l and acc (fp32) into its
+    head_dim + 2 columns of the partial buffer; an empty split stores (-1e30, 0, 0)."""
     base = op_int + op * _NI
     nh = tl.load(base + _I_HEADS)
     nkv = tl.load(base + _I_KV_HEADS)
     hd = tl.load(base + _I_HEAD_DIM)
     window = tl.load(base + _I_WINDOW)
+    splits = tl.load(base + _I_SPLITS)
     scale = tl.load(op_flt + op * _NFL + _F_SCALE)
     softcap = tl.load(op_flt + op * _NFL + _F_SOFTCAP)
-    g = tile // (nh // nkv)
+    head = tile // splits
+    split = tile % splits
+    g = head // (nh // nkv)
     q_ptr = _ptr(op_addr, op, _A_IN0, DT)
-    o_ptr = _ptr(op_addr, op, _A_OUT0, DT)
+    p_ptr = _ptr(op_addr, op, _A_OUT0, tl.float32)
+    p_row = nh * splits * (hd + 2)  # a row of the partial buffer
     layer = tl.load(base + _I_LAYER).to(tl.int64)
     k_cache = kv_ptr + layer * kv_layer_stride + g * hd
     v_cache = k_cache + kv_half_stride
@@ -353,24 +372,24 @@ def _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_str
     _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED)
     for r in range(0, S):
         ctx = tl.load(seq_lens + r)
+        lo, hi = _split_span(ctx, window, splits, split)
         bt_row = block_tables + r * bt_stride
-        q = tl.load(q_ptr + r * (nh * hd) + tile * hd + ds, mask=dmask, other=0.0, cache_modifier=".cg")
+        q = tl.load(q_ptr + r * (nh * hd) + head * hd + ds, mask=dmask, other=0.0, cache_modifier=".cg")
         q = q.to(tl.float32)
-        start = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
-        k, v = _kv_chunk(k_cache, v_cache, _blocks(bt_row, start + ls, ctx, block_size), start + ls, ctx, block_size,
+        k, v = _kv_chunk(k_cache, v_cache, _blocks(bt_row, lo + ls, hi, block_size), lo + ls, hi, block_size,
                          nkv * hd, ds, dmask)
-        blk_next = _blocks(bt_row, start + BLOCK_L + ls, ctx, block_size)
+        blk_next = _blocks(bt_row, lo + BLOCK_L + ls, hi, block_size)
         m_i = tl.full([], -1.0e30, tl.float32)
         l_i = tl.full([], 0.0, tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for p0 in range(start, ctx, BLOCK_L):
+        for p0 in range(lo, hi, BLOCK_L):
             ps = p0 + ls
-            k_next, v_next = _kv_chunk(k_cache, v_cache, blk_next, ps + BLOCK_L, ctx, block_size, nkv * hd, ds, dmask)
-            blk_next = _blocks(bt_row, ps + 2 * BLOCK_L, ctx, block_size)
+            k_next, v_next = _kv_chunk(k_cache, v_cache, blk_next, ps + BLOCK_L, hi, block_size, nkv * hd, ds, dmask)
+            blk_next = _blocks(bt_row, ps + 2 * BLOCK_L, hi, block_size)
             s = tl.sum(q[None, :] * k.to(tl.float32), 1) * scale
             if softcap > 0:
                 s = _tanh(s / softcap) * softcap
-            s = tl.where(ps < ctx, s, float("-inf"))
+            s = tl.where(ps < hi, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new)
@@ -379,7 +398,38 @@ def _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_str
             m_i = m_new
             k = k_next
             v = v_next
-        out = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
+        at = p_ptr + r * p_row + tile * (hd + 2)
+        tl.store(at, m_i)
+        tl.store(at + 1, l_i)
+        tl.store(at + 2 + ds, acc, mask=dmask)
+
+
+@triton.jit
+def _attention_combine(op_addr, op_int, op, tile, S, wait_counters, wait_values, counters, w0, nw, stamps, i,
+                       BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, DT: tl.constexpr, TIMED: tl.constexpr):
+    """Head ``tile``'s attention output from its splits' partials (other SMs wrote them: .cg
+    loads): M = max m, w = exp(m - M), out = sum w acc / sum w l, rounded once; 0 where the
+    denominator is 0 (a padding row). Lanes past the splits read m = -inf, so weigh 0."""
+    _wait(wait_counters, wait_values, counters, w0, nw, stamps, i, TIMED)
+    base = op_int + op * _NI
+    nh = tl.load(base + _I_HEADS)
+    hd = tl.load(base + _I_HEAD_DIM)
+    splits = tl.load(base + _I_SPLITS)
+    p_ptr = _ptr(op_addr, op, _A_IN0, tl.float32)
+    o_ptr = _ptr(op_addr, op, _A_OUT0, DT)
+    cs = tl.arange(0, BLOCK_C)
+    cmask = cs < splits
+    ds = tl.arange(0, BLOCK_D)
+    dmask = ds < hd
+    for r in range(0, S):
+        at = p_ptr + r * (nh * splits * (hd + 2)) + (tile * splits + cs) * (hd + 2)
+        m = tl.load(at, mask=cmask, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(at + 1, mask=cmask, other=0.0, cache_modifier=".cg")
+        acc = tl.load(at[:, None] + 2 + ds[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0,
+                      cache_modifier=".cg")
+        w = tl.exp(m - tl.max(m, 0))
+        den = tl.sum(w * l, 0)
+        out = tl.where(den > 0, tl.sum(w[:, None] * acc, 0) / tl.maximum(den, 1e-30), 0.0)
         tl.store(o_ptr + r * (nh * hd) + tile * hd + ds, out.to(DT), mask=dmask)
 
 
@@ -607,6 +657,9 @@ def megakernel(sm_ranges, instructions, wait_counters, wait_values, bump_counter
             _attention(op_addr, op_int, op_flt, op, tile, seq_lens, block_tables, bt_stride, kv_ptr, kv_layer_stride,
                        kv_half_stride, block_size, S,
                        wait_counters, wait_values, counters, w0, nw, stamps, i, BLOCK_D, BLOCK_L, DT, TIMED)
+        elif kind == _K_COMBINE:
+            _attention_combine(op_addr, op_int, op, tile, S, wait_counters, wait_values, counters, w0, nw, stamps, i,
+                               BLOCK_D, _BLOCK_C, DT, TIMED)
         elif kind == _K_GLU:
             _glu(op_addr, op_int, op_flt, op, c0, c1, S,
                  wait_counters, wait_values, counters, w0, nw, stamps, i,

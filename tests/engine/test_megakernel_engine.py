@@ -109,7 +109,7 @@ def _op(kind: str, n: int = 0):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda d: _op("glu")(d)["attrs"].update(eps="x"), "op 4 (glu.0) is not the program's glu.0"),
+    (lambda d: _op("glu")(d)["attrs"].update(eps="x"), "op 5 (glu.0) is not the program's glu.0"),
     (lambda d: _op("glu")(d)["attrs"].update(activation="relu"), "is not the program's glu.0"),
     (lambda d: _op("attention")(d)["attrs"].update(sliding_window=-3), "is not the program's attention.0"),
     (lambda d: _op("attention", 1)(d)["attrs"].update(layer="0"), "has layer '0', not a layer's index"),

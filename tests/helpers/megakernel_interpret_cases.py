@@ -5,7 +5,9 @@ Not collected by itself: tests/megakernel/test_triton_kernel_interpret.py runs t
 child pytest with TRITON_INTERPRET=1 (helpers/interpret_child.py says why). The interpreter runs
 a grid's programs one after another, so a program that waits for a later one would spin forever:
 the schedules here are made for one SM (nothing waits), or are a many-SM schedule laid onto one
-SM in program order (every wait is already met when it comes, and every bump is counted). The
+SM in program order (every wait is already met when it comes, and every bump is counted). One SM
+alone would cut no head's context (splits = SMs // heads), so the split attention cases ask the
+lowering for their splits. The
 engines are the tiny presets in fp32 (hidden 64, two layers), so a step takes about a second.
 """
 
@@ -43,9 +45,10 @@ def engine_of(preset: str, tmp_path_factory):
     return _ENGINES[preset]
 
 
-def schedule_for(engine, num_sms: int):
+def schedule_for(engine, num_sms: int, splits: int | None = None):
     shapes = {n: tuple(t.shape) for n, t in engine.params.items()}
-    made = scheduler.schedule(lower_decode(engine.program.module.gm, shapes, num_sms), scheduler.Machine(num_sms))
+    made = scheduler.schedule(lower_decode(engine.program.module.gm, shapes, num_sms, splits),
+                              scheduler.Machine(num_sms))
     check_schedule(made)
     return made
 
@@ -158,10 +161,24 @@ def test_an_instruction_waiting_for_more_than_8_counters_polls_them_in_groups(tm
     check_step(engine, s, decode_batch(2))
 
 
+@pytest.mark.parametrize("preset, splits", [("tiny-qwen2", 3), ("tiny-mistral", 3), ("tiny-qwen3", 8)])
+def test_split_attention_computes_what_the_interpreter_and_the_program_compute(preset, splits, tmp_path_factory):
+    """Each head's context cut into ``splits``, 16 keys a kernel step: splits of several steps
+    (70 keys in 3: 32, 32 and 6, the keys, values and block-table entries running ahead across
+    a split's steps), a window's splits (tiny-mistral: the last 48 keys of 70, 16 each), and
+    empty splits (a 16-token context in 8 splits of 16)."""
+    engine = engine_of(preset, tmp_path_factory)
+    s = schedule_for(engine, 1, splits)
+    attention = next(op for op in s.ops if op.kind == "attention")
+    assert attention.attrs["splits"] == splits and attention.tiles == splits * engine.config.num_heads
+    check_step(engine, s, decode_batch(7), sizes=dict(BLOCK_L=16))
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mistral"])
 def test_waits_and_bumps_of_a_many_sm_schedule_run_and_every_counter_ends_at_its_bumpers(preset, tmp_path_factory):
     engine = engine_of(preset, tmp_path_factory)
-    s = schedule_for(engine, 5)
+    s = schedule_for(engine, 12)  # three splits a head: each combine waits for its head's
+    assert next(op for op in s.ops if op.kind == "attention").attrs["splits"] == 3
     assert s.num_counters > 0 and any(ins.waits for ins in s.instructions)
     counters = check_step(engine, on_one_sm(s), decode_batch(4))
     bumpers = [0] * s.num_counters
@@ -173,9 +190,11 @@ def test_waits_and_bumps_of_a_many_sm_schedule_run_and_every_counter_ends_at_its
         assert all(v <= bumpers[c] for c, v in ins.waits)
 
 
-def test_a_padding_row_attends_to_nothing_and_writes_nowhere(tmp_path_factory):
+@pytest.mark.parametrize("splits", [1, 8])
+def test_a_padding_row_attends_to_nothing_and_writes_nowhere(splits, tmp_path_factory):
+    """Its seq_len is 0: every split of it is empty, and the combine writes 0."""
     engine = engine_of("tiny-llama", tmp_path_factory)
-    s = schedule_for(engine, 1)
+    s = schedule_for(engine, 1, splits)
     batch = with_padding_row(decode_batch(3))
     cache = filled_cache(engine)
     kernel_cache, interp_cache = cache.clone(), cache.clone()

@@ -11,7 +11,7 @@ import pytest
 
 from compiled_llm.engine.artifact import load_engine
 from compiled_llm.errors import EngineError
-from compiled_llm.megakernel import scheduler
+from compiled_llm.megakernel import scheduler, tiling
 from compiled_llm.megakernel.check import ScheduleError, check_schedule, check_weights
 from compiled_llm.megakernel.lowering import lower_decode
 from compiled_llm.megakernel.schedule import schedule_from_json, schedule_to_json
@@ -32,40 +32,133 @@ def made(engine, num_sms=4):
     return scheduler.schedule(lowered_ops(engine, num_sms), scheduler.Machine(num_sms))
 
 
-def test_each_layer_lowers_to_five_ops_and_the_head_to_two(engine):
-    ops = lowered_ops(engine, 4).ops
-    layer = ["qkv_rope", "attention", "linear", "glu", "linear"]
-    assert [o.kind for o in ops] == ["embed", *layer * engine.config.num_layers, "lm_head", "argmax"]
-    assert [o.layer for o in ops[1:6]] == [0] * 5 and [o.layer for o in ops[6:11]] == [1] * 5
-    assert [o.attrs["role"] for o in ops if o.kind == "linear"] == ["o", "down"] * engine.config.num_layers
-    qkv, attention = ops[1], ops[2]
+def test_each_layer_lowers_to_six_ops_and_the_head_to_two(engine):
     c = engine.config
-    assert (qkv.tiles, attention.tiles) == (c.num_heads + 2 * c.num_kv_heads, c.num_heads)
+    lowered = lowered_ops(engine, 3 * c.num_heads)  # SMs for three splits of each head
+    ops = lowered.ops
+    layer = ["qkv_rope", "attention", "attention_combine", "linear", "glu", "linear"]
+    assert [o.kind for o in ops] == ["embed", *layer * c.num_layers, "lm_head", "argmax"]
+    assert [o.layer for o in ops[1:7]] == [0] * 6 and [o.layer for o in ops[7:13]] == [1] * 6
+    assert [o.attrs["role"] for o in ops if o.kind == "linear"] == ["o", "down"] * c.num_layers
+    qkv, attention, combine, o = ops[1:5]
+    assert attention.attrs["splits"] == combine.attrs["splits"] == 3
+    assert (qkv.tiles, attention.tiles, combine.tiles) == (c.num_heads + 2 * c.num_kv_heads, 3 * c.num_heads,
+                                                           c.num_heads)
+    # each (head, split)'s m, l and acc pass through a float32 buffer; the o-projection reads the combine's output
+    assert attention.outputs == combine.inputs and o.inputs[0] == combine.outputs[0]
+    partials = next(b for b in lowered.buffers if b.name == attention.outputs[0])
+    assert (partials.cols, partials.dtype) == (c.num_heads * 3 * (attention.attrs["head_dim"] + 2), "float32")
 
 
-def test_an_attention_head_waits_only_for_its_own_q_k_and_v_heads(engine):
-    """Not for the layer's whole q/k/v op: a counter it waits on is bumped by no q/k/v tile but
-    its own q head and its group's k and v heads."""
-    s = made(engine, 8)
-    c = engine.config
-    group = c.num_heads // c.num_kv_heads
+def test_a_heads_context_is_split_to_fill_the_sms_up_to_eight_ways():
+    assert tiling.attention_splits(132, 14) == 8  # Qwen2.5-0.5B on an H200: 112 tiles, not 14
+    assert tiling.attention_splits(132, 32) == 4
+    assert tiling.attention_splits(132, 4) == 8  # more would split short contexts into crumbs
+    assert tiling.attention_splits(8, 14) == 1 and tiling.attention_splits(1, 4) == 1
+
+
+@pytest.mark.parametrize("window", [0, 7, 48])
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+def test_the_splits_cut_the_visible_context_in_order_into_whole_16_key_chunks(splits, window):
+    for ctx in range(0, 300):
+        start = max(ctx - window, 0) if window else 0
+        spans = [tiling.split_span(ctx, window, splits, c) for c in range(splits)]
+        assert spans[0][0] == start and spans[-1][1] == ctx
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, in split order
+        chunk = -(-(-(-(ctx - start) // splits)) // 16) * 16
+        for lo, hi in spans:
+            assert hi - lo == chunk or hi == ctx  # a short split only at the context's end
+            assert hi > lo or lo == ctx  # an empty split sits at the end
+
+
+def _bumpers(s) -> dict[int, set[str]]:
+    """Counter -> the labels of the instructions that bump it."""
     bumpers: dict[int, set[str]] = {}
     for i, ins in enumerate(s.instructions):
         for counter in ins.bumps:
             bumpers.setdefault(counter, set()).add(s.label(i))
+    return bumpers
+
+
+def test_an_attention_split_waits_only_for_its_heads_own_q_k_and_v_heads(engine):
+    """Not for the layer's whole q/k/v op: a counter it waits on is bumped by no q/k/v tile but
+    its head's own q head and its group's k and v heads."""
+    s = made(engine, 8)
+    c = engine.config
+    splits = next(op for op in s.ops if op.kind == "attention").attrs["splits"]
+    assert splits == 2
+    group = c.num_heads // c.num_kv_heads
+    bumpers = _bumpers(s)
     waits = 0
     for ins in s.instructions:
         op = s.ops[ins.op]
         if op.kind != "attention" or op.layer != 0:
             continue
-        g = ins.tile // group
-        own = {f"qkv_rope.0[{ins.tile}]", f"qkv_rope.0[{c.num_heads + g}]",
+        head = ins.tile // splits
+        g = head // group
+        own = {f"qkv_rope.0[{head}]", f"qkv_rope.0[{c.num_heads + g}]",
                f"qkv_rope.0[{c.num_heads + c.num_kv_heads + g}]"}
         for counter, _ in ins.waits:
             qkv = {b for b in bumpers[counter] if b.startswith("qkv_rope.0")}
             assert qkv <= own
             waits += bool(qkv)
     assert waits >= c.num_heads  # and each head does wait for some of its own
+
+
+def test_a_heads_combine_waits_for_its_own_splits_alone_and_the_o_projection_for_every_combine(engine):
+    """A combine tile's counters are bumped by its own head's split tiles and no other tile; the
+    o-projection's by the layer's whole combine op."""
+    c = engine.config
+    s = made(engine, 8 * c.num_heads)
+    check_schedule(s)
+    bumpers = _bumpers(s)
+    splits = next(op for op in s.ops if op.kind == "attention").attrs["splits"]
+    assert splits == 8
+    combines = [i for i, ins in enumerate(s.instructions) if s.ops[ins.op].kind == "attention_combine"
+                and s.ops[ins.op].layer == 0]
+    assert len(combines) == c.num_heads
+    for i in combines:
+        h = s.instructions[i].tile
+        own = {f"attention.0[{h * splits + k}]" for k in range(splits)}
+        waited = set().union(*(bumpers[counter] for counter, _ in s.instructions[i].waits))
+        assert waited <= own and len(waited) >= splits - 1  # one may run before it on its own SM
+    every_combine = {f"attention_combine.0[{h}]" for h in range(c.num_heads)}
+    o_tiles = [ins for ins in s.instructions if s.ops[ins.op].attrs.get("role") == "o" and s.ops[ins.op].layer == 0]
+    for ins in o_tiles:
+        assert [(bumpers[counter], v) for counter, v in ins.waits] == [(every_combine, c.num_heads)]
+
+
+def test_dropping_any_wait_of_a_combine_on_a_split_is_a_hazard_the_check_names(engine):
+    s = made(engine, 8 * engine.config.num_heads)
+    dropped = 0
+    for i, ins in enumerate(s.instructions):
+        if s.ops[ins.op].kind != "attention_combine":
+            continue
+        for w in range(len(ins.waits)):
+            with pytest.raises(ScheduleError, match=re.escape(f"{s.label(i)} reads p") + ".* which attention"):
+                check_schedule(s.without_wait(i, w))
+            dropped += 1
+    assert dropped >= engine.config.num_layers * engine.config.num_heads * 7
+
+
+def test_more_splits_than_the_kernels_combine_holds_are_refused(engine):
+    s = made(engine, 8)
+    k = next(k for k, op in enumerate(s.ops) if op.kind == "attention_combine")
+    ops = list(s.ops)
+    ops[k] = dataclasses.replace(ops[k], attrs={**ops[k].attrs, "splits": tiling.MAX_SPLITS + 1})
+    with pytest.raises(ScheduleError, match=f"has {tiling.MAX_SPLITS + 1} splits, more than {tiling.MAX_SPLITS}"):
+        check_schedule(dataclasses.replace(s, ops=tuple(ops)))
+    with pytest.raises(ValueError, match="attention splits must be 1..8"):
+        lower_decode(engine.program.module.gm, {n: tuple(t.shape) for n, t in engine.params.items()}, 8, 9)
+
+
+def test_partials_not_kept_in_float32_are_refused(engine):
+    s = made(engine, 8)
+    attention = next(op for op in s.ops if op.kind == "attention")
+    partials = s.buffer(attention.outputs[0])
+    buffers = tuple(dataclasses.replace(b, dtype="act") if b == partials else b for b in s.buffers)
+    with pytest.raises(ScheduleError, match=f"needs {partials.name} of float32, not act"):
+        check_schedule(dataclasses.replace(s, buffers=buffers))
 
 
 @pytest.mark.parametrize("num_sms", [1, 2, 7, 132])
@@ -159,7 +252,7 @@ def test_the_timeline_draws_each_sms_tiles_in_time(engine):
     rows = [line for line in text if line.startswith("SM ")]
     assert len(rows) == 3 and all(len(r.split("|")[1]) == 60 for r in rows)
     drawn = "".join(r.split("|")[1] for r in rows)
-    assert set("EQAOGDLS") <= set(drawn)
+    assert set("EQACOGDLS") <= set(drawn)
     assert text[0].startswith(f"megakernel: {len(s.instructions)} instructions on 3 SMs")
     first = rows[0].split("|")[1]
     assert first.index("E") < first.index("Q") < first.rindex("L")  # the step's order, left to right
@@ -194,7 +287,7 @@ def test_a_timed_step_becomes_a_measured_timeline_and_a_split_of_the_sms_time(en
 def test_each_instruction_prefetches_the_weight_rows_its_tile_reads_and_no_more_than_the_cap(engine, monkeypatch):
     """The kernel asks L2 for an instruction's weights before it waits (encoding.weight_ranges):
     a column tile's rows, glu's gate rows and the same rows of its up half, a q/k/v tile its
-    head's rows; nothing for attention, embed and argmax; at most PREFETCH_BYTES, the first rows."""
+    head's rows; nothing for attention, its combine, embed and argmax; at most PREFETCH_BYTES, the first rows."""
     from compiled_llm.megakernel import encoding, tiling
 
     s = made(engine)
@@ -202,7 +295,7 @@ def test_each_instruction_prefetches_the_weight_rows_its_tile_reads_and_no_more_
     for index, ins in enumerate(s.instructions):
         op = s.ops[ins.op]
         ranges = encoding.weight_ranges(s, index, params)
-        if op.kind in ("attention", "embed", "argmax"):
+        if op.kind in ("attention", "attention_combine", "embed", "argmax"):
             assert ranges == []
             continue
         w = params[op.params["weight"]]
