@@ -19,6 +19,11 @@
 #   bash benchmarks/gpu_suite.sh megakernel  # --decode-backend megakernel against per-op: its GPU tests, both engines
 #                                         # of each of MK_MODELS (dummy weights), the per-SM timeline at MK_CONTEXT,
 #                                         # and the latency workload of each, twice, in this one call (~6 minutes)
+#   bash benchmarks/gpu_suite.sh megakernel-ab  # this tree's megakernel against other trees' in one call: MK_TREES=
+#                                         # "NAME=DIR ..." (each a `git archive BRANCH | tar -x -C .ab/NAME` copy in
+#                                         # the git-ignored .ab/, carried to the device); each tree builds its own
+#                                         # engines, each tree's kernel file is timed on this tree's engine in one
+#                                         # process, then every engine's latency workload, twice (~8 minutes, 3 trees)
 # Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,6 +94,29 @@ for phase in "$@"; do
         echo "round $round $e: $(timeout 90 compiled-llm bench "/tmp/$e" --workload latency --no-hf 2>"$LOG/mk_bench_err_$e.log" \
           | grep decode_tok_s) (CUDA graph capture failures: $(grep -ci 'capture failed' "$LOG/mk_bench_err_$e.log"))"
       done; done; done 2>&1 | tee "$LOG/mk_latency.log" ;;
+    megakernel-ab)
+      models=${MK_MODELS:-qwen2.5-0.5b llama-3.2-1b}
+      trees="this=$PWD ${MK_TREES:-}"
+      for m in $models; do  # a wave a model: the per-op engine and each tree's megakernel engine
+        timeout 200 compiled-llm build "$m" --load-format dummy -o "/tmp/ab_perop_$m" >"$LOG/ab_build_perop_$m.log" 2>&1 &
+        for t in $trees; do
+          (cd "${t#*=}" && PYTHONPATH=$PWD timeout 200 python3 -m compiled_llm.cli.main build "$m" --load-format dummy \
+            --decode-backend megakernel -o "/tmp/ab_${t%%=*}_$m" >"$LOG/ab_build_${t%%=*}_$m.log" 2>&1) &
+        done
+        wait
+      done
+      for f in "$LOG"/ab_build_*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+      for m in $models; do  # every tree's kernel file on this tree's engine (the same encoding: see the script)
+        kernels=""; for t in $trees; do kernels="$kernels ${t#*=}/compiled_llm/megakernel/triton_kernel.py"; done
+        timeout 240 python3 benchmarks/megakernel_variants.py "/tmp/ab_this_$m" $kernels new --context "${MK_CONTEXT:-256}" \
+          2>&1 | grep -v Warning | tee "$LOG/ab_variants_$m.log" | tail -8
+      done
+      for round in 1 2; do for m in $models; do for t in "perop=$PWD" $trees; do
+        e="/tmp/ab_${t%%=*}_$m"
+        r=$(cd "${t#*=}" && PYTHONPATH=$PWD timeout 90 python3 -m compiled_llm.cli.main bench "$e" --workload latency --no-hf \
+          2>"$LOG/ab_bench_err.log" | grep decode_tok_s)
+        echo "round $round ${t%%=*} $m: $r (CUDA graph capture failures: $(grep -ci 'capture failed' "$LOG/ab_bench_err.log"))"
+      done; done; done 2>&1 | tee "$LOG/ab_latency.log" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
