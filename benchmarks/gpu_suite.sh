@@ -23,7 +23,8 @@
 #                                         # "NAME=DIR ..." (each a `git archive BRANCH | tar -x -C .ab/NAME` copy in
 #                                         # the git-ignored .ab/, carried to the device); each tree builds its own
 #                                         # engines, each tree's kernel file is timed on this tree's engine in one
-#                                         # process, then every engine's latency workload, twice (~8 minutes, 3 trees)
+#                                         # process, then every engine's latency workload, twice (~8 minutes, 3 trees;
+#                                         # MK_ROUNDS="1" for one round)
 # Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,7 +112,7 @@ for phase in "$@"; do
         timeout 240 python3 benchmarks/megakernel_variants.py "/tmp/ab_this_$m" $kernels new --context "${MK_CONTEXT:-256}" \
           2>&1 | grep -v Warning | tee "$LOG/ab_variants_$m.log" | tail -8
       done
-      for round in 1 2; do for m in $models; do for t in "perop=$PWD" $trees; do
+      for round in ${MK_ROUNDS:-1 2}; do for m in $models; do for t in "perop=$PWD" $trees; do
         e="/tmp/ab_${t%%=*}_$m"
         r=$(cd "${t#*=}" && PYTHONPATH=$PWD timeout 90 python3 -m compiled_llm.cli.main bench "$e" --workload latency --no-hf \
           2>"$LOG/ab_bench_err.log" | grep decode_tok_s)
