@@ -24,7 +24,8 @@
 #                                         # the git-ignored .ab/, carried to the device); each tree builds its own
 #                                         # engines, each tree's kernel file is timed on this tree's engine in one
 #                                         # process, then every engine's latency workload, twice (~8 minutes, 3 trees;
-#                                         # MK_ROUNDS="1" for one round)
+#                                         # MK_ROUNDS="1" for one round; MK_KERNELS="this NAME...": only these
+#                                         # trees' kernels in the one-process timing, where others' encodings differ)
 # Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -108,7 +109,10 @@ for phase in "$@"; do
       done
       for f in "$LOG"/ab_build_*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
       for m in $models; do  # every tree's kernel file on this tree's engine (the same encoding: see the script)
-        kernels=""; for t in $trees; do kernels="$kernels ${t#*=}/compiled_llm/megakernel/triton_kernel.py"; done
+        kernels=""; for t in $trees; do  # MK_KERNELS: the trees whose kernel can run this tree's encoding
+          [[ -z "${MK_KERNELS:-}" || " $MK_KERNELS " == *" ${t%%=*} "* ]] \
+            && kernels="$kernels ${t#*=}/compiled_llm/megakernel/triton_kernel.py"
+        done
         timeout 240 python3 benchmarks/megakernel_variants.py "/tmp/ab_this_$m" $kernels new --context "${MK_CONTEXT:-256}" \
           2>&1 | grep -v Warning | tee "$LOG/ab_variants_$m.log" | tail -8
       done
