@@ -30,7 +30,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-LOG=${OUT:-gpu_logs}; mkdir -p "$LOG"
+mkdir -p "${OUT:-gpu_logs}"; LOG=$(cd "${OUT:-gpu_logs}" && pwd)  # absolute: some phases run in other trees
 KB="python3 benchmarks/kernel_bench.py"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
