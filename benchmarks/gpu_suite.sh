@@ -25,7 +25,8 @@
 #                                         # engines, each tree's kernel file is timed on this tree's engine in one
 #                                         # process, then every engine's latency workload, twice (~8 minutes, 3 trees;
 #                                         # MK_ROUNDS="1" for one round; MK_KERNELS="this NAME...": only these
-#                                         # trees' kernels in the one-process timing, where others' encodings differ)
+#                                         # trees' kernels in the one-process timing, where others' encodings differ;
+#                                         # MK_AB_TESTS="NAME...": these trees' megakernel GPU tests beside the builds)
 # Logs go to $OUT (or ./gpu_logs) so they come back even when a step fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,15 +100,24 @@ for phase in "$@"; do
     megakernel-ab)
       models=${MK_MODELS:-qwen2.5-0.5b llama-3.2-1b}
       trees="this=$PWD ${MK_TREES:-}"
+      for t in $trees; do  # MK_AB_TESTS: the trees whose megakernel GPU tests run beside the builds
+        [[ " ${MK_AB_TESTS:-} " == *" ${t%%=*} "* ]] && (cd "${t#*=}" && PYTHONPATH=$PWD timeout 300 python3 -m pytest -q \
+          -p no:cacheprovider -rfE tests/megakernel/test_triton_kernel_gpu.py -k "${MK_TESTS:-qwen2_5 or captured or under_llm}" \
+          >"$LOG/ab_tests_${t%%=*}.log" 2>&1) &
+      done
       for m in $models; do  # a wave a model: the per-op engine and each tree's megakernel engine
         timeout 200 compiled-llm build "$m" --load-format dummy -o "/tmp/ab_perop_$m" >"$LOG/ab_build_perop_$m.log" 2>&1 &
+        builds=($!)
         for t in $trees; do
           (cd "${t#*=}" && PYTHONPATH=$PWD timeout 200 python3 -m compiled_llm.cli.main build "$m" --load-format dummy \
             --decode-backend megakernel -o "/tmp/ab_${t%%=*}_$m" >"$LOG/ab_build_${t%%=*}_$m.log" 2>&1) &
+          builds+=($!)
         done
-        wait
+        wait "${builds[@]}"
       done
+      wait  # the tests
       for f in "$LOG"/ab_build_*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+      for f in "$LOG"/ab_tests_*.log; do [ -f "$f" ] && echo "$(basename "$f"): $(grep -v DEBUG "$f" | tail -1)"; done
       for m in $models; do  # every tree's kernel file on this tree's engine (the same encoding: see the script)
         kernels=""; for t in $trees; do  # MK_KERNELS: the trees whose kernel can run this tree's encoding
           [[ -z "${MK_KERNELS:-}" || " $MK_KERNELS " == *" ${t%%=*} "* ]] \
