@@ -171,9 +171,8 @@ def _gemv_pair(x_ptr, nw_ptr, has_norm, rstd, w_ptr, w, rows0, rows1, mask0, mas
     ([1, 1, KC, VEC]) and its product summed over the thread's own VEC elements into a
     [BLOCK_N, 2, KC, ROWS] accumulator (rows on the last axis, selected with a where, as
     triton_gemv's int4 steps do). A rows axis in front of the tile would make every step move
-    the whole tile through shared memory into the product's layout."""
-    if ALIGNED:  # K is a multiple of 16 (the encoding checked): say so, for whole-vector masks
-        K = K // 16 * 16
+    the whole tile through shared memory into the product's layout. ``K`` is the caller's, which
+    with ALIGNED it has already written as ``K // 16 * 16`` (for whole-vector masks)."""
     KC: tl.constexpr = BLOCK_K // VEC
     at_row = tl.arange(0, ROWS)[None, None, None, :]
     acc = tl.zeros([BLOCK_N, 2, KC, ROWS], tl.float32)  # a thread's vector summed each step, K at the end
