@@ -249,7 +249,7 @@ class RayExecutor(RankFailures):
     def ask(self, method: str, *args) -> list[Any]:
         """As ``MultiprocExecutor.ask``: ``send``, then every other rank's result, rank 1 first."""
         results = []
-        for ref in self._call(method, args):
+        for rank, ref in enumerate(self._call(method, args), start=1):
             while True:
                 done, _ = self._ray.wait([ref], timeout=_POLL_S)
                 if done:
@@ -257,7 +257,12 @@ class RayExecutor(RankFailures):
                 self.check()
             self._settle()
             self.check()
-            results.append(self._ray.get(ref))
+            try:
+                results.append(self._ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - the monitor may hold this call and not have recorded it yet
+                why = self._describe(rank, e)
+                self._fail(why)
+                raise EngineError(self.failure or why) from None
         return results
 
     # ``fn(model, state, *args)`` on every other rank, built on send and ask as the other's

@@ -118,6 +118,23 @@ def test_a_function_runs_on_the_actors_rank_and_one_that_raises_fails_naming_the
     assert not torch.distributed.is_initialized()  # the failed ranks' gloo group ended with them
 
 
+def test_a_rank_error_the_monitor_has_not_recorded_yet_still_fails_the_call_naming_the_rank(ray_cluster, tp2,
+                                                                                           monkeypatch):
+    # the monitor thread takes a finished call before recording its error; the caller, reading the
+    # same call's result in that moment, sees the error first
+    engine = load_engine(tp2[0])
+    executor = RayExecutor(engine.engine_dir, engine.tp_size, engine.device)
+    try:
+        monkeypatch.setattr(executor, "_settle", lambda timeout_s=0.0: None)  # the monitor never gets there
+        with pytest.raises(EngineError, match=r"^tensor-parallel rank 1 failed: ValueError: rank 1 refuses$"):
+            executor.run_on_ranks(refuse)
+        with pytest.raises(EngineError, match=r"^tensor-parallel rank 1 failed"):
+            executor.send("synchronize")
+    finally:
+        executor.shutdown()
+    assert_nothing_left()
+
+
 def test_serve_with_the_ray_backend_answers_openai_requests_as_transformers(ray_cluster, tp2, wants):
     with serve_process(tp2[0], "--distributed-executor-backend", "ray", env={"RAY_ADDRESS": ray_cluster}) as server:
         client = openai.OpenAI(base_url=server.api_url, api_key="none", max_retries=0)
