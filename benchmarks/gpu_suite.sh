@@ -19,6 +19,8 @@
 #   bash benchmarks/gpu_suite.sh megakernel  # --decode-backend megakernel against per-op: its GPU tests, both engines
 #                                         # of each of MK_MODELS (dummy weights), the per-SM timeline at MK_CONTEXT,
 #                                         # and the latency workload of each, twice, in this one call (~6 minutes)
+#   bash benchmarks/gpu_suite.sh megakernel-agree  # the megakernel engine's greedy picks against the per-op engine's
+#                                         # on train_synthetic_lm.py's model, fp32 and bf16 (benchmarks/tp_agreement.py)
 #   bash benchmarks/gpu_suite.sh megakernel-ab  # this tree's megakernel against other trees' in one call: MK_TREES=
 #                                         # "NAME=DIR ..." (each a `git archive BRANCH | tar -x -C .ab/NAME` copy in
 #                                         # the git-ignored .ab/, carried to the device); each tree builds its own
@@ -97,6 +99,15 @@ for phase in "$@"; do
         echo "round $round $e: $(timeout 90 compiled-llm bench "/tmp/$e" --workload latency --no-hf 2>"$LOG/mk_bench_err_$e.log" \
           | grep decode_tok_s) (CUDA graph capture failures: $(grep -ci 'capture failed' "$LOG/mk_bench_err_$e.log"))"
       done; done; done 2>&1 | tee "$LOG/mk_latency.log" ;;
+    megakernel-agree)
+      # issue 46: the megakernel's greedy picks against the per-op engine's on a trained model (real
+      # logit margins): fp32 must be 100%, bf16 is reported
+      T=${TRAINED_DIR:-/tmp/cllm_trained}; rm -rf "$T"
+      { timeout 200 python3 benchmarks/train_synthetic_lm.py --out "$T" ${TRAIN_ARGS:-}
+        for dt in float32 bfloat16; do
+          echo "$dt: $(timeout 150 python3 benchmarks/tp_agreement.py "$T" --decode-backend megakernel --dtype $dt)"
+        done
+      } 2>&1 | grep -v -e Warning -e "Writing model shards" | tee "$LOG/mk_agree.log" | tail -6 ;;
     megakernel-ab)
       models=${MK_MODELS:-qwen2.5-0.5b llama-3.2-1b}
       trees="this=$PWD ${MK_TREES:-}"
