@@ -69,7 +69,7 @@ for phase in "$@"; do
     agree-trained)
       # random weights have top-1/top-2 gaps of a few bf16 ulps; train a checkpoint with real margins
       # first, in a temp dir of its own (0.5B in bf16 is 1 GB, not a log), then check on its prompts
-      T=${TRAINED_DIR:-/tmp/cllm_trained}; rm -rf "$T"
+      T=${TRAINED_DIR:-$(mktemp -d /tmp/cllm_trained.XXXXXX)}  # a fresh folder: nothing of the caller's is deleted
       { timeout 200 python3 benchmarks/train_synthetic_lm.py --out "$T" ${TRAIN_ARGS:-} \
           && timeout 280 $KB agree --source "$T" --prompts-file "$T/prompts.json" ${AGREE_ARGS:-}
       } 2>&1 | grep -v -e Warning -e "Writing model shards" | tee "$LOG/agree_trained.log" | tail -25 ;;
@@ -102,7 +102,7 @@ for phase in "$@"; do
     megakernel-agree)
       # issue 46: the megakernel's greedy picks against the per-op engine's on a trained model (real
       # logit margins): fp32 must be 100%, bf16 is reported
-      T=${TRAINED_DIR:-/tmp/cllm_trained}; rm -rf "$T"
+      T=${TRAINED_DIR:-$(mktemp -d /tmp/cllm_trained.XXXXXX)}  # a fresh folder: nothing of the caller's is deleted
       { timeout 200 python3 benchmarks/train_synthetic_lm.py --out "$T" ${TRAIN_ARGS:-}
         for dt in float32 bfloat16; do
           echo "$dt: $(timeout 150 python3 benchmarks/tp_agreement.py "$T" --decode-backend megakernel --dtype $dt)"
